@@ -1,0 +1,193 @@
+"Cell equations against a plain per-edge, per-op implementation; packed/flat views; masks; determinism."
+import copy, tempfile
+from pathlib import Path
+import pytest, torch, torch.nn as nn, torch.nn.functional as F
+from rnn_darts.genotypes import PRIMITIVES, DARTS_V1, DARTS_V2, ENAS
+from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsCell, DartsCellSearch, FlatParams, FlatModule
+
+ACT = dict(tanh=torch.tanh, relu=torch.relu, sigmoid=torch.sigmoid, identity=lambda x: x)
+
+def plain_init(x_t, h, W0, mx, mh):
+    c0, h0 = (torch.cat([x_t * mx, h * mh], -1) @ W0).chunk(2, -1)
+    return h + c0.sigmoid() * (h0.tanh() - h)
+
+def plain_search_step(x_t, h, W0, Ws, probs, mx, mh, bn):
+    "Paper equations, one matmul per edge and one term per op"
+    states = [bn(plain_init(x_t, h, W0, mx, mh))]
+    row = 0
+    for i in range(1, len(Ws) + 1):
+        s = 0
+        for j in range(i):
+            c, hh = ((states[j] * mh) @ Ws[i - 1]).chunk(2, -1)
+            for k, op in enumerate(PRIMITIVES):
+                if op == 'none': continue
+                s = s + probs[row + j, k] * (states[j] + c.sigmoid() * (ACT[op](hh) - states[j]))
+        row += i
+        states.append(bn(s))
+    return torch.stack(states[1:]).mean(0)
+
+def plain_derived_step(x_t, h, W0, Ws, genotype, mx, mh):
+    states = [plain_init(x_t, h, W0, mx, mh)]
+    for i, (op, pred) in enumerate(genotype.recurrent):
+        c, hh = ((states[pred] * mh) @ Ws[i]).chunk(2, -1)
+        states.append(states[pred] + c.sigmoid() * (ACT[op](hh) - states[pred]))
+    return torch.stack([states[i] for i in genotype.concat]).mean(0)
+
+def run_plain(step, x, h):
+    outs = []
+    for t in range(x.shape[0]):
+        h = step(x[t], h); outs.append(h)
+    return torch.stack(outs)
+
+def batch_bn(s): return F.batch_norm(s, None, None, training=True, eps=1e-5)
+
+@pytest.mark.parametrize('training', [False, True])
+def test_search_cell_equals_plain(training):
+    torch.manual_seed(0)
+    ninp = nhid = 6; bs, T = 5, 4
+    cell = DartsCellSearch(ninp, nhid, dropoutx=0.3, dropouth=0.4).train(training)
+    cell.bn_update = False
+    probs = F.softmax(torch.randn(36, 5), -1).requires_grad_()
+    cell.probs = probs
+    x, h0 = torch.randn(T, bs, ninp), torch.randn(bs, nhid)
+    from rnn_darts.model import MaskBank
+    bank = MaskBank()
+    with bank.freeze():
+        out, _ = cell(x, h0, bank, 'train')
+        ones = torch.ones(bs, nhid)
+        mx, mh = (bank.cache[('train', 'x')], bank.cache[('train', 'h')]) if training else (ones, ones)
+        bn = batch_bn if training else (lambda s: s / (1 + 1e-5) ** 0.5)  # fresh running stats: mean 0, var 1
+        Ws = [cell.W(i) for i in range(1, 9)]
+        ref = run_plain(lambda xt, h: plain_search_step(xt, h, cell.W0, Ws, probs, mx, mh, bn), x, h0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    # gradients w.r.t. the mixing weights and the packed block agree too
+    g1 = torch.autograd.grad(out.pow(2).sum(), [probs, cell.block])
+    g2 = torch.autograd.grad(ref.pow(2).sum(), [probs, cell.block])
+    for a, b in zip(g1, g2): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+@pytest.mark.parametrize('genotype', [DARTS_V1, DARTS_V2, ENAS])
+def test_derived_cell_equals_plain(genotype):
+    torch.manual_seed(1)
+    ninp = nhid = 5; bs, T = 3, 4
+    cell = DartsCell(ninp, nhid, genotype, dropoutx=0.3, dropouth=0.4).train()
+    from rnn_darts.model import MaskBank
+    bank = MaskBank()
+    x, h0 = torch.randn(T, bs, ninp), torch.randn(bs, nhid)
+    with bank.freeze():
+        out, _ = cell(x, h0, bank, 'train')
+        mx, mh = bank.cache[('train', 'x')], bank.cache[('train', 'h')]
+        Ws = [cell.W(i) for i in range(1, len(genotype.recurrent) + 1)]
+        ref = run_plain(lambda xt, h: plain_derived_step(xt, h, cell.W0, Ws, genotype, mx, mh), x, h0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+def test_packed_block_views():
+    cell = DartsCell(4, 4, DARTS_V2)
+    for i in range(1, 9):
+        W = cell.W(i)
+        assert W.shape == (4, 8) and W.untyped_storage().data_ptr() == cell.block.untyped_storage().data_ptr()
+    # all W_i are distinct slices that tile Wh
+    cols = sorted(cell.col); assert cols == list(range(8))
+    # children of one node are adjacent columns (one matmul per predecessor)
+    for p, kids in cell.kids.items():
+        ks = [cell.col[i - 1] for i in kids]
+        assert ks == list(range(ks[0], ks[0] + len(ks))) if ks else True
+
+def test_flat_views_survive_step_to_save_load(tmp_path):
+    m = DartsRnnSearch(30, 8, 8)
+    assert m.flat.is_packed()
+    x = torch.randint(0, 30, (2, 5))
+    m(x)[0].sum().backward()
+    assert m.flat.grad.abs().sum() > 0 and m.alpha.grad is not None
+    opt = torch.optim.SGD([m.flat.param], lr=1.)
+    before = m.cell.block.detach().clone(); opt.step()
+    assert not torch.equal(before, m.cell.block) and m.flat.is_packed()
+    m.to('cpu'); m.double(); assert m.flat.is_packed() and m.flat.data.dtype == torch.float64
+    m.float(); torch.save(m.state_dict(), tmp_path/'m.pth')
+    m2 = DartsRnnSearch(30, 8, 8); m2.load_state_dict(torch.load(tmp_path/'m.pth'))
+    assert m2.flat.is_packed() and torch.equal(m2.flat.data, m.flat.data) and torch.equal(m2.alpha, m.alpha)
+
+def test_flat_views_survive_fastai_save_load(tmp_path):
+    from fastai.learner import Learner
+    from fastai.data.core import DataLoaders
+    from fastai.optimizer import SGD
+    m = DartsRnn(30, DARTS_V2, 8, 8)
+    learn = Learner(DataLoaders([], []), m, loss_func=lambda *a: 0, opt_func=SGD, splitter=lambda m: [[m.flat.param]], path=tmp_path)
+    learn.create_opt()
+    learn.save('w')
+    saved = m.flat.data.clone()
+    with torch.no_grad(): m.flat.data.add_(1.)
+    learn.load('w')
+    assert m.flat.is_packed() and torch.equal(m.flat.data, saved)
+    assert learn.opt.param_lists[0][0] is m.flat.param
+
+def test_alpha_not_in_flat_store():
+    m = DartsRnnSearch(30, 8, 8)
+    assert all(p is not m.alpha for p in m.flat.params)
+    assert m.alpha.shape == (36, 5)
+    n_weights = sum(p.numel() for p in m.parameters()) - m.alpha.numel()
+    assert len(m.flat) == n_weights
+
+def test_variational_masks():
+    "One mask per sequence: the same units are dropped at every time step; none in eval"
+    torch.manual_seed(0)
+    m = DartsRnn(20, DARTS_V2, 6, 6, dropout=0.5, dropouth=0., dropoutx=0., dropouti=0., dropoute=0.).train()
+    x = torch.randint(0, 20, (3, 8))
+    _, raw, out = m(x)
+    zero = out == 0
+    assert zero.any()
+    assert (zero == zero[:, :1]).all(), "dropped units must be the same at every time step"
+    torch.testing.assert_close(out[~zero], raw[~zero] * 2)     # kept units scaled by 1/keep
+    m.eval(); _, raw, out = m(x); assert torch.equal(raw, out)
+
+def test_embedding_dropout_drops_whole_words():
+    torch.manual_seed(0)
+    m = DartsRnn(5, DARTS_V2, 4, 4, dropout=0., dropouth=0., dropoutx=0., dropouti=0., dropoute=0.5).train()
+    with m.frozen_masks():
+        m(torch.zeros(2, 3, dtype=torch.long))
+        mask = m.masks.cache[('train', 'e')]
+    assert mask.shape == (5, 1) and set(mask.flatten().tolist()) <= {0., 2.}
+
+def test_frozen_masks_repeat_and_unfrozen_differ():
+    torch.manual_seed(0)
+    m = DartsRnnSearch(20, 6, 6, dropout=0.5, dropouth=0.5, dropoutx=0.5, dropouti=0.5).train()
+    x = torch.randint(0, 20, (3, 4))
+    with m.frozen_masks():
+        m.reset(); a = m.loss(x, x, advance=False); b = m.loss(x, x, advance=False)
+    assert torch.equal(a, b)
+    m.reset(); c = m.loss(x, x, advance=False)
+    assert not torch.equal(a, c)
+
+def test_eval_determinism_and_streams():
+    torch.manual_seed(0)
+    m = DartsRnnSearch(20, 6, 6).eval()
+    x = torch.randint(0, 20, (3, 4))
+    a = m(x)[0]; m.reset(); b = m(x)[0]
+    assert torch.equal(a, b)
+    # streams keep separate states: running 'search' does not move 'valid'
+    m.reset(); m(x); hv = m.hidden['valid'].clone()
+    with m.streaming('search'): m(torch.randint(0, 20, (3, 4)))
+    assert torch.equal(m.hidden['valid'], hv) and 'search' in m.hidden
+    # loss(advance=False) leaves the stream's state alone
+    m.loss(x, x, 'valid', advance=False); assert torch.equal(m.hidden['valid'], hv)
+
+def test_bad_sizes():
+    for kw, name in [(dict(nhid=0, emsize=0), 'ntoken'), (dict(dropout=1.0), 'dropout'), (dict(dropoutx=-0.1), 'dropoutx')]:
+        with pytest.raises(ValueError, match=name if name != 'ntoken' else 'emsize'):
+            DartsRnnSearch(20, **kw)
+    with pytest.raises(ValueError, match='tied'): DartsRnnSearch(20, emsize=8, nhid=6)
+
+def test_search_genotype_follows_alpha():
+    m = DartsRnnSearch(20, 6, 6)
+    with torch.no_grad():
+        m.alpha.zero_(); m.alpha[0, PRIMITIVES.index('relu')] = 5.
+        m.alpha[1:3, PRIMITIVES.index('tanh')] = torch.tensor([0., 4.])
+    g = m.genotype()
+    assert g.recurrent[0] == ('relu', 0) and g.recurrent[1] == ('tanh', 1)
+
+def test_bn_running_stats_untouched_in_arch_pass():
+    m = DartsRnnSearch(20, 6, 6).train()
+    x = torch.randint(0, 20, (3, 4))
+    rm = m.cell.bn.running_mean.clone()
+    with m.arch_pass(): m.loss(x, x, advance=False)
+    assert torch.equal(rm, m.cell.bn.running_mean)
+    m(x); assert not torch.equal(rm, m.cell.bn.running_mean)
