@@ -191,3 +191,11 @@ def test_bn_running_stats_untouched_in_arch_pass():
     with m.arch_pass(): m.loss(x, x, advance=False)
     assert torch.equal(rm, m.cell.bn.running_mean)
     m(x); assert not torch.equal(rm, m.cell.bn.running_mean)
+
+def test_deepcopy_and_pickle_keep_the_store_packed():
+    import pickle
+    m = DartsRnnSearch(30, 8, 8)
+    m(torch.randint(0, 30, (2, 5)))
+    for m2 in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert m2.flat.is_packed() and torch.equal(m2.flat.data, m.flat.data)
+        assert m2.flat.data.data_ptr() != m.flat.data.data_ptr()

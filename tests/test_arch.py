@@ -1,0 +1,180 @@
+"The architecture step: first/second/exact hypergradients against plain implementations, no crossing gradients, callbacks."
+import copy, random, tempfile
+import pytest, torch, torch.nn.functional as F
+from fastai.learner import Learner
+from rnn_darts.core import set_seed
+from rnn_darts.model import DartsRnnSearch
+from rnn_darts.data import numbers_corpus, lm_dls, search_stream
+from rnn_darts.learner import search_learner, train_learner, DartsLearner, flat_splitter, evaluate
+from callbacks.arch import ArchParamUpdate, hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
+from callbacks.training import SeqLenLR, FlatGradClip, ASGDSwitch
+
+NODROP = dict(dropout=0., dropouth=0., dropoutx=0., dropouti=0., dropoute=0.)
+
+def tiny(seed=0, **kw):
+    set_seed(seed)
+    m = DartsRnnSearch(30, 10, 10, **{**NODROP, **kw}).train()
+    trn = (torch.randint(0, 30, (4, 6)), torch.randint(0, 30, (4, 6)))
+    val = (torch.randint(0, 30, (4, 6)), torch.randint(0, 30, (4, 6)))
+    return m, trn, val
+
+def ce(model, x, y):
+    "Plain loss from the model's forward (fresh hidden state each time)"
+    model.reset()
+    logits = model(x)[0]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+def test_first_order_is_grad_of_val_loss():
+    m, trn, val = tiny()
+    m.alpha.requires_grad_(True)
+    with m.arch_pass():
+        m.reset(); g, _ = hypergrad_first(m, trn, val)
+        with m.streaming('search'): ref = torch.autograd.grad(ce(m, *val), m.alpha)[0]
+    torch.testing.assert_close(g, ref)
+
+def plain_second_order(model, trn, val, eta, wd, clip, r=0.01):
+    "The paper's eq. 7-8 the straightforward way: model copies, per-parameter loops, a state_dict copy"
+    params = lambda mm: [p for n, p in mm.named_parameters() if n != 'alpha']
+    def clipped(gs):
+        norm = torch.sqrt(sum((g ** 2).sum() for g in gs)); c = min(1., clip / (norm.item() + 1e-6))
+        return [g * c for g in gs], c
+    g, c = clipped(torch.autograd.grad(ce(model, *trn), params(model)))
+    unrolled = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, gp in zip(params(unrolled), g): p.sub_(eta * (gp + wd * p))
+    loss = ce(unrolled, *val)
+    grads = torch.autograd.grad(loss, params(unrolled) + [unrolled.alpha])
+    dalpha, v = grads[-1], list(grads[:-1])
+    v, _ = clipped(v)
+    R = r / torch.sqrt(sum((x ** 2).sum() for x in v))
+    def alpha_grad_at(sign):
+        mm = copy.deepcopy(model)
+        with torch.no_grad():
+            for p, vp in zip(params(mm), v): p.add_(sign * R * vp)
+        return torch.autograd.grad(ce(mm, *trn), mm.alpha)[0]
+    return dalpha - eta * c * (alpha_grad_at(1) - alpha_grad_at(-1)) / (2 * R)
+
+def test_second_order_equals_plain_implementation():
+    m, trn, val = tiny(1)
+    m.alpha.requires_grad_(True)
+    with m.arch_pass():
+        m.reset(); g, _ = hypergrad_second(m, trn, val, eta=2., wd=1e-3, clip=0.25)
+        ref = plain_second_order(m, trn, val, eta=2., wd=1e-3, clip=0.25)
+    torch.testing.assert_close(g, ref, rtol=2e-3, atol=1e-6)
+
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_finite_differences_agree_with_exact(seed):
+    m, trn, val = tiny(seed)
+    m.alpha.requires_grad_(True)
+    with m.arch_pass():
+        m.reset(); g_fd, _ = hypergrad_second(m, trn, val, 1., 5e-7, 0.25, hvp=fd_hvp)
+        m.reset(); g_ex, _ = hypergrad_second(m, trn, val, 1., 5e-7, 0.25, hvp=exact_hvp)
+    assert F.cosine_similarity(g_fd.flatten(), g_ex.flatten(), dim=0) >= 0.99
+
+def small_learner(mode='second', seed=0, **kw):
+    set_seed(seed)
+    c = numbers_corpus(seed=seed, n_train=3000, n_valid=1500, n_test=800)
+    dls = lm_dls(c, 8, 12, 'search', seed=seed)
+    return search_learner(dls, search_stream(c, 8), emsize=12, nhid=12, mode=mode, checkpoint=False, path=tempfile.mkdtemp(), **kw), c
+
+@pytest.mark.parametrize('mode', ['first', 'second', 'exact'])
+def test_arch_step_leaves_weights_bit_identical_and_moves_alpha(mode):
+    learn, _ = small_learner(mode)
+    learn.model.train()
+    b = next(iter(learn.dls.train))
+    learn.xb, learn.yb, learn.training = (b[0],), (b[1],), True
+    learn.create_opt()
+    cb = learn.arch_param_update; cb.before_fit()
+    w0, a0 = learn.model.flat.data.clone(), learn.model.alpha.detach().clone()
+    learn.model.flat.grad.zero_()
+    cb.before_batch()
+    assert torch.equal(learn.model.flat.data, w0), "weights must be restored bit for bit"
+    assert learn.model.flat.grad.abs().sum() == 0, "the architecture step must not leave weight gradients"
+    assert not torch.equal(learn.model.alpha, a0) and learn.model.alpha.grad is None
+
+class Spy(ArchParamUpdate.__mro__[1]):   # a plain fastai Callback
+    "Records α around the weight step, and α's grad after backward"
+    order = 100
+    def before_fit(self): self.rec = []
+    def after_pred(self): self.a = self.model.alpha.detach().clone()
+    def after_backward(self): self.rec.append(('grad', self.model.alpha.grad))
+    def after_step(self): self.rec.append(('moved', not torch.equal(self.a, self.model.alpha)))
+
+def test_gradients_never_cross():
+    learn, _ = small_learner('second')
+    spy = Spy()
+    learn.fit(1, cbs=[spy])
+    assert all(g is None for k, g in spy.rec if k == 'grad'), "the weight step must not compute a gradient for α"
+    assert not any(m for k, m in spy.rec if k == 'moved'), "the weight step must not move α"
+
+def test_stale_alpha_grad_is_never_read():
+    results = []
+    for garbage in (False, True):
+        learn, _ = small_learner('first')
+        learn.model.train()
+        b = next(iter(learn.dls.train))
+        learn.xb, learn.yb, learn.training = (b[0],), (b[1],), True
+        learn.create_opt(); learn.arch_param_update.before_fit()
+        if garbage: learn.model.alpha.grad = torch.full_like(learn.model.alpha, 1e3)
+        learn.arch_param_update.before_batch()
+        results.append(learn.model.alpha.detach().clone())
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+def test_no_arch_step_outside_training_or_in_lr_find():
+    learn, _ = small_learner('first')
+    a0 = learn.model.alpha.detach().clone()
+    learn.validate()
+    assert torch.equal(a0, learn.model.alpha)
+    learn.lr_find(num_it=3, show_plot=False)
+    assert torch.equal(a0, learn.model.alpha)
+
+def run_losses(cb_order, seed=0):
+    learn, c = small_learner('second', seed)
+    cbs = [cb for cb in learn.cbs if type(cb).__name__ in ('ArchParamUpdate', 'SeqLenLR', 'FlatGradClip', 'GenotypeLogger')]
+    learn.remove_cbs(cbs)
+    random.Random(cb_order).shuffle(cbs)
+    learn.fit(1, cbs=cbs)
+    return [float(v) for v in learn.recorder.values[-1]], learn.model.alpha.detach().clone()
+
+def test_callbacks_work_in_any_order_of_the_list():
+    (l1, a1), (l2, a2) = run_losses(0), run_losses(5)
+    assert l1 == l2 and torch.equal(a1, a2)
+
+class LrSpy(ArchParamUpdate.__mro__[1]):
+    order = 100
+    def before_fit(self): self.lrs = []
+    def before_step(self): self.lrs.append((self.xb[0].shape[1], self.opt.hypers[0]['lr']))
+
+def test_seq_len_scales_learning_rate_and_clip_bounds_norm():
+    learn, _ = small_learner('first')
+    spy = LrSpy()
+    learn.fit(1, lr=2., cbs=[spy])
+    assert len({sl for sl, _ in spy.lrs}) > 1, "the search policy draws bptt and bptt/2"
+    for sl, lr in spy.lrs: assert abs(lr - 2. * sl / 12) < 1e-12
+    assert learn.opt.hypers[0]['lr'] == 2.      # restored after the batch
+    g = learn.model.flat.grad
+    g.normal_(); a_grad = learn.model.alpha.grad
+    clip = FlatGradClip(0.25); clip.learn = learn; clip.before_step()
+    assert abs(g.norm() - 0.25) < 1e-4 and learn.model.alpha.grad is a_grad
+
+def test_asgd_switch_then_validation_uses_averages():
+    set_seed(0)
+    c = numbers_corpus(seed=0, n_train=3000, n_valid=1000, n_test=500)
+    dls = lm_dls(c, 8, 12, 'train', seed=0)
+    from rnn_darts.genotypes import DARTS_V2
+    learn = train_learner(dls, DARTS_V2, emsize=12, nhid=12, asgd=True, checkpoint=False, path=tempfile.mkdtemp())
+    learn.fit(1)
+    sw = learn.asgd_switch
+    assert sw.active and learn.opt.state[learn.model.flat.param]['n_avg'] > 1
+    ax = sw.averages()
+    assert not torch.equal(ax, learn.model.flat.data)
+    raw = learn.model.flat.data.clone()
+    got = evaluate(learn, dls.valid)['loss']
+    assert torch.equal(raw, learn.model.flat.data), "the raw weights come back after evaluation"
+    with torch.no_grad(): learn.model.flat.data.copy_(ax)
+    sw2 = learn.asgd_switch; learn.remove_cb(sw2)
+    manual = evaluate(learn, dls.valid)['loss']
+    learn.add_cb(sw2)
+    with torch.no_grad(): learn.model.flat.data.copy_(raw)
+    assert abs(got - manual) < 1e-6
+    assert abs(evaluate(learn, dls.valid)['loss'] - got) < 1e-6
