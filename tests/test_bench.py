@@ -1,0 +1,83 @@
+"The benchmark's plain implementation computes the same math as ours; run_bench returns well-formed results."
+import json
+import pytest, torch
+from rnn_darts.model import DartsRnnSearch
+from rnn_darts.bench import (PlainSearchRnn, PlainSearchStep, plain_from, plain_hypergrad_first, plain_hypergrad_second,
+                             run_bench, print_table, search_step, arch_updater, _batches)
+from callbacks.arch import hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
+
+NO_DROP = dict(dropout=0, dropouth=0, dropoutx=0, dropouti=0)
+
+def pair(seed=0, ntoken=30, nhid=6):
+    torch.manual_seed(seed)
+    m = DartsRnnSearch(ntoken, nhid, nhid, **NO_DROP).double().train()
+    with torch.no_grad(): m.alpha.normal_(0, 0.5)        # away from uniform: op weights differ
+    m.alpha.requires_grad_(True)
+    return m, plain_from(m)
+
+def test_plain_forward_equals_ours():
+    m, p = pair()
+    x = _batches(30, 3, 5, 1, 'cpu', 0)[0][0]
+    torch.testing.assert_close(p(x)[0], m(x)[0])
+
+def test_plain_first_order_equals_ours():
+    m, p = pair(1)
+    trn, val = _batches(30, 3, 4, 2, 'cpu', 1)
+    with m.arch_pass(), m.frozen_masks(): g, l = hypergrad_first(m, trn, val)
+    p.bn_update = False
+    q, lq, _ = plain_hypergrad_first(p, val, None)
+    torch.testing.assert_close(lq, l)
+    torch.testing.assert_close(q, g)
+    assert g.abs().max() > 0
+
+@pytest.mark.parametrize('clip', [0.25, 1e3])   # clipped, and not clipped
+def test_plain_second_order_equals_ours(clip):
+    m, p = pair(2)
+    trn, val = _batches(30, 3, 4, 2, 'cpu', 2)
+    w0, bn0 = m.flat.data.clone(), m.cell.bn.running_mean.clone()
+    with m.arch_pass(), m.frozen_masks(): g, l = hypergrad_second(m, trn, val, 2., 5e-7, clip, fd_hvp)
+    assert torch.equal(m.flat.data, w0) and torch.equal(m.cell.bn.running_mean, bn0)
+    p.bn_update = False
+    q, lq, _ = plain_hypergrad_second(p, trn, val, None, None, 2., 5e-7, clip)
+    torch.testing.assert_close(lq, l)
+    torch.testing.assert_close(q, g, rtol=1e-5, atol=1e-9)
+    # and both are the exact hypergradient up to the finite-difference error
+    m.reset()
+    with m.arch_pass(), m.frozen_masks(): e, _ = hypergrad_second(m, trn, val, 2., 5e-7, clip, exact_hvp)
+    assert torch.nn.functional.cosine_similarity(q.flatten(), e.flatten(), dim=0) > 0.99
+
+def test_plain_step_matches_ours_over_a_few_steps():
+    "A whole search step (arch step, Adam on α, clipped SGD weight step) moves both models the same way"
+    m, p = pair(3)
+    m.alpha.requires_grad_(False)
+    cb, step = arch_updater(m), PlainSearchStep(p, 'second')
+    trn, val = _batches(30, 3, 4, 2, 'cpu', 3)
+    for _ in range(2):
+        search_step(m, cb, trn, val, 'second'); step(trn, val)
+    torch.testing.assert_close(p.alpha.detach(), m.alpha.detach(), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(p.W0.detach(), m.cell.W0, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(p.bn.running_var, m.cell.bn.running_var)
+
+def test_run_bench_tiny(tmp_path, capsys):
+    tiny = dict(bs=3, bptt=4, nhid=6, ntoken=40)
+    res = run_bench(small=True, iters=1, warmup=0, shape=tiny, train_shape=dict(tiny, nhid=8), eval_bs=2,
+                    modes=('second', 'first', 'exact', 'weight'), json_path=tmp_path/'b.json')
+    assert {'device', 'device_name', 'torch', 'threads', 'small', 'iters', 'warmup', 'mem_kind', 'shapes', 'rows',
+            'ratios'} <= set(res)
+    assert res['device'] == 'cpu' and res['shapes']['search'] == tiny and res['shapes']['eval_bs'] == 2
+    impls = [(r['name'], r['impl']) for r in res['rows']]
+    assert len(impls) == 4 + 2 + 1 + 2 and sum(i == 'plain' for _, i in impls) == 2
+    for r in res['rows']:
+        assert {'name', 'impl', 'bs', 'bptt', 'nhid', 'ntoken', 'ms', 'ms_min', 'tok_s', 'mem_mb'} <= set(r)
+        assert r['ms'] > 0 and r['ms_min'] > 0 and r['tok_s'] > 0 and r['mem_mb'] > 0
+    assert set(res['ratios']) == {'second', 'first'} and all(v > 0 for v in res['ratios'].values())
+    assert json.loads((tmp_path/'b.json').read_text())['rows'] == res['rows']
+    print_table(res)
+    out = capsys.readouterr().out
+    assert 'plain / ours' in out and 'ms/batch' in out
+
+def test_run_bench_options():
+    tiny = dict(bs=2, bptt=3, nhid=4, ntoken=20)
+    res = run_bench(small=True, iters=1, warmup=0, shape=tiny, modes=('first',), plain=False, train=False, evaluate=False)
+    assert [r['impl'] for r in res['rows']] == ['ours'] and res['ratios'] == {}
+    with pytest.raises(ValueError, match='unknown modes'): run_bench(modes=('fourth',))
