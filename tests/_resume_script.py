@@ -1,0 +1,47 @@
+"""Helper for tests/test_reliability.py: a tiny, seeded DARTS search run that resumes from its latest checkpoint.
+
+Usage: python tests/_resume_script.py RUN_DIR N_EPOCHS [SEED]
+Builds everything from SEED, calls `search_learner(..., resume=True, path=RUN_DIR).fit(N_EPOCHS)`, and writes
+`RUN_DIR/epoch_NNNN.json` (losses of each epoch, atomically, as it ends) and `RUN_DIR/result.json` at the end.
+"""
+import sys, json, hashlib
+from pathlib import Path
+import torch
+from fastai.callback.core import Callback
+from rnn_darts.core import set_seed
+from rnn_darts.data import numbers_corpus, lm_dls, search_stream
+from rnn_darts.learner import search_learner
+from rnn_darts.genotypes import genotype_to_dict
+from callbacks.training import write_json_atomic
+
+torch.set_num_threads(1)  # the same reduction order in every process
+
+def build(path, seed=0, **kwargs):
+    "The tiny search learner every resume test uses, built from `seed`"
+    set_seed(seed)
+    c = numbers_corpus(seed, 1500, 600, 300)
+    dls = lm_dls(c, 8, 10, 'search', eval_bs=8, seed=seed)
+    kw = dict(emsize=16, nhid=16, mode='first', path=path, keep=2)
+    kw.update(kwargs)
+    return search_learner(dls, search_stream(c, 8), **kw)
+
+def weights_hash(model):
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()): h.update(k.encode()); h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+class EpochLog(Callback):
+    "Write the epoch's recorder row to RUN/epoch_NNNN.json once the epoch has ended"
+    order = 85  # before Checkpoint (90): a kill in between only makes the resumed run redo (and rewrite) this epoch
+    def after_epoch(self):
+        if self.training is False and getattr(self.learn, 'final_record', None) is not None:
+            write_json_atomic([float(v) for v in self.learn.final_record], Path(self.path)/f'epoch_{self.epoch:04d}.json')
+
+if __name__ == '__main__':
+    run, n = Path(sys.argv[1]), int(sys.argv[2])
+    seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    learn = build(run, seed, resume=True, cbs=[EpochLog()])
+    with learn.no_bar(), learn.no_logging(): learn.fit(n)
+    write_json_atomic(dict(values=[[float(v) for v in r] for r in learn.recorder.values], first_epoch=learn.first_epoch,
+                           genotype=genotype_to_dict(learn.model.genotype()), weights=weights_hash(learn.model),
+                           alpha=learn.model.alpha.detach().tolist()), run/'result.json')
