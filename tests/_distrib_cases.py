@@ -1,0 +1,107 @@
+"""Helpers for tests/test_distrib.py: tiny learners and the functions each spawned rank runs (importable by spawn)."""
+import os, shutil
+import torch, torch.nn.functional as F
+from fastai.callback.core import Callback, CancelFitException
+from rnn_darts.core import set_seed
+from rnn_darts.data import numbers_corpus, lm_dls, search_stream
+from rnn_darts.learner import search_learner, train_learner
+from rnn_darts.distrib import distrib_learner, rank_world
+from callbacks.arch import hypergrad_second
+
+NODROP = dict(dropout=0., dropouth=0., dropoutx=0., dropouti=0., dropoute=0.)
+BS, BPTT, NHID = 4, 6, 8
+
+def set_norm(model, bn, groups=2):
+    "bn: 'batch' (the model's BatchNorm), 'off' (identity) or 'ghost' (batch statistics over `groups` row blocks)"
+    cell = getattr(model, 'cell', None)
+    if bn == 'batch' or not hasattr(cell, 'bn'): return
+    if bn == 'off': cell.norm = lambda s: s; return
+    def norm(s):
+        if not cell.training: return cell.bn(s)
+        return torch.cat([F.batch_norm(h, None, None, training=True, eps=cell.bn.eps) for h in s.chunk(groups)])
+    cell.norm = norm
+
+def corpus(): return numbers_corpus(0, 1500, 600, 300)
+
+def build(kind='search', mode='first', bn='batch', seed=0, path='.', checkpoint=False, resume=None, bs=BS):
+    set_seed(seed)
+    c = corpus()
+    dls = lm_dls(c, bs, BPTT, 'search' if kind == 'search' else 'train', eval_bs=4, seed=seed)
+    kw = dict(emsize=NHID, nhid=NHID, path=path, checkpoint=checkpoint, resume=resume, **NODROP)
+    if kind == 'search': learn = search_learner(dls, search_stream(c, bs), mode=mode, **kw)
+    else: learn = train_learner(dls, 'DARTS_V2', **kw)
+    set_norm(learn.model, bn)
+    return learn
+
+class StopAfterFirstBatch(Callback):
+    order = 99
+    def after_batch(self): raise CancelFitException()
+
+def state(learn, rec=None):
+    m = learn.model
+    return dict(w=m.flat.data.clone(), alpha=m.alpha.detach().clone() if hasattr(m, 'alpha') else None,
+                g=rec[0] if rec else None, buffers=[b.clone() for b in m.buffers() if b.is_floating_point()])
+
+def one_step(kind, mode='first', bn='batch', bs=BS):
+    "One training batch (architecture step + weight step) on this process's share; the weights, α and α's hypergradient"
+    learn = distrib_learner(build(kind, mode, bn, bs=bs))
+    rec, arch = [], getattr(learn, 'arch_param_update', None)
+    if arch is not None:
+        red = arch.reduce
+        def record(g):
+            g = red(g) if red is not None else g
+            rec.append(g.clone()); return g
+        arch.reduce = record
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=StopAfterFirstBatch())
+    return state(learn, rec)
+
+CASES = [('derived', 'first', 'batch'), ('search', 'first', 'batch'), ('search', 'first', 'off'),
+         ('search', 'second', 'off'), ('search', 'second', 'batch')]
+
+def one_steps(cases=None): return {c: one_step(*c) for c in (cases or CASES)}
+
+def half_hypergrads(world=2, bs=BS, bn='batch'):
+    "Mean over row blocks of the unrolled hypergradient at the first batch: what `world` ranks compute together (one process)"
+    learn = build('search', 'second', bn, bs=bs)
+    m, dl = learn.model, learn.dls.train
+    i, sl = dl.schedule()[0]
+    x, y = dl.data[:, i:i+sl], dl.data[:, i+1:i+1+sl]
+    sx, sy = learn.arch_param_update.search_dl.next(sl)
+    eta, k = learn.lr * sl / BPTT, bs // world
+    m.train(); m.alpha.requires_grad_(True)
+    gs = []
+    with m.arch_pass(), m.frozen_masks():
+        for r in range(world):
+            m.reset(); b = slice(r * k, (r + 1) * k)
+            gs.append(hypergrad_second(m, (x[b], y[b]), (sx[b], sy[b]), eta, learn.wd, 0.25)[0])
+    return torch.stack(gs).mean(0)
+
+def short_search(path, epochs=2, mode='second', bn='batch', resume=None, kind='search'):
+    "A short fit; returns the final state, the recorded valid losses and the checkpoint files"
+    learn = distrib_learner(build(kind, mode, bn, path=path, checkpoint=True, resume=resume))
+    with learn.no_bar(), learn.no_logging(): learn.fit(epochs)
+    res = state(learn)
+    res.update(valid=[v[1] for v in learn.recorder.values], files=sorted(os.listdir(os.path.join(path, 'checkpoints'))),
+               rank=rank_world()[0], streams=learn.dls.train.data.clone())
+    return res
+
+def die_or_hang(how, bad_rank=1):
+    "Rank `bad_rank` dies (`how='die'`) or hangs (`how='hang'`) after setup; the others train"
+    learn = distrib_learner(build('search', 'first'))
+    if rank_world()[0] == bad_rank:
+        if how == 'die': os._exit(3)
+        import time; time.sleep(600)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    return 'finished'
+
+BIG = 32   # per-rank batch 16: BatchNorm statistics over 16 rows instead of 32
+STEP_CASES = [('derived', 'first', 'batch', BS), ('search', 'first', 'off', BS), ('search', 'first', 'batch', BS),
+              ('search', 'second', 'batch', BS), ('search', 'first', 'batch', BIG), ('search', 'second', 'off', BIG)]
+
+def step_cases(): return {c: one_step(*c) for c in STEP_CASES}
+
+def search_and_resume(search_path, resume_path):
+    "A 2-epoch second-order search from scratch, and a first-order run resumed from a 1-process checkpoint in `resume_path`"
+    a = short_search(search_path, epochs=2, mode='second', bn='batch')
+    b = short_search(resume_path, epochs=2, mode='first', bn='off', resume=True)
+    return dict(search=a, resumed=b)
