@@ -21,11 +21,11 @@ def set_norm(model, bn, groups=2):
         return torch.cat([F.batch_norm(h, None, None, training=True, eps=cell.bn.eps) for h in s.chunk(groups)])
     cell.norm = norm
 
-def corpus(): return numbers_corpus(0, 1500, 600, 300)
+def corpus(n_train=1500): return numbers_corpus(0, n_train, 600, 300)
 
-def build(kind='search', mode='first', bn='batch', seed=0, path='.', checkpoint=False, resume=None, bs=BS):
+def build(kind='search', mode='first', bn='batch', seed=0, path='.', checkpoint=False, resume=None, bs=BS, n_train=1500):
     set_seed(seed)
-    c = corpus()
+    c = corpus(n_train)
     dls = lm_dls(c, bs, BPTT, 'search' if kind == 'search' else 'train', eval_bs=4, seed=seed)
     kw = dict(emsize=NHID, nhid=NHID, path=path, checkpoint=checkpoint, resume=resume, **NODROP)
     if kind == 'search': learn = search_learner(dls, search_stream(c, bs), mode=mode, **kw)
@@ -76,9 +76,11 @@ def half_hypergrads(world=2, bs=BS, bn='batch'):
             gs.append(hypergrad_second(m, (x[b], y[b]), (sx[b], sy[b]), eta, learn.wd, 0.25)[0])
     return torch.stack(gs).mean(0)
 
+SMALL = 500   # training tokens of the short runs
+
 def short_search(path, epochs=2, mode='second', bn='batch', resume=None, kind='search'):
     "A short fit; returns the final state, the recorded valid losses and the checkpoint files"
-    learn = distrib_learner(build(kind, mode, bn, path=path, checkpoint=True, resume=resume))
+    learn = distrib_learner(build(kind, mode, bn, path=path, checkpoint=True, resume=resume, n_train=SMALL))
     with learn.no_bar(), learn.no_logging(): learn.fit(epochs)
     res = state(learn)
     res.update(valid=[v[1] for v in learn.recorder.values], files=sorted(os.listdir(os.path.join(path, 'checkpoints'))),

@@ -69,7 +69,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp('distrib')
     a, b, ref = tmp/'search', tmp/'resumed', tmp/'reference'
     # one process: 1 epoch with checkpoints (BN off, first order), copied; continued to 2 epochs in one process
-    learn = C.build('search', 'first', 'off', path=ref, checkpoint=True)
+    learn = C.build('search', 'first', 'off', path=ref, checkpoint=True, n_train=C.SMALL)
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     shutil.copytree(ref, b)
     cont = C.short_search(str(ref), epochs=2, mode='first', bn='off', resume=True)
@@ -92,7 +92,7 @@ def test_resume_one_to_two_processes(runs):
     assert torch.equal(x['alpha'], r1['resumed']['alpha'])
     close(x['w'], cont['w'], 1e-4); close(x['alpha'], cont['alpha'], 1e-4)
     # and the 2-process checkpoint loads into one process
-    learn = C.build('search', 'first', 'off', path=b)
+    learn = C.build('search', 'first', 'off', path=b, n_train=C.SMALL)
     restore(learn, load_checkpoint(b/'checkpoints'/'epoch_0001.pth'))
     assert torch.equal(learn.model.flat.data, x['w']) and torch.equal(learn.model.alpha.detach(), x['alpha'])
 
