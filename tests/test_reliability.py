@@ -216,8 +216,6 @@ def test_one_token_batch_tar_is_finite():
     R.raw_out = torch.randn(8, 3, 4); lrn = L(); lrn.rnn = R(); reg = RNNRegularizer(beta=1.); reg.learn = lrn; reg.after_loss()
     assert torch.isclose(lrn.loss_grad, 1 + (R.raw_out[:, 1:] - R.raw_out[:, :-1]).pow(2).mean())
 
-@pytest.mark.xfail(reason="07_learner still uses fastai's RNNRegularizer: a one-token last batch gives a NaN loss, "
-                          "taken for a divergence (switch the import to callbacks.training.RNNRegularizer)", strict=False)
 def test_one_token_batch_is_not_a_divergence(tmp_path):
     learn = build(tmp_path, 0, on_nan='skip', checkpoint=False)
     learn.dls.train.schedule = lambda: [(0, 10), (10, 1)]   # a batch of one token
