@@ -1,3 +1,4 @@
+import tempfile
 """Helpers for tests/test_distrib.py: tiny learners and the functions each spawned rank runs (importable by spawn)."""
 import os, shutil
 import torch, torch.nn.functional as F
@@ -23,7 +24,8 @@ def set_norm(model, bn, groups=2):
 
 def corpus(n_train=1500): return numbers_corpus(0, n_train, 600, 300)
 
-def build(kind='search', mode='first', bn='batch', seed=0, path='.', checkpoint=False, resume=None, bs=BS, n_train=1500):
+def build(kind='search', mode='first', bn='batch', seed=0, path=None, checkpoint=False, resume=None, bs=BS, n_train=1500):
+    path = path or tempfile.mkdtemp()   # the learners write their logs there: never into the working folder
     set_seed(seed)
     c = corpus(n_train)
     dls = lm_dls(c, bs, BPTT, 'search' if kind == 'search' else 'train', eval_bs=4, seed=seed)
