@@ -1,6 +1,5 @@
-import tempfile
 """Helpers for tests/test_distrib.py: tiny learners and the functions each spawned rank runs (importable by spawn)."""
-import os, shutil
+import os, shutil, tempfile
 import torch, torch.nn.functional as F
 from fastai.callback.core import Callback, CancelFitException
 from rnn_darts.core import set_seed
