@@ -216,3 +216,17 @@ def test_compiled_step_equals_eager():
         compiled = grads()
     for a, b in zip(eager, compiled): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     import pickle; assert pickle.loads(pickle.dumps(m)).cell._compiled is None
+
+@pytest.mark.slow
+def test_exact_mode_runs_with_a_compiled_step():
+    "Double backward cannot go through a compiled graph: the exact HVP uses the eager step"
+    from callbacks.arch import hypergrad_second, exact_hvp
+    torch.manual_seed(0)
+    m = DartsRnnSearch(20, 8, 8, dropout=0., dropouth=0., dropoutx=0., dropouti=0.).train()
+    x, y = torch.randint(0, 20, (4, 5)), torch.randint(0, 20, (4, 5))
+    m.alpha.requires_grad_(True)
+    with m.arch_pass(): ref, _ = hypergrad_second(m, (x, y), (x, y), 1., 0., 0.25, hvp=exact_hvp)
+    m.cell.compile_step(); m.reset()
+    with m.arch_pass(): g, _ = hypergrad_second(m, (x, y), (x, y), 1., 0., 0.25, hvp=exact_hvp)
+    torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6)
+    assert m.cell._compiled is not None
