@@ -13,8 +13,8 @@ __all__ = ['train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_f
            'op_param_counts', 'relax_extra_grad', 'ArchParamUpdate']
 
 # %% ../nbs/04_arch.ipynb #bb97d689
-def train_loss(model, xb, yb): return model.loss(xb, yb, 'train', advance=False)
-def search_loss(model, xb, yb): return model.loss(xb, yb, 'search', advance=True)
+def train_loss(model, xb, yb, weight_grads=True): return model.loss(xb, yb, 'train', advance=False, weight_grads=weight_grads)
+def search_loss(model, xb, yb, weight_grads=True): return model.loss(xb, yb, 'search', advance=True, weight_grads=weight_grads)
 
 def clip_coef(g, max_norm):
     "The factor that clipping `g` to norm `max_norm` multiplies it by (a tensor: no host sync)"
@@ -26,22 +26,22 @@ def weight_grad(loss, model, create_graph=False):
 
 def hypergrad_first(model, trn, val):
     "∇α L_v(w, α); returns it and the search loss"
-    loss = search_loss(model, *val)
+    loss = search_loss(model, *val, weight_grads=False)
     return torch.autograd.grad(loss, model.alpha)[0], loss.detach()
 
 def fd_hvp(model, trn, v, w0, r=0.01):
     "∇²_{α,w} L_t(w)·v by central differences at w ± εv, ε = r/‖v‖; leaves the weights equal to `w0`"
     w, eps = model.flat.data, r / v.norm()
     with torch.no_grad(): w.add_(eps * v)
-    gp = torch.autograd.grad(train_loss(model, *trn), model.alpha)[0]
+    gp = torch.autograd.grad(train_loss(model, *trn, weight_grads=False), model.alpha)[0]
     with torch.no_grad(): w.copy_(w0).sub_(eps * v)
-    gn = torch.autograd.grad(train_loss(model, *trn), model.alpha)[0]
+    gn = torch.autograd.grad(train_loss(model, *trn, weight_grads=False), model.alpha)[0]
     with torch.no_grad(): w.copy_(w0)
     return (gp - gn) / (2 * eps)
 
 def exact_hvp(model, trn, v, w0=None):
-    "∇²_{α,w} L_t(w)·v by double backward (always through the eager step)"
-    with model.cell.eager(): g = weight_grad(train_loss(model, *trn), model, create_graph=True)
+    "∇²_{α,w} L_t(w)·v by double backward (through the eager step and the plain decoder loss)"
+    with model.twice_differentiable(): g = weight_grad(train_loss(model, *trn), model, create_graph=True)
     return torch.autograd.grad(g @ v, model.alpha)[0]
 
 def hypergrad_second(model, trn, val, eta, wd, clip, hvp=fd_hvp):

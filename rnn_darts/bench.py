@@ -11,6 +11,7 @@ import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V2
 from rnn_darts.model import DartsRnn, DartsRnnSearch
 from callbacks.arch import ArchParamUpdate, hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
+from rnn_darts.learner import SeqCrossEntropy
 
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'STEP_NAMES', 'mem_kind', 'time_fn', 'time_pair',
@@ -77,9 +78,8 @@ def _batches(ntoken, bs, bptt, n, device, seed):
     return res
 
 def weight_step(model, xb, yb, lr=STEP['lr'], clip=STEP['clip']):
-    "Forward on the train stream, CE, backward into the flat grad, flat clip, `w ← w − lr·g`"
-    logits, _, _ = model(xb)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1))
+    "The learners' weight step: forward on the train stream, `SeqCrossEntropy`, backward into the flat grad, flat clip, `w ← w − lr·g`"
+    loss = SeqCrossEntropy()(model(xb)[0], yb)
     loss.backward()
     g = model.flat.grad
     with torch.no_grad():

@@ -25,8 +25,8 @@ from callbacks.training import SeqLenLR, FlatGradClip, ASGDSwitch, GenotypeLogge
 from callbacks.checkpoint import Checkpoint, DivergenceGuard
 
 # %% auto #0
-__all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'RunInfo', 'search_learner', 'train_learner', 'eval_weights',
-           'evaluate']
+__all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'RunInfo', 'SeqCrossEntropy', 'search_learner', 'train_learner',
+           'eval_weights', 'evaluate']
 
 # %% ../nbs/07_learner.ipynb #237f3218
 class DartsLearner(Learner):
@@ -75,6 +75,13 @@ class RunInfo(TrainEpochEnd):
     def ckpt_state(self): return dict(info=self.info)
     def load_ckpt_state(self, d): self.info = dict(d['info'])
 
+# %% ../nbs/07_learner.ipynb #a1eb1dd6
+class SeqCrossEntropy(CrossEntropyLossFlat):
+    "`CrossEntropyLossFlat` for (bs, T, ntoken) logits that reads time-major storage without copying it"
+    def __call__(self, inp, targ, **kwargs):
+        if inp.dim() == 3 and inp.transpose(0, 1).is_contiguous(): inp, targ = inp.transpose(0, 1), targ.transpose(0, 1)
+        return self.func(inp.reshape(-1, inp.shape[-1]), targ.reshape(-1), **kwargs)
+
 # %% ../nbs/07_learner.ipynb #15f1b4d6
 def _ntoken(dls, ntoken):
     if ntoken is not None: return ntoken
@@ -91,7 +98,7 @@ def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=False):
     dev = torch.device(device) if device is not None else getattr(dls, 'device', None) or torch.device('cpu')
     model.to(dev)
     if compile: model.cell.compile_step()
-    return DartsLearner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=SGD, lr=lr, splitter=flat_splitter, wd=wd,
+    return DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=lr, splitter=flat_splitter, wd=wd,
                         wd_bn_bias=True, metrics=metrics, path=path, cbs=cbs)
 
 def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,

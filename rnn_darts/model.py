@@ -10,8 +10,8 @@ from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
 
 # %% auto #0
-__all__ = ['ACTS', 'FlatParams', 'FlatModule', 'MaskBank', 'PackedCell', 'DartsCell', 'DartsCellSearch', 'LanguageModel',
-           'DartsRnn', 'DartsRnnSearch', 'n_weights']
+__all__ = ['ACTS', 'FlatParams', 'FlatModule', 'MaskBank', 'PackedCell', 'DartsCell', 'DartsCellSearch', 'ce_chunk_rows',
+           'LinearCrossEntropy', 'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch', 'n_weights']
 
 # %% ../nbs/03_model.ipynb #3bef24ac
 class FlatParams:
@@ -230,6 +230,56 @@ class DartsCellSearch(PackedCell):
             total = total + s
         return total / steps
 
+# %% ../nbs/03_model.ipynb #63748dbd
+def ce_chunk_rows(n_rows, ntoken, device) -> int:
+    "Rows per chunk of `linear_cross_entropy`: about 8 MB of logits on a CPU (cache-sized), 128 MB on a GPU"
+    budget = 2**25 if torch.device(device).type == 'cuda' else 2**21
+    return max(1, min(n_rows, budget // ntoken))
+
+def _chunk_logits(xc, W, b):
+    "Logits of one chunk in at least float32, the matmul in `xc`'s dtype"
+    return torch.addmm(b.to(xc.dtype), xc, W.to(xc.dtype).t()).to(torch.promote_types(xc.dtype, torch.float32))
+
+def _chunk_ce(xc, W, b, yc):
+    logits = _chunk_logits(xc, W, b)
+    return (logits.logsumexp(-1) - logits.gather(1, yc[:, None]).squeeze(1)).sum()
+
+class LinearCrossEntropy(torch.autograd.Function):
+    "Mean cross-entropy of `x Wᵀ + b` against `y`, in row chunks: gradients made in the forward, logits never kept"
+    @staticmethod
+    def forward(ctx, x, W, b, y, rows):
+        need_x, need_W, need_b = ctx.needs_input_grad[:3]
+        total = x.new_zeros((), dtype=torch.promote_types(x.dtype, torch.float32))
+        gx = torch.empty_like(x) if need_x else None
+        gW = torch.zeros_like(W) if need_W else None
+        gb = torch.zeros_like(b) if need_b else None
+        for s in range(0, x.shape[0], rows):
+            xc, yc = x[s:s + rows], y[s:s + rows, None]
+            logits = _chunk_logits(xc, W, b)
+            lse = logits.logsumexp(-1, keepdim=True)
+            total += (lse - logits.gather(1, yc)).sum()
+            p = logits.sub_(lse).exp_().scatter_add_(1, yc, logits.new_full(yc.shape, -1.))   # softmax − onehot
+            if need_x: gx[s:s + rows] = p.to(x.dtype) @ W.to(x.dtype)
+            if need_W: gW.addmm_(p.t().to(W.dtype), xc.to(W.dtype))
+            if need_b: gb += p.sum(0)
+        ctx.save_for_backward(gx, gW, gb)
+        ctx.n = x.shape[0]
+        return total / x.shape[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        if torch.is_grad_enabled(): raise RuntimeError(   # create_graph=True: the saved gradients carry no graph
+            "linear_cross_entropy cannot be differentiated twice; run the loss inside model.twice_differentiable() "
+            "or set model.fused_loss = False")
+        s = g / ctx.n
+        return tuple(None if t is None else t * s for t in ctx.saved_tensors) + (None, None)
+
+def linear_cross_entropy(x, W, b, y, rows=None):
+    "`F.cross_entropy(F.linear(x, W, b), y)` for `x` (N, d), `y` (N,), without storing the (N, ntoken) logits"
+    rows = rows or ce_chunk_rows(x.shape[0], W.shape[0], x.device)
+    if torch.is_grad_enabled(): return LinearCrossEntropy.apply(x, W, b, y, rows)
+    return sum(_chunk_ce(x[s:s + rows], W, b, y[s:s + rows]) for s in range(0, x.shape[0], rows)) / x.shape[0]
+
 # %% ../nbs/03_model.ipynb #b8e14b6d
 class LanguageModel(FlatModule):
     "Embedding, a recurrent cell, tied decoder; hidden state per stream"
@@ -245,6 +295,7 @@ class LanguageModel(FlatModule):
         self.decoder_bias = nn.Parameter(torch.zeros(ntoken))
         self.cell = cell
         self.masks, self.hidden, self.stream = MaskBank(), {}, None
+        self.fused_loss = True   # `loss` through `linear_cross_entropy`
 
     def reset(self): self.hidden = {}
     def current_stream(self): return self.stream or ('train' if self.training else 'valid')
@@ -264,8 +315,8 @@ class LanguageModel(FlatModule):
     def prepare(self): "Called before every forward (the search model computes its mixing weights here)"
     def release(self): "Called after the cell ran (drops what `prepare` made, so the model stays copyable)"
 
-    def forward_stream(self, x, stream):
-        "Forward on `x` (bs, T) from `stream`'s state; returns logits, raw and dropped outputs (batch-first) and the new state"
+    def hidden_stream(self, x, stream):
+        "Embed `x` (bs, T) and run the cell from `stream`'s state: raw and dropped outputs, time-major, and the new state"
         self.prepare()
         bs = x.shape[0]
         w = self.encoder.weight
@@ -278,20 +329,32 @@ class LanguageModel(FlatModule):
         raw, h = self.cell(emb, h, self.masks, stream)
         self.release()
         out = raw * self.masks((stream, 'o'), (1, bs, self.nhid), self.dropout, raw) if self.training and self.dropout else raw
-        logits = F.linear(out, self.encoder.weight, self.decoder_bias)
-        return logits.transpose(0, 1), raw.transpose(0, 1), out.transpose(0, 1), h
+        return raw, out, h
 
     def forward(self, x):
+        "Logits, raw and dropped outputs, batch-first views of time-major tensors (`SeqCrossEntropy` reads them without a copy)"
         stream = self.current_stream()
-        logits, raw, out, h = self.forward_stream(x, stream)
+        raw, out, h = self.hidden_stream(x, stream)
         self.hidden[stream] = h.detach()
-        return logits, raw, out
+        return tuple(t.transpose(0, 1) for t in (F.linear(out, self.encoder.weight, self.decoder_bias), raw, out))
 
-    def loss(self, x, y, stream='train', advance=True):
-        "Cross-entropy of predicting `y` from `x` on `stream`; `advance=False` keeps the stream's state"
-        logits, _, _, h = self.forward_stream(x, stream)
+    def loss(self, x, y, stream='train', advance=True, weight_grads=True):
+        "Cross-entropy of `y` given `x` on `stream`, decoder fused; `advance=False` keeps the state, `weight_grads=False` skips ∂/∂W of the decoder"
+        _, out, h = self.hidden_stream(x, stream)
         if advance: self.hidden[stream] = h.detach()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        W, b = self.encoder.weight, self.decoder_bias
+        if not weight_grads: W, b = W.detach(), b.detach()
+        out, y = out.reshape(-1, self.nhid), y.t().reshape(-1)
+        if self.fused_loss: return linear_cross_entropy(out, W, b, y)
+        return F.cross_entropy(F.linear(out, W, b), y)
+
+    @contextmanager
+    def twice_differentiable(self):
+        "Inside, the loss can be differentiated twice: plain decoder and loss, eager cell step"
+        fused, self.fused_loss = self.fused_loss, False
+        try:
+            with self.cell.eager(): yield self
+        finally: self.fused_loss = fused
 
 # %% ../nbs/03_model.ipynb #e7e8d9d7
 class DartsRnn(LanguageModel):

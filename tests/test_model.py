@@ -230,3 +230,72 @@ def test_exact_mode_runs_with_a_compiled_step():
     with m.arch_pass(): g, _ = hypergrad_second(m, (x, y), (x, y), 1., 0., 0.25, hvp=exact_hvp)
     torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6)
     assert m.cell._compiled is not None
+
+def plain_ce(x, W, b, y): return F.cross_entropy(F.linear(x, W, b), y)
+
+@pytest.mark.parametrize('rows', [1, 4, 23, None])
+def test_linear_cross_entropy_equals_plain(rows):
+    "The fused, chunked decoder + cross-entropy: loss and all three gradients equal the plain two-step version"
+    from rnn_darts.model import linear_cross_entropy
+    torch.manual_seed(0)
+    x, W, b = torch.randn(23, 5, dtype=torch.double), torch.randn(11, 5, dtype=torch.double), torch.randn(11, dtype=torch.double)
+    y = torch.randint(0, 11, (23,))
+    with torch.no_grad(): torch.testing.assert_close(linear_cross_entropy(x, W, b, y, rows), plain_ce(x, W, b, y))
+    leaves = [t.clone().requires_grad_() for t in (x, W, b)]
+    ref = torch.autograd.grad(plain_ce(*leaves, y), leaves)
+    got = torch.autograd.grad(2.5 * linear_cross_entropy(*leaves, y, rows), leaves)   # the upstream gradient scales
+    for r, g in zip(ref, got): torch.testing.assert_close(g, 2.5 * r)
+    assert torch.autograd.gradcheck(lambda *t: linear_cross_entropy(*t, y, rows), leaves)
+
+def test_linear_cross_entropy_makes_only_the_needed_gradients():
+    from rnn_darts.model import LinearCrossEntropy, linear_cross_entropy
+    torch.manual_seed(0)
+    x, W, b, y = torch.randn(9, 4, requires_grad=True), torch.randn(7, 4), torch.randn(7), torch.randint(0, 7, (9,))
+    loss = linear_cross_entropy(x, W, b, y, 4)            # detached W and b: only ∂/∂x is made and saved
+    gx, gW, gb = loss.grad_fn.saved_tensors
+    assert gW is None and gb is None and gx.shape == x.shape
+    torch.testing.assert_close(torch.autograd.grad(loss, x)[0], torch.autograd.grad(plain_ce(x, W, b, y), x)[0])
+    with torch.no_grad(): assert linear_cross_entropy(x, W, b, y).grad_fn is None
+
+def test_model_loss_fused_equals_plain_and_skips_weight_grads():
+    "model.loss through the fused decoder: same loss, α and weight gradients as the plain decoder + F.cross_entropy"
+    torch.manual_seed(0)
+    m = DartsRnnSearch(40, 12, 12, dropout=0.2, dropouth=0.1, dropoutx=0.1, dropouti=0.1).train()
+    x, y = torch.randint(0, 40, (5, 7)), torch.randint(0, 40, (5, 7))
+    def grads(fused, **kw):
+        m.fused_loss = fused; m.reset(); m.alpha.requires_grad_(True)
+        loss = m.loss(x, y, advance=False, **kw)
+        return [loss.detach()] + list(torch.autograd.grad(loss, [m.alpha, m.encoder.weight, m.cell.block]))
+    with m.frozen_masks():
+        plain, fused = grads(False), grads(True)
+        for a, b in zip(plain, fused): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        m.fused_loss = True; m.reset()
+        ga = torch.autograd.grad(m.loss(x, y, advance=False, weight_grads=False), m.alpha)[0]
+        torch.testing.assert_close(ga, plain[1], rtol=1e-5, atol=1e-7)
+        m.reset()   # a decoder weight gradient that was not asked for is not there
+        assert torch.autograd.grad(m.loss(x, y, advance=False, weight_grads=False), m.decoder_bias, allow_unused=True)[0] is None
+
+def test_fused_loss_refuses_double_backward_and_twice_differentiable_allows_it():
+    torch.manual_seed(0)
+    m = DartsRnnSearch(20, 8, 8).train()
+    x = torch.randint(0, 20, (3, 4))
+    params = m.flat.params
+    with pytest.raises(RuntimeError, match='cannot be differentiated twice.*twice_differentiable'):
+        torch.autograd.grad(m.loss(x, x, advance=False), params, create_graph=True)
+    m.alpha.requires_grad_(True); m.reset()
+    with m.twice_differentiable():
+        assert not m.fused_loss
+        g = torch.autograd.grad(m.loss(x, x, advance=False), params, create_graph=True)
+        assert torch.autograd.grad(sum((t ** 2).sum() for t in g), m.alpha)[0].abs().sum() > 0
+    assert m.fused_loss
+
+def test_forward_is_time_major_and_seq_cross_entropy_reads_it_without_a_copy():
+    from fastai.losses import CrossEntropyLossFlat
+    from rnn_darts.learner import SeqCrossEntropy
+    torch.manual_seed(0)
+    m = DartsRnn(30, DARTS_V2, 8, 8).train()
+    x, y = torch.randint(0, 30, (4, 6)), torch.randint(0, 30, (4, 6))
+    logits, raw, out = m(x)
+    assert logits.shape == (4, 6, 30) and logits.transpose(0, 1).is_contiguous() and raw.transpose(0, 1).is_contiguous()
+    torch.testing.assert_close(SeqCrossEntropy()(logits, y), CrossEntropyLossFlat()(logits, y))
+    torch.testing.assert_close(SeqCrossEntropy()(logits.contiguous(), y), CrossEntropyLossFlat()(logits, y))
