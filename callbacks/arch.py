@@ -4,6 +4,7 @@
 
 # %% ../nbs/04_arch.ipynb #10fc50de
 from __future__ import annotations
+from contextlib import nullcontext
 import torch, torch.nn.functional as F
 from fastai.callback.core import Callback
 from rnn_darts.genotypes import PRIMITIVES
@@ -83,10 +84,11 @@ class ArchParamUpdate(Callback):
     "One DARTS architecture step (α) per training batch, before the weight step"
     order = 66  # after SeqLenLR (65) has set the batch's learning rate
     def __init__(self, search_dl, mode='second', arch_lr=3e-3, arch_betas=(0.9, 0.999), arch_wd=1e-3,
-                 same_masks=True, clip='learn', zero_one=0., op_decay=None):
+                 same_masks=True, clip='learn', zero_one=0., op_decay=None, arch_bf16=False):
         if mode not in ('first', 'second', 'exact'): raise ValueError(f"mode must be 'first', 'second' or 'exact', got {mode!r}")
         self.search_dl, self.mode, self.same_masks, self.clip = search_dl, mode, same_masks, clip
         self.zero_one, self.op_decay = zero_one, op_decay
+        self.arch_bf16 = arch_bf16
         self.arch_lr, self.arch_betas, self.arch_wd = arch_lr, arch_betas, arch_wd
         self.arch_opt, self.n_skipped, self.loss_sum, self.n_steps = None, None, None, 0
         self.reduce = None   # optional: averages the hypergradient across processes (see rnn_darts.distrib)
@@ -113,6 +115,10 @@ class ArchParamUpdate(Callback):
         return hypergrad_second(m, trn, val, hyp['lr'], hyp.get('wd', 0.), self.max_norm(),
                                 exact_hvp if self.mode == 'exact' else fd_hvp)
 
+    def precision(self):
+        "Inside a bf16 autocast (`BF16Autocast`) the passes stay in bf16 if `arch_bf16`, else they run in fp32"
+        return nullcontext() if self.arch_bf16 else torch.autocast(self.model.alpha.device.type, enabled=False)
+
     def before_batch(self):
         if not self.training or hasattr(self.learn, 'lr_finder'): return
         m, a = self.model, self.model.alpha
@@ -120,7 +126,7 @@ class ArchParamUpdate(Callback):
         val = self.search_dl.next(trn[0].shape[1])
         a.requires_grad_(True)
         try:
-            with m.arch_pass():
+            with m.arch_pass(), self.precision():
                 if self.same_masks:
                     with m.frozen_masks(): g, loss = self.hypergrad(trn, val)
                 else: g, loss = self.hypergrad(trn, val)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from fastai.callback.core import Callback
 from fastai.callback.training import GradientClip
+from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastai.callback.progress import CSVLogger
 from fastai.callback.rnn import RNNRegularizer as _RNNRegularizer
 from fastai.torch_core import rank_distrib
@@ -17,8 +18,8 @@ from fastai.optimizer import Optimizer, weight_decay, l2_reg, sgd_step
 from rnn_darts.genotypes import genotype_to_dict
 
 # %% auto #0
-__all__ = ['TrainEpochEnd', 'SeqLenLR', 'RNNRegularizer', 'FlatGradClip', 'average_step', 'ASGD', 'valid_loss_of', 'ASGDSwitch',
-           'write_json_atomic', 'GenotypeLogger', 'RunLogger']
+__all__ = ['TrainEpochEnd', 'SeqLenLR', 'RNNRegularizer', 'FlatGradClip', 'BF16Autocast', 'average_step', 'ASGD', 'valid_loss_of',
+           'ASGDSwitch', 'write_json_atomic', 'GenotypeLogger', 'RunLogger']
 
 # %% ../nbs/05_training.ipynb #043e6bd3
 class TrainEpochEnd(Callback):
@@ -59,6 +60,17 @@ class FlatGradClip(GradientClip):
     def before_step(self):
         g = self.model.flat.grad
         g.mul_((self.max_norm / (g.norm() + 1e-6)).clamp(max=1.))
+
+# %% ../nbs/05_training.ipynb #ca46411b
+class BF16Autocast(MixedPrecision):
+    "fastai's `MixedPrecision(amp_mode='bf16')`, autocasting on the model's device type (fastai's: CUDA only)"
+    def __init__(self): super().__init__(amp_mode=AMPMode.BF16)
+    def before_fit(self):
+        dev = self.model.flat.data.device
+        if dev.type == 'cuda' and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"bf16: the GPU {torch.cuda.get_device_name(dev)} does not support bfloat16; drop --bf16")
+        self.autocast = torch.autocast(dev.type, dtype=torch.bfloat16)
+        self.learn.scaler, self.scales = torch.amp.GradScaler(dev.type, enabled=False), []   # bf16 needs no loss scaling
 
 # %% ../nbs/05_training.ipynb #38c3ebbe
 def average_step(p, ax=None, n_avg=0, **kwargs):

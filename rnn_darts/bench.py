@@ -15,9 +15,9 @@ from rnn_darts.learner import SeqCrossEntropy
 
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'STEP_NAMES', 'mem_kind', 'time_fn', 'time_pair',
-           'weight_step', 'arch_updater', 'search_step', 'PlainSearchRnn', 'plain_from', 'plain_clip', 'plain_unrolled',
-           'plain_hvp', 'plain_hypergrad_first', 'plain_hypergrad_second', 'PlainSearchStep', 'write_json', 'run_bench',
-           'print_table']
+           'weight_step', 'arch_updater', 'arch_hypergrad', 'search_step', 'in_bf16', 'PlainSearchRnn', 'plain_from',
+           'plain_clip', 'plain_unrolled', 'plain_hvp', 'plain_hypergrad_first', 'plain_hypergrad_second',
+           'PlainSearchStep', 'bf16_agreement', 'write_json', 'run_bench', 'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 FULL_SHAPES = dict(search=dict(bs=256, bptt=35, nhid=300, ntoken=10000),
@@ -88,24 +88,35 @@ def weight_step(model, xb, yb, lr=STEP['lr'], clip=STEP['clip']):
     model.zero_grad()
     return loss.detach()
 
-def arch_updater(model):
-    "An `ArchParamUpdate` bound to `model` outside a `Learner`: its `step` is Adam on α with the finiteness guard"
-    cb = ArchParamUpdate(None, arch_lr=STEP['arch_lr'], arch_betas=STEP['arch_betas'], arch_wd=STEP['arch_wd'])
+def arch_updater(model, mode='second', arch_bf16=False):
+    "An `ArchParamUpdate` bound to `model` outside a `Learner`: Adam on α with the finiteness guard, the passes' precision"
+    cb = ArchParamUpdate(None, mode, arch_lr=STEP['arch_lr'], arch_betas=STEP['arch_betas'], arch_wd=STEP['arch_wd'],
+                         arch_bf16=arch_bf16)
     cb.learn = SimpleNamespace(model=model)
     cb.before_fit()
     return cb
 
-def search_step(model, cb, trn, val, mode='second', lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
-    "One architecture step (`mode` first|second|exact) then one weight step"
+def arch_hypergrad(model, trn, val, mode='second', lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
+    "The hypergradient of `mode` (first|second|exact) in `arch_pass()` and `frozen_masks()`; α requires grad only meanwhile"
     a = model.alpha
     a.requires_grad_(True)
     try:
         with model.arch_pass(), model.frozen_masks():
-            if mode == 'first': g, _ = hypergrad_first(model, trn, val)
-            else: g, _ = hypergrad_second(model, trn, val, lr, wd, clip, exact_hvp if mode == 'exact' else fd_hvp)
+            if mode == 'first': return hypergrad_first(model, trn, val)[0]
+            return hypergrad_second(model, trn, val, lr, wd, clip, exact_hvp if mode == 'exact' else fd_hvp)[0]
     finally: a.requires_grad_(False)
+
+def search_step(model, cb, trn, val, mode='second', lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
+    "One architecture step (`mode` first|second|exact, in `cb`'s precision) then one weight step"
+    with cb.precision(): g = arch_hypergrad(model, trn, val, mode, lr, wd, clip)
     cb.step(g)
     return weight_step(model, *trn, lr=lr, clip=clip)
+
+def in_bf16(fn, device):
+    "`fn` run inside a bf16 autocast on `device`"
+    def run():
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16): return fn()
+    return run
 
 # %% ../nbs/10_bench.ipynb #815923c5
 _ACT = dict(tanh=torch.tanh, relu=torch.relu, sigmoid=torch.sigmoid, identity=lambda x: x)
@@ -274,6 +285,20 @@ class PlainSearchStep:
         m.alpha.requires_grad_(True)
         return loss.detach()
 
+# %% ../nbs/10_bench.ipynb #28830e70
+def bf16_agreement(model, batches, modes=('first', 'second', 'exact')) -> dict:
+    "Per mode: cosine between the all-bf16 and all-fp32 hypergradients at `model`'s state, mean and min over `batches` ((trn, val) pairs)"
+    def grad(trn, val, mode, dtype):
+        model.reset(); torch.manual_seed(0)   # same stream states and masks for both precisions
+        with torch.autocast(model.alpha.device.type, dtype=torch.bfloat16, enabled=dtype == 'bf16'):
+            return arch_hypergrad(model, trn, val, mode).float().flatten()
+    res = {}
+    for mode in modes:
+        cos = torch.stack([F.cosine_similarity(grad(t, v, mode, 'bf16'), grad(t, v, mode, 'fp32'), 0) for t, v in batches])
+        res[mode] = dict(mean=cos.mean().item(), min=cos.min().item())
+    model.reset()
+    return res
+
 # %% ../nbs/10_bench.ipynb #4966ff92
 def _device(device):
     if device is None: return 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -300,7 +325,7 @@ STEP_NAMES = dict(second='search step, 2nd order (fd)', first='search step, 1st 
 def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, iters:int|None=None,
               warmup:int|None=None, modes=('second', 'first', 'exact'), plain:bool|None=None, train:bool=True,
               evaluate:bool=True, shape:dict|None=None, train_shape:dict|None=None, eval_bs:int|None=None,
-              seed:int=0, threads:int|None=None, compile:bool=False, verbose:bool=False) -> dict:
+              seed:int=0, threads:int|None=None, compile:bool=False, bf16:bool=False, verbose:bool=False) -> dict:
     "Time the search steps, the derived model's training step and evaluation; optionally the plain implementation"
     if threads: torch.set_num_threads(threads)
     bad = set(modes) - set(STEP_NAMES)
@@ -314,12 +339,13 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     warmup = warmup if warmup is not None else (1 if small else 3)
     plain = small if plain is None else plain
     res = dict(device=dev, device_name=_device_name(dev), torch=torch.__version__, threads=torch.get_num_threads(),
-               small=small, iters=iters, warmup=warmup, compile=compile, mem_kind=mem_kind(dev),
+               small=small, iters=iters, warmup=warmup, compile=compile, bf16=bf16, mem_kind=mem_kind(dev),
                shapes=dict(search=S, train=dict(TS, genotype='DARTS_V2'), eval_bs=ebs), step=dict(STEP), rows=[],
                ratios={}, ratios_min={})
     def ours(m):
         if compile: m.cell.compile_step()
         return m
+    amp = (lambda f: in_bf16(f, dev)) if bf16 else (lambda f: f)
     def log(r):
         res['rows'].append(r)
         if verbose: print(f"{r['name']:<34} {r['impl']:<6} {r['ms']:10.1f} ms")
@@ -330,10 +356,10 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     trn, val = _batches(S['ntoken'], S['bs'], S['bptt'], 2, dev, seed)
     for mode in modes:
         m = search_model()
-        if mode == 'weight': fn = lambda: weight_step(m, *trn)
+        if mode == 'weight': fn = amp(lambda: weight_step(m, *trn))
         else:
-            cb = arch_updater(m)
-            fn = lambda: search_step(m, cb, trn, val, mode)
+            cb = arch_updater(m, mode)
+            fn = amp(lambda: search_step(m, cb, trn, val, mode))
         if plain and mode in ('first', 'second'):
             p = plain_from(m)
             step = PlainSearchStep(p, mode)
@@ -354,7 +380,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
         torch.manual_seed(seed)
         d = ours(DartsRnn(TS['ntoken'], DARTS_V2, TS['nhid'], TS['nhid']).to(dev).train())
         tb = _batches(TS['ntoken'], TS['bs'], TS['bptt'], 1, dev, seed + 1)[0]
-        log(_row('derived DARTS_V2 training step', 'ours', TS, time_fn(lambda: weight_step(d, *tb), iters, warmup, dev)))
+        log(_row('derived DARTS_V2 training step', 'ours', TS, time_fn(amp(lambda: weight_step(d, *tb)), iters, warmup, dev)))
         del d
     if evaluate:
         for name, sh, make in (('search model eval forward', S, search_model),
@@ -366,8 +392,12 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
             eb = _batches(es['ntoken'], ebs, es['bptt'], 1, dev, seed + 2)[0][0]
             def fwd():
                 with torch.no_grad(): m(eb)
-            log(_row(name, 'ours', es, time_fn(fwd, iters, warmup, dev)))
+            log(_row(name, 'ours', es, time_fn(amp(fwd), iters, warmup, dev)))
             del m
+    hyper = [k for k in modes if k != 'weight']
+    if bf16 and hyper:
+        res['bf16_agreement'] = bf16_agreement(search_model(), [_batches(S['ntoken'], S['bs'], S['bptt'], 2, dev, seed + 3 + i)
+                                                                for i in range(3)], hyper)
     if json_path: write_json(res, json_path)
     return res
 
@@ -384,4 +414,6 @@ def print_table(results: dict, file=None):
                    f"{x['ms']:>10.1f} {x['ms_min']:>9.1f} {x['tok_s']:>10.0f} {x['mem_mb']:>9.0f}")
     for k, v in r['ratios'].items():
         out.append(f"plain / ours, {STEP_NAMES[k]}: {v:.2f}x (mean), {r.get('ratios_min', {}).get(k, float('nan')):.2f}x (fastest)")
+    for k, v in r.get('bf16_agreement', {}).items():
+        out.append(f"bf16 vs fp32 hypergradient, {STEP_NAMES[k]}: cosine {v['mean']:.3f} (mean), {v['min']:.3f} (worst of 3, at initialisation)")
     print('\n'.join(out), file=file)

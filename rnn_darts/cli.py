@@ -92,6 +92,8 @@ def search(
     relax:str=None,       # softmax (DARTS) | sigmoid (Fair DARTS)
     on_nan:str=None,      # rollback | stop | skip
     compile:bool_arg=None,# fuse the recurrent step with torch.compile (pays off on long runs)
+    bf16:bool_arg=None,   # bf16 autocast (fp32 weights and α)
+    arch_bf16:bool_arg=None, # with --bf16, run the architecture passes in bf16 too (loses the hypergradient: see README)
 ):
     "Architecture search: learn α, write the genotype"
     flags = {k: v for k, v in locals().items() if k not in ('preset', 'settings', 'device', 'resume')}
@@ -126,6 +128,7 @@ def train(
     asgd:bool_arg=None,   # average from the start
     on_nan:str=None,      # rollback | stop | skip
     compile:bool_arg=None,# fuse the recurrent step with torch.compile (pays off on long runs)
+    bf16:bool_arg=None,   # bf16 autocast (fp32 weights)
 ):
     "Train a derived cell from scratch with NT-ASGD; evaluate on test with the averaged weights"
     flags = {k: v for k, v in locals().items() if k not in ('preset', 'settings', 'device', 'resume')}
@@ -179,10 +182,11 @@ def bench(
     json_path:str=None,   # also write the results as JSON here
     iters:int=None,       # timed iterations per measurement
     compile:bool=False,   # time our steps with the torch.compile'd recurrent step (the plain baseline stays eager)
+    bf16:bool=False,      # time our steps in bf16 autocast, and measure bf16's effect on the hypergradient
 ):
     "Time search steps (second, first, exact), derived-cell training steps and evaluation"
     from rnn_darts.bench import run_bench, print_table
-    res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile)
+    res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile, bf16=bf16)
     print_table(res)
     return res
 

@@ -178,3 +178,36 @@ def test_asgd_switch_then_validation_uses_averages():
     with torch.no_grad(): learn.model.flat.data.copy_(raw)
     assert abs(got - manual) < 1e-6
     assert abs(evaluate(learn, dls.valid)['loss'] - got) < 1e-6
+
+def bf16_autocast(): return torch.autocast('cpu', dtype=torch.bfloat16)
+
+@pytest.mark.parametrize('mode', ['first', 'second', 'exact'])
+def test_arch_passes_stay_fp32_under_bf16_autocast_unless_asked(mode):
+    "Under a bf16 autocast, ArchParamUpdate's passes give the fp32 hypergradient bit for bit; arch_bf16=True does not"
+    from rnn_darts.bench import arch_updater, arch_hypergrad
+    m, trn, val = tiny(3, dropout=0.2, dropouth=0.1)
+    def hyper(cb=None):
+        m.reset(); torch.manual_seed(0)
+        if cb is None: return arch_hypergrad(m, trn, val, mode)
+        with bf16_autocast(), cb.precision(): return arch_hypergrad(m, trn, val, mode)
+    ref = hyper()
+    assert torch.equal(hyper(arch_updater(m, mode)), ref)
+    low = hyper(arch_updater(m, mode, arch_bf16=True))
+    assert low.dtype == torch.float32 and torch.isfinite(low).all() and not torch.equal(low, ref)
+
+@pytest.mark.parametrize('kind', ['search', 'train'])
+def test_learners_with_bf16_train_fp32_weights(kind):
+    from callbacks.training import BF16Autocast
+    from rnn_darts.genotypes import DARTS_V2
+    if kind == 'search': learn, _ = small_learner('second', bf16=True)
+    else:
+        set_seed(0)
+        c = numbers_corpus(seed=0, n_train=3000, n_valid=1000, n_test=500)
+        learn = train_learner(lm_dls(c, 8, 12, 'train', seed=0), DARTS_V2, emsize=12, nhid=12, bf16=True,
+                              checkpoint=False, path=tempfile.mkdtemp())
+    assert any(isinstance(cb, BF16Autocast) for cb in learn.cbs)
+    w0 = learn.model.flat.data.clone()
+    learn.fit(1)
+    assert learn.model.flat.data.dtype == torch.float32 and not torch.equal(w0, learn.model.flat.data)
+    assert all(v == v for v in learn.recorder.values[-1]), "losses and metrics are finite numbers"
+    if kind == 'search': assert learn.model.alpha.dtype == torch.float32

@@ -81,3 +81,12 @@ def test_run_bench_options():
     res = run_bench(small=True, iters=1, warmup=0, shape=tiny, modes=('first',), plain=False, train=False, evaluate=False)
     assert [r['impl'] for r in res['rows']] == ['ours'] and res['ratios'] == {}
     with pytest.raises(ValueError, match='unknown modes'): run_bench(modes=('fourth',))
+
+def test_run_bench_bf16_times_and_measures_agreement(capsys):
+    tiny = dict(bs=3, bptt=4, nhid=6, ntoken=40)
+    res = run_bench(small=True, iters=1, warmup=0, shape=tiny, modes=('first', 'second'), plain=False, train=False,
+                    evaluate=False, bf16=True)
+    assert res['bf16'] and set(res['bf16_agreement']) == {'first', 'second'}
+    for v in res['bf16_agreement'].values(): assert -1 - 1e-6 <= v['min'] <= v['mean'] <= 1 + 1e-6
+    print_table(res)
+    assert 'bf16 vs fp32 hypergradient' in capsys.readouterr().out
