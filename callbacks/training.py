@@ -18,8 +18,8 @@ from fastai.optimizer import Optimizer, weight_decay, l2_reg, sgd_step
 from rnn_darts.genotypes import genotype_to_dict
 
 # %% auto #0
-__all__ = ['TrainEpochEnd', 'SeqLenLR', 'RNNRegularizer', 'FlatGradClip', 'BF16Autocast', 'average_step', 'ASGD', 'valid_loss_of',
-           'ASGDSwitch', 'write_json_atomic', 'GenotypeLogger', 'RunLogger']
+__all__ = ['TrainEpochEnd', 'SeqLenLR', 'RNNRegularizer', 'FusedDecoderLoss', 'FlatGradClip', 'BF16Autocast', 'average_step',
+           'ASGD', 'valid_loss_of', 'ASGDSwitch', 'write_json_atomic', 'GenotypeLogger', 'RunLogger']
 
 # %% ../nbs/05_training.ipynb #043e6bd3
 class TrainEpochEnd(Callback):
@@ -53,6 +53,13 @@ class RNNRegularizer(_RNNRegularizer):
         if self.beta:
             h = self.rnn.raw_out
             if h.dim() > 1 and h.shape[1] > 1: self.learn.loss_grad += self.beta * (h[:, 1:] - h[:, :-1]).float().pow(2).mean()
+
+# %% ../nbs/05_training.ipynb #e9982076
+class FusedDecoderLoss(Callback):
+    "Training batches give the model their targets: it returns its fused decoder's loss, never the logits"
+    order = 70   # after every callback that reads the inputs (`xb`)
+    def before_batch(self):
+        if self.training and not getattr(self.recorder, 'train_metrics', False): self.learn.xb = (*self.xb, *self.yb)
 
 # %% ../nbs/05_training.ipynb #de03d7fd
 class FlatGradClip(GradientClip):

@@ -11,7 +11,6 @@ import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V2
 from rnn_darts.model import DartsRnn, DartsRnnSearch
 from callbacks.arch import ArchParamUpdate, hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
-from rnn_darts.learner import SeqCrossEntropy
 
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'STEP_NAMES', 'mem_kind', 'time_fn', 'time_pair',
@@ -78,8 +77,8 @@ def _batches(ntoken, bs, bptt, n, device, seed):
     return res
 
 def weight_step(model, xb, yb, lr=STEP['lr'], clip=STEP['clip']):
-    "The learners' weight step: forward on the train stream, `SeqCrossEntropy`, backward into the flat grad, flat clip, `w ← w − lr·g`"
-    loss = SeqCrossEntropy()(model(xb)[0], yb)
+    "The learners' weight step: forward with the targets (the fused decoder loss), backward, flat clip, `w ← w − lr·g`"
+    loss = model(xb, yb)[0]
     loss.backward()
     g = model.flat.grad
     with torch.no_grad():

@@ -21,7 +21,7 @@ from fastai.callback.progress import CSVLogger
 from rnn_darts.model import DartsRnn, DartsRnnSearch
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
 from callbacks.arch import ArchParamUpdate
-from callbacks.training import SeqLenLR, FlatGradClip, ASGDSwitch, GenotypeLogger, TrainEpochEnd, RNNRegularizer, write_json_atomic, valid_loss_of, BF16Autocast
+from callbacks.training import SeqLenLR, FlatGradClip, ASGDSwitch, GenotypeLogger, TrainEpochEnd, RNNRegularizer, write_json_atomic, valid_loss_of, BF16Autocast, FusedDecoderLoss
 from callbacks.checkpoint import Checkpoint, DivergenceGuard
 
 # %% auto #0
@@ -79,6 +79,7 @@ class RunInfo(TrainEpochEnd):
 class SeqCrossEntropy(CrossEntropyLossFlat):
     "`CrossEntropyLossFlat` for (bs, T, ntoken) logits that reads time-major storage without copying it"
     def __call__(self, inp, targ, **kwargs):
+        if inp.dim() == 0: return inp   # the model was given the targets and returned its fused loss (`FusedDecoderLoss`)
         if inp.dim() == 3 and inp.transpose(0, 1).is_contiguous(): inp, targ = inp.transpose(0, 1), targ.transpose(0, 1)
         return self.func(inp.reshape(-1, inp.shape[-1]), targ.reshape(-1), **kwargs)
 
@@ -88,15 +89,17 @@ def _ntoken(dls, ntoken):
     if getattr(dls, 'vocab', None) is None: raise ValueError("pass ntoken=..., or DataLoaders with a .vocab (as lm_dls makes)")
     return len(dls.vocab)
 
-def _common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume):
+def _common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss):
     cbs = [ModelResetter(), RNNCallback(), RNNRegularizer(alpha, beta), SeqLenLR(), FlatGradClip(clip), DivergenceGuard(on_nan)]
+    if fused_loss: cbs.append(FusedDecoderLoss())
     if checkpoint: cbs.append(Checkpoint(keep=keep, resume=resume))
     elif resume: raise ValueError("resume needs checkpoint=True")
     return cbs
 
-def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=False, bf16=False):
+def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=False, bf16=False, fused_loss=True):
     dev = torch.device(device) if device is not None else getattr(dls, 'device', None) or torch.device('cpu')
     model.to(dev)
+    model.fused_loss = fused_loss
     if compile: model.cell.compile_step()
     return DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=lr, splitter=flat_splitter, wd=wd,
                         wd_bn_bias=True, metrics=metrics, path=path, cbs=list(L(cbs)) + ([BF16Autocast()] if bf16 else []))
@@ -105,24 +108,24 @@ def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=
                    dropoute=0., lr=20., wd=5e-7, clip=0.25, alpha=0., beta=1e-3, mode='second', arch_lr=3e-3,
                    arch_wd=1e-3, relax='softmax', same_masks=True, zero_one=0., on_nan='rollback', path='.',
                    checkpoint=True, keep=2, resume=None, cbs=None, device=None, ntoken=None, compile=False, bf16=False,
-                   arch_bf16=False) -> DartsLearner:
+                   arch_bf16=False, fused_loss=True) -> DartsLearner:
     "A `Learner` for the DARTS search phase, with the paper's defaults"
     model = DartsRnnSearch(_ntoken(dls, ntoken), emsize, nhid, dropout, dropouth, dropoutx, dropouti, dropoute, relax=relax)
     arch = ArchParamUpdate(search_dl, mode, arch_lr, arch_wd=arch_wd, same_masks=same_masks, zero_one=zero_one,
                            arch_bf16=arch_bf16)
-    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16)
+    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16, fused_loss)
     learn.metrics.append(ValueMetric(lambda: arch.search_loss(), 'search_loss'))
-    learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume) + [arch, GenotypeLogger()] + list(L(cbs)))
+    learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss) + [arch, GenotypeLogger()] + list(L(cbs)))
     return learn
 
 def train_learner(dls, genotype, emsize=850, nhid=850, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
                   dropoute=0.1, lr=20., wd=8e-7, clip=0.25, alpha=0., beta=1e-3, nonmono=5, asgd=False,
                   on_nan='rollback', path='.', checkpoint=True, keep=2, resume=None, cbs=None, device=None,
-                  ntoken=None, compile=False, bf16=False) -> DartsLearner:
+                  ntoken=None, compile=False, bf16=False, fused_loss=True) -> DartsLearner:
     "A `Learner` that trains a derived genotype from scratch with NT-ASGD, with the paper's defaults"
     model = DartsRnn(_ntoken(dls, ntoken), load_genotype(genotype), emsize, nhid, dropout, dropouth, dropoutx, dropouti, dropoute)
-    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16)
-    learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume) + [ASGDSwitch(nonmono, start=asgd)] + list(L(cbs)))
+    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16, fused_loss)
+    learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss) + [ASGDSwitch(nonmono, start=asgd)] + list(L(cbs)))
     return learn
 
 # %% ../nbs/07_learner.ipynb #e972eb06

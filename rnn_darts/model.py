@@ -331,22 +331,28 @@ class LanguageModel(FlatModule):
         out = raw * self.masks((stream, 'o'), (1, bs, self.nhid), self.dropout, raw) if self.training and self.dropout else raw
         return raw, out, h
 
-    def forward(self, x):
-        "Logits, raw and dropped outputs, batch-first views of time-major tensors (`SeqCrossEntropy` reads them without a copy)"
+    def forward(self, x, y=None):
+        "Logits, raw and dropped outputs, batch-first views of time-major tensors; given targets `y`, the loss in place of the logits"
         stream = self.current_stream()
         raw, out, h = self.hidden_stream(x, stream)
         self.hidden[stream] = h.detach()
-        return tuple(t.transpose(0, 1) for t in (F.linear(out, self.encoder.weight, self.decoder_bias), raw, out))
+        raw_b, out_b = raw.transpose(0, 1), out.transpose(0, 1)
+        if y is not None: return self.decoder_loss(out, y), raw_b, out_b
+        return F.linear(out, self.encoder.weight, self.decoder_bias).transpose(0, 1), raw_b, out_b
 
-    def loss(self, x, y, stream='train', advance=True, weight_grads=True):
-        "Cross-entropy of `y` given `x` on `stream`, decoder fused; `advance=False` keeps the state, `weight_grads=False` skips ∂/∂W of the decoder"
-        _, out, h = self.hidden_stream(x, stream)
-        if advance: self.hidden[stream] = h.detach()
+    def decoder_loss(self, out, y, weight_grads=True):
+        "Cross-entropy of the tied decoder on `out` (T, bs, nhid) against `y` (bs, T); `weight_grads=False` skips its ∂/∂W"
         W, b = self.encoder.weight, self.decoder_bias
         if not weight_grads: W, b = W.detach(), b.detach()
         out, y = out.reshape(-1, self.nhid), y.t().reshape(-1)
         if self.fused_loss: return linear_cross_entropy(out, W, b, y)
         return F.cross_entropy(F.linear(out, W, b), y)
+
+    def loss(self, x, y, stream='train', advance=True, weight_grads=True):
+        "Cross-entropy of `y` given `x` on `stream`; `advance=False` keeps the stream's state"
+        _, out, h = self.hidden_stream(x, stream)
+        if advance: self.hidden[stream] = h.detach()
+        return self.decoder_loss(out, y, weight_grads)
 
     @contextmanager
     def twice_differentiable(self):

@@ -211,3 +211,24 @@ def test_learners_with_bf16_train_fp32_weights(kind):
     assert learn.model.flat.data.dtype == torch.float32 and not torch.equal(w0, learn.model.flat.data)
     assert all(v == v for v in learn.recorder.values[-1]), "losses and metrics are finite numbers"
     if kind == 'search': assert learn.model.alpha.dtype == torch.float32
+
+@pytest.mark.parametrize('kind', ['search', 'train'])
+def test_fused_decoder_loss_trains_like_the_plain_loss(kind):
+    "FusedDecoderLoss (the default) and the plain decoder + cross-entropy train alike: losses, weights (and α)"
+    from callbacks.training import FusedDecoderLoss
+    from rnn_darts.genotypes import DARTS_V2
+    def run(fused):
+        if kind == 'search': learn, _ = small_learner('second', fused_loss=fused)
+        else:
+            set_seed(0)
+            c = numbers_corpus(seed=0, n_train=3000, n_valid=1000, n_test=500)
+            learn = train_learner(lm_dls(c, 8, 12, 'train', seed=0), DARTS_V2, emsize=12, nhid=12, fused_loss=fused,
+                                  checkpoint=False, path=tempfile.mkdtemp())
+        assert any(isinstance(cb, FusedDecoderLoss) for cb in learn.cbs) == fused and learn.model.fused_loss == fused
+        learn.fit(1)
+        return torch.tensor(learn.recorder.losses), learn.model.flat.data.clone()
+    (l1, w1), (l2, w2) = run(True), run(False)
+    if kind == 'search':   # Adam on α's small gradients turns float rounding into sign flips after a few steps
+        torch.testing.assert_close(l1[:3], l2[:3], rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5); torch.testing.assert_close(w1, w2, rtol=1e-3, atol=5e-5)

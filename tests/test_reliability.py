@@ -105,23 +105,24 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- 2. in-process resume, train phase with NT-ASGD
 def test_train_resume_with_asgd_switch_equals_straight_run(tmp_path):
-    """train_learner 8 epochs (NT-ASGD switches at epoch 5) == 5 epochs + a new learner resumed from epoch 3 (before the
-    switch) == a new learner resumed from epoch 6 (after it: averages in the optimizer state): same losses, same averages"""
-    n = 8
+    """train_learner n epochs (NT-ASGD switches at epoch s) == s epochs + a new learner resumed from epoch s-2 (before the
+    switch) == a new learner resumed from epoch n-2 (after it: averages in the optimizer state): same losses, same averages"""
+    n = 11
     a = tiny_train(tmp_path/'a', nonmono=1); fit(a, n)
     sw = a.asgd_switch
-    assert sw.active and sw.switch_epoch == 5 and sw.averages() is not None
-    b = tiny_train(tmp_path/'b', nonmono=1); fit(b, 5)
+    s = sw.switch_epoch
+    assert sw.active and 2 <= s <= n - 3 and sw.averages() is not None
+    b = tiny_train(tmp_path/'b', nonmono=1); fit(b, s)
     assert not b.asgd_switch.active
-    c = tiny_train(tmp_path/'b', nonmono=1, resume=tmp_path/'b'/'checkpoints'/'epoch_0003.pth'); fit(c, n)
-    assert c.recorder.values == a.recorder.values[4:]
-    assert c.asgd_switch.switch_epoch == 5 and c.asgd_switch.history == sw.history
+    c = tiny_train(tmp_path/'b', nonmono=1, resume=tmp_path/'b'/'checkpoints'/f'epoch_{s - 2:04d}.pth'); fit(c, n)
+    assert c.recorder.values == a.recorder.values[s - 1:]
+    assert c.asgd_switch.switch_epoch == s and c.asgd_switch.history == sw.history
     assert torch.equal(c.asgd_switch.averages(), sw.averages())          # the averaged weights
     assert sd_equal(sd_clone(c.model), sd_clone(a.model))
-    ck6 = tmp_path/'a'/'checkpoints'/'epoch_0006.pth'
-    assert load_checkpoint(ck6)['asgd']
-    d = tiny_train(tmp_path/'d', nonmono=1, resume=ck6); fit(d, n)
-    assert d.recorder.values == a.recorder.values[7:]
+    ck = tmp_path/'a'/'checkpoints'/f'epoch_{n - 2:04d}.pth'
+    assert load_checkpoint(ck)['asgd']
+    d = tiny_train(tmp_path/'d', nonmono=1, resume=ck); fit(d, n)
+    assert d.recorder.values == a.recorder.values[n - 1:]
     assert d.asgd_switch.active and torch.equal(d.asgd_switch.averages(), sw.averages())
     assert sd_equal(sd_clone(d.model), sd_clone(a.model))
 
