@@ -77,6 +77,17 @@ def small_learner(mode='second', seed=0, **kw):
     dls = lm_dls(c, 8, 12, 'search', seed=seed)
     return search_learner(dls, search_stream(c, 8), emsize=12, nhid=12, mode=mode, checkpoint=False, path=tempfile.mkdtemp(), **kw), c
 
+def small_train_learner(seed=0, **kw):
+    from rnn_darts.genotypes import DARTS_V2
+    set_seed(seed)
+    c = numbers_corpus(seed=seed, n_train=3000, n_valid=1000, n_test=500)
+    return train_learner(lm_dls(c, 8, 12, 'train', seed=seed), DARTS_V2, emsize=12, nhid=12, checkpoint=False,
+                         path=tempfile.mkdtemp(), **kw)
+
+def small_of_kind(kind, **kw):
+    "A second-order search learner or a derived-cell training learner"
+    return small_learner('second', **kw)[0] if kind == 'search' else small_train_learner(**kw)
+
 @pytest.mark.parametrize('mode', ['first', 'second', 'exact'])
 def test_arch_step_leaves_weights_bit_identical_and_moves_alpha(mode):
     learn, _ = small_learner(mode)
@@ -198,13 +209,7 @@ def test_arch_passes_stay_fp32_under_bf16_autocast_unless_asked(mode):
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_learners_with_bf16_train_fp32_weights(kind):
     from callbacks.training import BF16Autocast
-    from rnn_darts.genotypes import DARTS_V2
-    if kind == 'search': learn, _ = small_learner('second', bf16=True)
-    else:
-        set_seed(0)
-        c = numbers_corpus(seed=0, n_train=3000, n_valid=1000, n_test=500)
-        learn = train_learner(lm_dls(c, 8, 12, 'train', seed=0), DARTS_V2, emsize=12, nhid=12, bf16=True,
-                              checkpoint=False, path=tempfile.mkdtemp())
+    learn = small_of_kind(kind, bf16=True)
     assert any(isinstance(cb, BF16Autocast) for cb in learn.cbs)
     w0 = learn.model.flat.data.clone()
     learn.fit(1)
@@ -216,14 +221,8 @@ def test_learners_with_bf16_train_fp32_weights(kind):
 def test_fused_decoder_loss_trains_like_the_plain_loss(kind):
     "FusedDecoderLoss (the default) and the plain decoder + cross-entropy train alike: losses, weights (and α)"
     from callbacks.training import FusedDecoderLoss
-    from rnn_darts.genotypes import DARTS_V2
     def run(fused):
-        if kind == 'search': learn, _ = small_learner('second', fused_loss=fused)
-        else:
-            set_seed(0)
-            c = numbers_corpus(seed=0, n_train=3000, n_valid=1000, n_test=500)
-            learn = train_learner(lm_dls(c, 8, 12, 'train', seed=0), DARTS_V2, emsize=12, nhid=12, fused_loss=fused,
-                                  checkpoint=False, path=tempfile.mkdtemp())
+        learn = small_of_kind(kind, fused_loss=fused)
         assert any(isinstance(cb, FusedDecoderLoss) for cb in learn.cbs) == fused and learn.model.fused_loss == fused
         learn.fit(1)
         return torch.tensor(learn.recorder.losses), learn.model.flat.data.clone()
