@@ -18,7 +18,7 @@ from rnn_darts.distrib import setup_distrib, distrib_learner, cleanup_distrib
 
 # %% auto #0
 __all__ = ['DATA_DEFAULTS', 'COMMANDS', 'known_options', 'resolve_settings', 'options_of_defaults', 'load_corpus', 'search',
-           'train', 'evaluate_run', 'bench', 'report', 'main']
+           'train', 'evaluate_run', 'bench', 'report', 'run_command', 'main']
 
 # %% ../nbs/08_cli.ipynb #09131284
 DATA_DEFAULTS = dict(data='numbers', files='', unk='', n_train=200_000, epochs=50, bs=256, bptt=35, eval_bs=10,
@@ -186,7 +186,7 @@ def bench(
 ):
     "Time search steps (second, first, exact), derived-cell training steps and evaluation"
     from rnn_darts.bench import run_bench, print_table
-    res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile, bf16=bf16)
+    res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile, bf16=bf16, verbose=True)
     print_table(res)
     return res
 
@@ -203,14 +203,18 @@ def report(
 # %% ../nbs/08_cli.ipynb #719b8ce7
 COMMANDS = dict(search=search, train=train, evaluate=evaluate_run, bench=bench, report=report)
 
+def run_command(argv):
+    "Run `rnn-darts ARGV...` (`argv` without the program name) and return what the command returns (a learner, results)"
+    if not argv or argv[0] not in COMMANDS:
+        print("usage: rnn-darts {" + ",".join(COMMANDS) + "} [options]   (rnn-darts COMMAND -h for the options)")
+        sys.exit(0 if argv and argv[0] in ('-h', '--help') else 2)
+    cmd, fn = argv[0], COMMANDS[argv[0]]
+    args = vars(anno_parser(fn, prog=f"rnn-darts {cmd}").parse_args(argv[1:]))
+    args.pop('pdb', None); args.pop('xtra', None)
+    return fn(**args)
+
 def main():
     "Entry point of the `rnn-darts` console script"
-    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        print("usage: rnn-darts {" + ",".join(COMMANDS) + "} [options]   (rnn-darts COMMAND -h for the options)")
-        sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ('-h', '--help') else 2)
-    cmd, fn = sys.argv[1], COMMANDS[sys.argv[1]]
-    args = vars(anno_parser(fn, prog=f"rnn-darts {cmd}").parse_args(sys.argv[2:]))
-    args.pop('pdb', None); args.pop('xtra', None)
-    fn(**args)
+    run_command(sys.argv[1:])
 
 if __name__ == '__main__' and not in_notebook(): main()
