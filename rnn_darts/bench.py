@@ -8,15 +8,17 @@ import copy, gc, json, os, platform, resource, time
 from pathlib import Path
 from types import SimpleNamespace
 import torch, torch.nn as nn, torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V2
 from rnn_darts.model import DartsRnn, DartsRnnSearch
 from callbacks.arch import ArchParamUpdate, hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
 
 # %% auto #0
-__all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'STEP_NAMES', 'mem_kind', 'time_fn', 'time_pair',
-           'weight_step', 'arch_updater', 'arch_hypergrad', 'search_step', 'in_bf16', 'PlainSearchRnn', 'plain_from',
-           'plain_clip', 'plain_unrolled', 'plain_hvp', 'plain_hypergrad_first', 'plain_hypergrad_second',
-           'PlainSearchStep', 'bf16_agreement', 'write_json', 'run_bench', 'print_table']
+__all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'STEP_NAMES', 'mem_kind', 'time_fn',
+           'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'arch_hypergrad', 'search_step',
+           'in_bf16', 'PlainSearchRnn', 'plain_from', 'plain_clip', 'plain_unrolled', 'plain_hvp',
+           'plain_hypergrad_first', 'plain_hypergrad_second', 'PlainSearchStep', 'bf16_agreement', 'write_json',
+           'run_bench', 'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 FULL_SHAPES = dict(search=dict(bs=256, bptt=35, nhid=300, ntoken=10000),
@@ -66,6 +68,21 @@ def time_pair(fa, fb, iters:int, warmup:int, device='cpu'):
             t0 = time.perf_counter(); f(); _sync(device); t.append(time.perf_counter() - t0)
     mem = _peak_mb(device)
     return tuple(dict(ms=1e3 * sum(t) / len(t), ms_min=1e3 * min(t), mem_mb=mem) for t in ts)
+
+# %% ../nbs/10_bench.ipynb #d46143ca
+NO_KERNEL_OPS = {'empty', 'empty_strided', 'empty_like', 'new_empty', 'detach', 'lift_fresh', 'is_same_size', '_local_scalar_dense'}
+
+class OpCounter(TorchDispatchMode):
+    "Counts the aten operators that reach the device, after autograd (backward included), views and allocations excluded"
+    def __init__(self): super().__init__(); self.n = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func._overloadpacket.__name__ not in NO_KERNEL_OPS: self.n += 1
+        return func(*args, **(kwargs or {}))
+
+def op_count(fn) -> int:
+    "Operators one run of `fn` sends to the device (forward and backward), views excluded: about its kernel launches on a GPU"
+    with OpCounter() as c: fn()
+    return c.n
 
 # %% ../nbs/10_bench.ipynb #963380f2
 def _batches(ntoken, bs, bptt, n, device, seed):
@@ -310,7 +327,7 @@ def _device_name(device):
 def _row(name, impl, shape, t):
     tok = shape['bs'] * shape['bptt']
     return dict(name=name, impl=impl, **{k: shape[k] for k in ('bs', 'bptt', 'nhid', 'ntoken')},
-                ms=t['ms'], ms_min=t['ms_min'], tok_s=tok / (t['ms'] / 1e3), mem_mb=t['mem_mb'])
+                ms=t['ms'], ms_min=t['ms_min'], tok_s=tok / (t['ms'] / 1e3), mem_mb=t['mem_mb'], ops=t['ops'])
 
 def write_json(results: dict, path):
     "Write `results` (from `run_bench`) to `path` as JSON"
@@ -345,6 +362,8 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
         if compile: m.cell.compile_step()
         return m
     amp = (lambda f: in_bf16(f, dev)) if bf16 else (lambda f: f)
+    count = (lambda fn: None) if compile else op_count   # a dispatch mode and compiled graphs do not mix
+    def measure(fn): return dict(time_fn(fn, iters, warmup, dev), ops=count(fn))
     def log(r):
         res['rows'].append(r)
         if verbose: print(f"{r['name']:<34} {r['impl']:<6} {r['ms']:10.1f} ms")
@@ -364,22 +383,23 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
             step = PlainSearchStep(p, mode)
             if torch.device(dev).type == 'cpu':      # interleaved: the same load for both
                 to, tp = time_pair(fn, lambda: step(trn, val), iters, warmup, dev)
+                to['ops'], tp['ops'] = count(fn), op_count(lambda: step(trn, val))
             else:                                    # separately: a per-row peak memory
-                to = time_fn(fn, iters, warmup, dev); del m, cb
-                tp = time_fn(lambda: step(trn, val), iters, warmup, dev)
+                to = measure(fn); del m, cb
+                tp = measure(lambda: step(trn, val))
             log(_row(STEP_NAMES[mode], 'ours', S, to))
             log(_row(STEP_NAMES[mode], 'plain', S, tp))
             mine = next(r for r in res['rows'] if r['name'] == STEP_NAMES[mode] and r['impl'] == 'ours')
             res['ratios'][mode] = res['rows'][-1]['ms'] / mine['ms']
             res['ratios_min'][mode] = res['rows'][-1]['ms_min'] / mine['ms_min']
             del p, step
-        else: log(_row(STEP_NAMES[mode], 'ours', S, time_fn(fn, iters, warmup, dev)))
+        else: log(_row(STEP_NAMES[mode], 'ours', S, measure(fn)))
         m = cb = None
     if train:
         torch.manual_seed(seed)
         d = ours(DartsRnn(TS['ntoken'], DARTS_V2, TS['nhid'], TS['nhid']).to(dev).train())
         tb = _batches(TS['ntoken'], TS['bs'], TS['bptt'], 1, dev, seed + 1)[0]
-        log(_row('derived DARTS_V2 training step', 'ours', TS, time_fn(amp(lambda: weight_step(d, *tb)), iters, warmup, dev)))
+        log(_row('derived DARTS_V2 training step', 'ours', TS, measure(amp(lambda: weight_step(d, *tb)))))
         del d
     if evaluate:
         for name, sh, make in (('search model eval forward', S, search_model),
@@ -391,7 +411,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
             eb = _batches(es['ntoken'], ebs, es['bptt'], 1, dev, seed + 2)[0][0]
             def fwd():
                 with torch.no_grad(): m(eb)
-            log(_row(name, 'ours', es, time_fn(amp(fwd), iters, warmup, dev)))
+            log(_row(name, 'ours', es, measure(amp(fwd))))
             del m
     hyper = [k for k in modes if k != 'weight']
     if bf16 and hyper:
@@ -407,10 +427,10 @@ def print_table(results: dict, file=None):
     out = [f"device: {r['device']} ({r['device_name']}), torch {r['torch']}, {r['threads']} threads; "
            f"{r['warmup']} warm-up + {r['iters']} timed iterations per row",
            f"memory: {r['mem_kind']}",
-           f"{'what':<34} {'impl':<6} {'bs':>4} {'bptt':>4} {'nhid':>5} {'ntoken':>6} {'ms/batch':>10} {'min ms':>9} {'tok/s':>10} {'mem MiB':>9}"]
+           f"{'what':<34} {'impl':<6} {'bs':>4} {'bptt':>4} {'nhid':>5} {'ntoken':>6} {'ms/batch':>10} {'min ms':>9} {'tok/s':>10} {'mem MiB':>9} {'ops':>8}"]
     for x in r['rows']:
         out.append(f"{x['name']:<34} {x['impl']:<6} {x['bs']:>4} {x['bptt']:>4} {x['nhid']:>5} {x['ntoken']:>6} "
-                   f"{x['ms']:>10.1f} {x['ms_min']:>9.1f} {x['tok_s']:>10.0f} {x['mem_mb']:>9.0f}")
+                   f"{x['ms']:>10.1f} {x['ms_min']:>9.1f} {x['tok_s']:>10.0f} {x['mem_mb']:>9.0f} {x['ops'] or '-':>8}")
     for k, v in r['ratios'].items():
         out.append(f"plain / ours, {STEP_NAMES[k]}: {v:.2f}x (mean), {r.get('ratios_min', {}).get(k, float('nan')):.2f}x (fastest)")
     for k, v in r.get('bf16_agreement', {}).items():

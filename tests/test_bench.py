@@ -3,7 +3,7 @@ import json
 import pytest, torch
 from rnn_darts.model import DartsRnnSearch
 from rnn_darts.bench import (PlainSearchRnn, PlainSearchStep, plain_from, plain_hypergrad_first, plain_hypergrad_second,
-                             run_bench, print_table, search_step, arch_updater, _batches)
+                             run_bench, print_table, search_step, arch_updater, _batches, STEP_NAMES)
 from callbacks.arch import hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
 
 NO_DROP = dict(dropout=0, dropouth=0, dropoutx=0, dropouti=0)
@@ -68,8 +68,11 @@ def test_run_bench_tiny(tmp_path, capsys):
     impls = [(r['name'], r['impl']) for r in res['rows']]
     assert len(impls) == 4 + 2 + 1 + 2 and sum(i == 'plain' for _, i in impls) == 2
     for r in res['rows']:
-        assert {'name', 'impl', 'bs', 'bptt', 'nhid', 'ntoken', 'ms', 'ms_min', 'tok_s', 'mem_mb'} <= set(r)
-        assert r['ms'] > 0 and r['ms_min'] > 0 and r['tok_s'] > 0 and r['mem_mb'] > 0
+        assert {'name', 'impl', 'bs', 'bptt', 'nhid', 'ntoken', 'ms', 'ms_min', 'tok_s', 'mem_mb', 'ops'} <= set(r)
+        assert r['ms'] > 0 and r['ms_min'] > 0 and r['tok_s'] > 0 and r['mem_mb'] > 0 and r['ops'] > 0
+    ops = {(r['name'], r['impl']): r['ops'] for r in res['rows']}
+    for mode in ('second', 'first'):   # the plain code asks the device for over 5x as many operators (launches on a GPU)
+        assert ops[STEP_NAMES[mode], 'plain'] > 5 * ops[STEP_NAMES[mode], 'ours']
     assert set(res['ratios']) == set(res['ratios_min']) == {'second', 'first'} and all(v > 0 for v in res['ratios'].values())
     assert json.loads((tmp_path/'b.json').read_text())['rows'] == res['rows']
     print_table(res)
@@ -90,3 +93,10 @@ def test_run_bench_bf16_times_and_measures_agreement(capsys):
     for v in res['bf16_agreement'].values(): assert -1 - 1e-6 <= v['min'] <= v['mean'] <= 1 + 1e-6
     print_table(res)
     assert 'bf16 vs fp32 hypergradient' in capsys.readouterr().out
+
+def test_op_count_counts_what_reaches_the_device():
+    from rnn_darts.bench import op_count
+    x = torch.randn(4, 3, requires_grad=True)
+    assert op_count(lambda: x.view(12).t().detach()) == 0                     # views launch nothing
+    assert op_count(lambda: torch.sigmoid(x.view(3, 4) * 2).sum()) == 3       # mul, sigmoid, sum
+    assert op_count(lambda: (x * 2).sum().backward()) > 2                      # the backward pass counts too
