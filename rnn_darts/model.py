@@ -295,7 +295,7 @@ class LanguageModel(FlatModule):
         self.decoder_bias = nn.Parameter(torch.zeros(ntoken))
         self.cell = cell
         self.masks, self.hidden, self.stream = MaskBank(), {}, None
-        self.fused_loss = True   # `loss` through `linear_cross_entropy`
+        self.fused_loss = True   # decoder losses (`loss`, `forward(x, y)`) through `linear_cross_entropy`
 
     def reset(self): self.hidden = {}
     def current_stream(self): return self.stream or ('train' if self.training else 'valid')

@@ -200,12 +200,16 @@ def test_deepcopy_and_pickle_keep_the_store_packed():
         assert m2.flat.is_packed() and torch.equal(m2.flat.data, m.flat.data)
         assert m2.flat.data.data_ptr() != m.flat.data.data_ptr()
 
+def tiny_search(**dropouts):
+    "A seeded 20-word search model in training mode, with an input and a target batch"
+    torch.manual_seed(0)
+    m = DartsRnnSearch(20, 8, 8, **dropouts).train()
+    return m, torch.randint(0, 20, (4, 5)), torch.randint(0, 20, (4, 5))
+
 @pytest.mark.slow
 def test_compiled_step_equals_eager():
     "The torch.compile fast path gives the eager numbers (outputs and α/weight gradients)"
-    torch.manual_seed(0)
-    m = DartsRnnSearch(20, 8, 8, dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1).train()
-    x, y = torch.randint(0, 20, (4, 5)), torch.randint(0, 20, (4, 5))
+    m, x, y = tiny_search(dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1)
     def grads():
         m.reset(); m.alpha.requires_grad_(True)
         loss = m.loss(x, y, advance=False)
@@ -221,9 +225,7 @@ def test_compiled_step_equals_eager():
 def test_exact_mode_runs_with_a_compiled_step():
     "Double backward cannot go through a compiled graph: the exact HVP uses the eager step"
     from callbacks.arch import hypergrad_second, exact_hvp
-    torch.manual_seed(0)
-    m = DartsRnnSearch(20, 8, 8, dropout=0., dropouth=0., dropoutx=0., dropouti=0.).train()
-    x, y = torch.randint(0, 20, (4, 5)), torch.randint(0, 20, (4, 5))
+    m, x, y = tiny_search(dropout=0., dropouth=0., dropoutx=0., dropouti=0.)
     m.alpha.requires_grad_(True)
     with m.arch_pass(): ref, _ = hypergrad_second(m, (x, y), (x, y), 1., 0., 0.25, hvp=exact_hvp)
     m.cell.compile_step(); m.reset()
