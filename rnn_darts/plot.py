@@ -16,9 +16,9 @@ from rnn_darts.genotypes import (Genotype, PRIMITIVES, check_genotype, load_geno
                                  derive_genotype, genotype_from_dict)
 
 # %% auto #0
-__all__ = ['OP_COLORS', 'FORMATS', 'dot_path', 'genotype_dot', 'cell_layout', 'plot_genotype', 'load_history', 'entry_genotype',
-           'alpha_matrix', 'edge_names', 'plot_alphas', 'genotype_gif', 'log_frame', 'plot_curves', 'run_summary',
-           'write_report']
+__all__ = ['OP_COLORS', 'FORMATS', 'ShownFigure', 'dot_path', 'genotype_dot', 'cell_layout', 'plot_genotype', 'load_history',
+           'entry_genotype', 'alpha_matrix', 'edge_names', 'plot_alphas', 'genotype_gif', 'log_frame', 'plot_curves',
+           'run_summary', 'write_report']
 
 # %% ../nbs/09_plot.ipynb #ccbf2eea
 OP_COLORS = {'none': '#9e9e9e', 'tanh': '#1f77b4', 'relu': '#d62728', 'sigmoid': '#2ca02c', 'identity': '#9467bd'}
@@ -29,8 +29,15 @@ def _fmt_of(path) -> str:
     if fmt not in FORMATS: raise ValueError(f"{path}: unknown picture format {fmt!r}; use one of {', '.join('.'+f for f in FORMATS)}")
     return fmt
 
+class ShownFigure(Figure):
+    "A `Figure` that shows itself as a PNG wherever IPython displays it (Jupyter, nbconvert, nbdev), pyplot or not"
+    def _repr_png_(self):
+        buf = io.BytesIO()
+        self.savefig(buf, format='png', dpi=100, bbox_inches='tight', facecolor='white')
+        return buf.getvalue()
+
 def _figure(w, h) -> Figure:
-    fig = Figure(figsize=(w, h), dpi=100)
+    fig = ShownFigure(figsize=(w, h), dpi=100)
     FigureCanvasAgg(fig)
     return fig
 
@@ -354,7 +361,8 @@ def run_summary(run_dir) -> dict:
     times = run.get('epoch_times') or []
     if not times and log is not None and 'time' in log: times = [s for s in map(_secs, log['time']) if s is not None]
     return dict(command=run.get('command', '?'), settings=run.get('settings') or {}, device=run.get('device', 'unknown'),
-                asgd_epoch=run.get('asgd_epoch'), genotype=g, best_valid_loss=best,
+                asgd_epoch=run.get('asgd_epoch'), genotype=g, best_valid_loss=best, test_loss=run.get('test_loss'),
+                test_ppl=run.get('test_ppl'),
                 best_perplexity=None if best is None else math.exp(best),
                 mean_epoch_time=float(np.mean(times)) if times else None, epochs=len(times) or (len(log) if log is not None else None),
                 log=log, history=hist)
@@ -380,6 +388,7 @@ def write_report(run_dir, fmt:str='md') -> Path:
              ('epochs', s['epochs'] if s['epochs'] is not None else 'n/a'),
              ('best validation loss', f"{s['best_valid_loss']:.4f}" if s['best_valid_loss'] is not None else 'n/a'),
              ('best validation perplexity', f"{s['best_perplexity']:.2f}" if s['best_perplexity'] is not None else 'n/a'),
+             *([('test loss', f"{s['test_loss']:.4f}"), ('test perplexity', f"{s['test_ppl']:.2f}")] if s['test_loss'] is not None else []),
              ('mean time per epoch', _fmt_secs(s['mean_epoch_time']) if s['mean_epoch_time'] is not None else 'n/a'),
              ('NT-ASGD from epoch', s['asgd_epoch'] if s['asgd_epoch'] is not None else 'never')]
     if s['genotype'] is not None:

@@ -1,5 +1,5 @@
 "Tests of rnn_darts.plot: every picture is a real file of its kind and shows the data it was given"
-import json, math, re, shutil
+import io, json, math, re, shutil
 from pathlib import Path
 
 import numpy as np, pandas as pd, pytest
@@ -237,6 +237,15 @@ def test_plot_curves_from_recorder():
     with pytest.raises(TypeError, match='Recorder'): P.plot_curves(42)
 
 
+def test_figures_display_as_png_without_pyplot():
+    "Jupyter and nbconvert show a returned figure as a picture, not as '<Figure size ...>'"
+    formatters = pytest.importorskip('IPython.core.formatters')
+    fig = P.plot_curves(pd.DataFrame(dict(epoch=[0, 1], train_loss=[6., 5.], valid_loss=[5.5, 5.])))
+    data, _ = formatters.DisplayFormatter().format(fig)
+    assert data['image/png'][:8] == b'\x89PNG\r\n\x1a\n'
+    with Image.open(io.BytesIO(data['image/png'])) as im: assert im.size[0] > 100
+
+
 def test_log_with_repeated_header(tmp_path):
     p = tmp_path/'log.csv'
     p.write_text('epoch,train_loss,valid_loss,perplexity,time\n0,6,5.5,244.7,00:02\n'
@@ -275,7 +284,10 @@ def test_report_search_run(tmp_path, fmt):
 
 def test_report_train_run_without_dot(no_dot, tmp_path):
     d, run = make_run(tmp_path/'run', command='train', epochs=3, asgd_epoch=None)
+    r = json.loads((d/'run.json').read_text()); r.update(test_loss=4.5678, test_ppl=math.exp(4.5678))
+    (d/'run.json').write_text(json.dumps(r))                           # what `rnn-darts train` adds at its end
     text = P.write_report(d).read_text()
+    assert '| test loss | 4.5678 |' in text and f'| test perplexity | {math.exp(4.5678):.2f} |' in text
     assert f"{math.exp(run['best_valid_loss']):.2f}" in text
     assert 'NVIDIA H100 80GB HBM3' in text and 'never' in text
     assert set(_images(text, 'md')) == {'genotype.png', 'curves.png'}
