@@ -5,7 +5,7 @@
 # %% ../nbs/05_training.ipynb #c59db312
 from __future__ import annotations
 import json, os, math
-from contextlib import contextmanager
+from contextlib import contextmanager, ExitStack
 from pathlib import Path
 import torch
 from fastai.callback.core import Callback
@@ -13,19 +13,26 @@ from fastai.callback.training import GradientClip
 from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastai.callback.progress import CSVLogger
 from fastai.callback.rnn import RNNRegularizer as _RNNRegularizer
+from fastai.callback.schedule import ParamScheduler
+from fastai.learner import Recorder
 from fastai.torch_core import rank_distrib
 from fastai.optimizer import Optimizer, weight_decay, l2_reg, sgd_step
 from rnn_darts.genotypes import genotype_to_dict
 
 # %% auto #0
-__all__ = ['TrainEpochEnd', 'SeqLenLR', 'RNNRegularizer', 'FusedDecoderLoss', 'FlatGradClip', 'BF16Autocast', 'average_step',
-           'ASGD', 'valid_loss_of', 'ASGDSwitch', 'write_json_atomic', 'GenotypeLogger', 'RunLogger']
+__all__ = ['in_lr_find', 'TrainEpochEnd', 'SeqLenLR', 'RNNRegularizer', 'FusedDecoderLoss', 'check_flat_opt', 'FlatGradClip',
+           'BF16Autocast', 'average_step', 'ASGD', 'valid_loss_of', 'ASGDSwitch', 'write_json_atomic', 'GenotypeLogger',
+           'RunLogger']
 
 # %% ../nbs/05_training.ipynb #043e6bd3
+def in_lr_find(learn) -> bool:
+    "Whether `learn` is inside `learn.lr_find()` (fastai's `LRFinder` callback is attached)"
+    return hasattr(learn, 'lr_finder')
+
 class TrainEpochEnd(Callback):
-    "Base class: `epoch_done()` runs at the end of epochs that trained (not in `learn.validate()`)"
+    "Base class: `epoch_done()` runs at the end of epochs that trained (not in `learn.validate()` nor `learn.lr_find()`)"
     def before_epoch(self): self.trained = False
-    def after_train(self): self.trained = True
+    def after_train(self): self.trained = not in_lr_find(self.learn)
     def after_epoch(self):
         if getattr(self, 'trained', False): self.epoch_done()
     def epoch_done(self): pass
@@ -33,7 +40,7 @@ class TrainEpochEnd(Callback):
 # %% ../nbs/05_training.ipynb #46878712
 class SeqLenLR(Callback):
     "Scale the learning rate of each training batch by seq_len/bptt"
-    order = 65
+    order = ParamScheduler.order + 5   # after the scheduler (`fit_one_cycle`, `lr_find`) has set the batch's rate
     def before_batch(self):
         self.base = None
         bptt = getattr(self.dl, 'bptt', None)
@@ -57,13 +64,30 @@ class RNNRegularizer(_RNNRegularizer):
 # %% ../nbs/05_training.ipynb #e9982076
 class FusedDecoderLoss(Callback):
     "Training batches give the model their targets: it returns its fused decoder's loss, never the logits"
-    order = 70   # after every callback that reads the inputs (`xb`)
+    order = SeqLenLR.order + 1   # after the callbacks that read the batch's inputs (`ArchParamUpdate` reads only `xb[0]`)
+    def before_fit(self):
+        if not getattr(self.learn.loss_func, 'takes_fused_loss', False):
+            raise ValueError(f"FusedDecoderLoss: the learner's loss_func ({type(self.learn.loss_func).__name__}) cannot take the "
+                             "model's ready loss; pass loss_func=SeqCrossEntropy() (from rnn_darts.learner import SeqCrossEntropy), "
+                             "or leave FusedDecoderLoss out")
     def before_batch(self):
         if self.training and not getattr(self.recorder, 'train_metrics', False): self.learn.xb = (*self.xb, *self.yb)
 
 # %% ../nbs/05_training.ipynb #de03d7fd
+def check_flat_opt(learn):
+    "Raise, saying what to pass, unless `learn.opt` steps the model's flat weight parameter (and none of its views)"
+    flat, opt = learn.model.flat, learn.opt
+    if opt is None: return
+    views = {id(p) for p in flat.params}
+    ps = [p for p, *_ in opt.all_params()]
+    if any(id(p) in views for p in ps) or not any(p is flat.param for p in ps):
+        raise ValueError("the model keeps its weights in one flat buffer, and the optimizer must step that buffer, not "
+                         "the per-layer views fastai's default splitter gives it: pass splitter=flat_splitter to Learner "
+                         "(from rnn_darts.learner import flat_splitter), or build the learner with search_learner / train_learner")
+
 class FlatGradClip(GradientClip):
     "Clip the norm of the weights' flat gradient to `max_norm` (α excluded)"
+    def before_fit(self): check_flat_opt(self.learn)
     def before_step(self):
         g = self.model.flat.grad
         g.mul_((self.max_norm / (g.norm() + 1e-6)).clamp(max=1.))
@@ -99,15 +123,15 @@ def valid_loss_of(learn):
 
 class ASGDSwitch(TrainEpochEnd):
     "NT-ASGD: switch to averaged SGD when validation stops improving; evaluate with the averaged weights"
-    order = 61  # after the Recorder (50) has the epoch's validation loss
+    order = Recorder.order + 1   # after the Recorder has the epoch's validation loss
     def __init__(self, nonmono=5, start=False):
         if isinstance(nonmono, bool) or not isinstance(nonmono, int) or nonmono < 1:
             raise ValueError(f"nonmono (NT-ASGD patience, in epochs) must be an integer >= 1, got {nonmono!r}")
         self.nonmono, self.start = nonmono, start
-        self.history, self.active, self.switch_epoch, self._raw = [], False, None, None
+        self.history, self.active, self.switch_epoch, self._swap = [], False, None, None
 
     def before_fit(self):
-        if self.start and not self.active and self.learn.opt is not None: self.switch()
+        if self.start and not self.active and self.learn.opt is not None and not in_lr_find(self.learn): self.switch()
 
     def should_switch(self, v):
         "Whether validation loss `v` triggers the switch (and record it)"
@@ -125,9 +149,10 @@ class ASGDSwitch(TrainEpochEnd):
         if self.should_switch(valid_loss_of(self.learn)): self.switch()
 
     def averages(self):
-        "The averaged weights (a flat vector), or None before any averaging step"
-        if not self.active: return None
-        return self.opt.state[self.model.flat.param].get('ax') if self.model.flat.param in self.opt.state else None
+        "The averaged weights (a flat vector), or None before any averaging step (or without an optimizer: an exported learner)"
+        opt = self.learn.opt
+        if not self.active or opt is None: return None
+        return opt.state[self.model.flat.param].get('ax') if self.model.flat.param in opt.state else None
 
     @contextmanager
     def averaged(self):
@@ -141,14 +166,11 @@ class ASGDSwitch(TrainEpochEnd):
             with torch.no_grad(): w.copy_(raw)
 
     def before_validate(self):
-        ax = self.averages()
-        if ax is None: return
-        self._raw = self.model.flat.data.clone()
-        with torch.no_grad(): self.model.flat.data.copy_(ax)
+        self._swap = ExitStack()
+        self._swap.enter_context(self.averaged())
     def after_validate(self):
-        if self._raw is None: return
-        with torch.no_grad(): self.model.flat.data.copy_(self._raw)
-        self._raw = None
+        if self._swap is not None: self._swap.close()
+        self._swap = None
 
     def ckpt_state(self): return dict(history=self.history, active=self.active, switch_epoch=self.switch_epoch)
     def load_ckpt_state(self, d): self.history, self.active, self.switch_epoch = list(d['history']), d['active'], d['switch_epoch']
@@ -163,7 +185,7 @@ def write_json_atomic(obj, path):
 
 class GenotypeLogger(TrainEpochEnd):
     "Each epoch: the current genotype and mixing weights, to the console and to `history.json`"
-    order = 62
+    order = ASGDSwitch.order + 1
     def __init__(self, fname='history.json', show=True): self.fname, self.show, self.history = fname, show, []
     def epoch_done(self):
         m = self.model

@@ -4,12 +4,15 @@
 
 # %% ../nbs/07_learner.ipynb #3b6c7827
 from __future__ import annotations
-import time, json
-from contextlib import nullcontext
+import time, json, inspect
+from contextlib import contextmanager, nullcontext, ExitStack
 from pathlib import Path
 import torch
+from fastcore.basics import patch
+from fastcore.meta import delegates
 from fastcore.foundation import L
-from fastai.learner import Learner, ValueMetric
+from fastai.learner import Learner, ValueMetric, replacing_yield
+from fastai.data.core import DataLoaders
 from fastai.torch_core import rank_distrib
 from fastai.callback.core import Callback, CancelEpochException
 from fastai.callback.rnn import ModelResetter, RNNCallback
@@ -18,6 +21,7 @@ from fastai.metrics import Perplexity
 from fastai.optimizer import SGD
 import fastai.callback.schedule  # adds Learner.lr_find and fit_one_cycle
 from fastai.callback.progress import CSVLogger
+from rnn_darts.core import rng_states, set_rng_states, read_preset
 from rnn_darts.model import DartsRnn, DartsRnnSearch
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
 from callbacks.arch import ArchParamUpdate
@@ -26,7 +30,7 @@ from callbacks.checkpoint import Checkpoint, DivergenceGuard
 
 # %% auto #0
 __all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'RunInfo', 'SeqCrossEntropy', 'search_learner', 'train_learner',
-           'eval_weights', 'evaluate']
+           'eval_weights', 'evaluate', 'VocabDLs', 'load_preset', 'learner_kwargs']
 
 # %% ../nbs/07_learner.ipynb #237f3218
 class DartsLearner(Learner):
@@ -53,7 +57,7 @@ def device_name(device) -> str:
 
 class RunInfo(TrainEpochEnd):
     "Write `run.json` (settings, device, epoch times, best validation loss, ASGD epoch, genotype) every epoch"
-    order = 63
+    order = GenotypeLogger.order + 1   # after ASGDSwitch and GenotypeLogger have done their epoch's work
     def __init__(self, command, settings=None, fname='run.json'):
         self.command, self.settings, self.fname, self.info = command, dict(settings or {}), fname, None
     def before_fit(self):
@@ -78,6 +82,7 @@ class RunInfo(TrainEpochEnd):
 # %% ../nbs/07_learner.ipynb #a1eb1dd6
 class SeqCrossEntropy(CrossEntropyLossFlat):
     "`CrossEntropyLossFlat` for (bs, T, ntoken) logits that reads time-major storage without copying it"
+    takes_fused_loss = True   # a 0-dim input is the model's own (fused) loss: `FusedDecoderLoss` relies on it
     def __call__(self, inp, targ, **kwargs):
         if inp.dim() == 0: return inp   # the model was given the targets and returned its fused loss (`FusedDecoderLoss`)
         if inp.dim() == 3 and inp.transpose(0, 1).is_contiguous(): inp, targ = inp.transpose(0, 1), targ.transpose(0, 1)
@@ -114,7 +119,7 @@ def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=
     arch = ArchParamUpdate(search_dl, mode, arch_lr, arch_wd=arch_wd, same_masks=same_masks, zero_one=zero_one,
                            arch_bf16=arch_bf16)
     learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16, fused_loss)
-    learn.metrics.append(ValueMetric(lambda: arch.search_loss(), 'search_loss'))
+    learn.metrics.append(ValueMetric(arch.search_loss, 'search_loss'))
     learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss) + [arch, GenotypeLogger()] + list(L(cbs)))
     return learn
 
@@ -139,3 +144,103 @@ def evaluate(learn, dl) -> dict:
     loggers = [cb for cb in learn.cbs if isinstance(cb, CSVLogger)]   # validate() fires before_fit: keep the run's log
     with learn.removed_cbs(loggers): loss = float(learn.validate(dl=dl)[0])
     return dict(loss=loss, ppl=float(torch.tensor(loss).exp()))
+
+# %% ../nbs/07_learner.ipynb #9cda8c7d
+def _run_state(learn) -> dict:
+    "What a fit moves besides the weights and optimizers: RNG states, hidden states, loader and search-stream positions"
+    sdl = getattr(getattr(learn, 'arch_param_update', None), 'search_dl', None)
+    trn = learn.dls.train if len(learn.dls.loaders) else None
+    return dict(rng=rng_states(), hidden=dict(learn.model.hidden),
+                dl=trn.state_dict() if hasattr(trn, 'state_dict') else None,
+                search=sdl.state_dict() if hasattr(sdl, 'state_dict') else None)
+
+def _set_run_state(learn, st):
+    set_rng_states(st['rng']); learn.model.hidden = st['hidden']
+    if st['dl'] is not None: learn.dls.train.load_state_dict(st['dl'])
+    if st['search'] is not None: learn.arch_param_update.search_dl.load_state_dict(st['search'])
+
+@patch
+@delegates(Learner.lr_find)
+def lr_find(self:DartsLearner, **kwargs):
+    "fastai's `lr_find`; afterwards weights, α, optimizers, hidden states, loader positions and RNG states are as before"
+    st = _run_state(self)
+    try: return Learner.lr_find(self, **kwargs)
+    finally: _set_run_state(self, st)
+
+@patch
+@delegates(Learner.get_preds)
+def get_preds(self:DartsLearner, **kwargs):
+    "fastai's `get_preds`, batches concatenated along time (dim 1), as fastai's `LMLearner`"
+    return Learner.get_preds(self, concat_dim=1, **kwargs)
+
+@patch
+def show_results(self:DartsLearner, *args, **kwargs):
+    raise NotImplementedError("show_results: a language model has no items to show; use learn.predict(text, n_words) "
+                              "to see what it generates, or learn.get_preds(dl=...) for its next-word probabilities")
+
+# %% ../nbs/07_learner.ipynb #b108dd8e
+@patch
+def predict(self:DartsLearner, text:str, n_words:int=1, temperature:float=1., no_unk:bool=True) -> str:
+    "`text` followed by `n_words` words sampled from the model with the evaluation weights, as fastai's `LMLearner.predict`"
+    vocab = getattr(self.dls, 'vocab', None)
+    if vocab is None: raise ValueError("predict needs the vocabulary: DataLoaders with a .vocab (as lm_dls makes)")
+    if isinstance(n_words, bool) or not isinstance(n_words, int) or n_words < 0:
+        raise ValueError(f"n_words must be an integer >= 0, got {n_words!r}")
+    if not temperature > 0: raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    stoi = {w: i for i, w in enumerate(vocab)}
+    words = text.split()
+    if not words: raise ValueError("predict: text has no words")
+    for w in words:
+        if w not in stoi: raise KeyError(f"predict: word {w!r} is not in the vocabulary ({len(vocab)} words)")
+    m, unk = self.model, stoi.get('<unk>') if no_unk else None
+    x, new, training = torch.tensor([[stoi[w] for w in words]], device=m.flat.data.device), [], m.training
+    m.eval()
+    try:
+        with torch.no_grad(), eval_weights(self), m.streaming('predict'):
+            m.hidden.pop('predict', None)
+            for _ in range(n_words):
+                p = m(x)[0][0, -1].float().softmax(-1)
+                if unk is not None: p[unk] = 0.
+                if temperature != 1.: p = p.pow(1 / temperature)
+                x = torch.multinomial(p, 1)[None]
+                new.append(vocab[int(x)])
+    finally:
+        m.hidden.pop('predict', None); m.train(training)
+    return ' '.join(words + new)
+
+# %% ../nbs/07_learner.ipynb #41fd37ac
+class VocabDLs(DataLoaders):
+    "What an exported learner keeps of its `DataLoaders`: the vocabulary and the path, no data (pass `dl=` to `get_preds`)"
+    _default, _no_loader = '_no_loader', None   # unknown attributes raise AttributeError, not fall through to a missing `train`
+    def __init__(self, vocab=None, path='.', device=None):
+        super().__init__(path=path)
+        self.vocab, self._device = vocab, device
+
+@patch
+def export(self:DartsLearner, fname='export.pkl', pickle_module=None, pickle_protocol=2):
+    "fastai's `export` for inference: evaluation weights, the vocabulary in place of the data, no optimizer or stream states"
+    if rank_distrib(): return
+    import cloudpickle
+    self._end_cleanup()
+    empty = VocabDLs(getattr(self.dls, 'vocab', None), self.dls.path, self.dls.device)
+    arch = getattr(self, 'arch_param_update', None)
+    with ExitStack() as st:
+        st.enter_context(eval_weights(self))   # needs the optimizer (ASGD's averages): before it is taken out
+        swaps = [(self, 'dls', empty), (self, 'opt', None), (self.model, 'hidden', {})]
+        if arch is not None: swaps += [(arch, 'search_dl', None), (arch, 'arch_opt', None)]
+        for o, k, v in swaps: st.enter_context(contextmanager(replacing_yield)(o, k, v))
+        st.enter_context(self.removed_cbs([cb for cb in self.cbs if isinstance(cb, CSVLogger)]))   # open files do not pickle
+        torch.save(self, self.path/fname, pickle_module=pickle_module or cloudpickle, pickle_protocol=pickle_protocol)
+
+# %% ../nbs/07_learner.ipynb #86906e9e
+def load_preset(name:str, settings=None) -> dict:
+    "Preset `name` from `settings.ini` (the nearest one, or `settings`), typed and checked as the command line does"
+    from rnn_darts.cli import known_options   # the data options live with the command line
+    return read_preset(name, known_options(), settings)
+
+_NOT_FROM_PRESETS = ('dls', 'search_dl', 'genotype', 'cbs', 'path', 'resume', 'device', 'ntoken')
+
+def learner_kwargs(settings:dict, learner=None) -> dict:
+    "The entries of `settings` that `learner` (default `search_learner`) takes as keywords; data settings are left out"
+    keys = set(inspect.signature(learner or search_learner).parameters) - set(_NOT_FROM_PRESETS)
+    return {k: v for k, v in settings.items() if k in keys}

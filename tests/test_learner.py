@@ -1,0 +1,165 @@
+"fastai's idioms on the project's learners (lr_find, fit_one_cycle, get_preds, validate, predict, export / load_learner), hand-built Learners, presets in Python and the top-level API"
+import subprocess, sys
+import pytest, torch, torch.nn.functional as F
+from fastai.learner import Learner, load_learner
+from fastai.losses import CrossEntropyLossFlat
+from fastai.callback.rnn import ModelResetter, RNNCallback
+from rnn_darts.core import set_seed
+from rnn_darts.data import numbers_corpus, lm_dls, search_stream, test_dl as split_dl   # not collected as a test
+from rnn_darts.genotypes import DARTS_V2
+from rnn_darts.model import DartsRnnSearch
+from rnn_darts.learner import search_learner, train_learner, SeqCrossEntropy, flat_splitter, load_preset, learner_kwargs
+from callbacks.arch import ArchParamUpdate
+from callbacks.training import FlatGradClip, FusedDecoderLoss
+
+TINY = dict(emsize=16, nhid=16)
+
+@pytest.fixture(scope='module')
+def corpus(): return numbers_corpus(n_train=1_500, n_valid=600, n_test=400)
+
+def make(kind, corpus, path, seed=0, **kw):
+    "A tiny first-order search learner or a derived-cell learner (19 training batches an epoch)"
+    set_seed(seed)
+    if kind == 'search':
+        dls = lm_dls(corpus, bs=8, bptt=10, phase='search', eval_bs=4)
+        learn = search_learner(dls, search_stream(corpus, 8), mode='first', path=path, **TINY, **kw)
+    else:
+        dls = lm_dls(corpus, bs=8, bptt=10, phase='train', eval_bs=4)
+        learn = train_learner(dls, DARTS_V2, path=path, **TINY, **kw)
+    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
+    learn.recorder.silent = True
+    return learn
+
+def state(o):
+    "Weights of a learner's or a model's (α and BatchNorm statistics included), as copies"
+    return {k: v.detach().clone() for k, v in getattr(o, 'model', o).state_dict().items()}
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a: assert torch.equal(a[k], b[k]), k
+
+@pytest.mark.parametrize('kind', ['search', 'train'])
+def test_lr_find_suggests_steps_aside_and_leaves_the_run_as_before(kind, corpus, tmp_path):
+    "lr_find over more than one epoch: a suggestion, no checkpoint/log/switch, and a later fit is the fit without lr_find, bit for bit"
+    kw = dict(asgd=True) if kind == 'train' else {}
+    a, b = make(kind, corpus, tmp_path/'a', **kw), make(kind, corpus, tmp_path/'b', **kw)
+    w0, rng, dl0 = state(a), torch.get_rng_state(), a.dls.train.state_dict()
+    res = a.lr_find(num_it=30, show_plot=False)   # 30 batches: crosses the end of the first epoch
+    assert 0 < res.valley < 10 and len(a.recorder.losses) >= 20
+    assert_same(state(a), w0)
+    assert torch.equal(torch.get_rng_state(), rng) and a.dls.train.state_dict()['gen'] == dl0['gen']
+    assert not (tmp_path/'a'/'checkpoints').exists() and not (tmp_path/'a'/'history.json').exists()
+    if kind == 'train': assert not a.asgd_switch.active   # NT-ASGD's start=True switch waits for the real fit
+    else: assert not a.genotype_logger.history
+    set_seed(1); a.fit(1)
+    set_seed(1); b.fit(1)
+    assert_same(state(a), state(b))   # streams and hidden states were restored too
+    assert a.recorder.values[-1] == b.recorder.values[-1]
+    assert (tmp_path/'a'/'checkpoints'/'epoch_0000.pth').exists()
+    if kind == 'train': assert a.asgd_switch.active
+
+def plain_probs(model, dl):
+    "Next-word probabilities over `dl`, batch by batch with the hidden state carried, in eval mode"
+    model.eval(); model.reset()
+    with torch.no_grad(): res = [model(x)[0].softmax(-1) for x, _ in dl]
+    return torch.cat(res, 1)
+
+@pytest.mark.parametrize('kind', ['search', 'train'])
+def test_fit_one_cycle_get_preds_validate_export_and_load_learner(kind, corpus, tmp_path):
+    learn = make(kind, corpus, tmp_path, **(dict(asgd=True) if kind == 'train' else {}))
+    w0 = state(learn)
+    learn.fit_one_cycle(1, 1.)
+    assert all(v == v for v in learn.recorder.values[-1])
+    assert not torch.equal(state(learn)['encoder.weight'], w0['encoder.weight'])
+    tdl = split_dl(corpus, 10, bs=2)
+    preds, targs = learn.get_preds(dl=tdl)
+    n = tdl.data.shape[1] - 1
+    assert preds.shape == (2, n, len(corpus.vocab)) and torch.equal(targs, tdl.data[:, 1:])   # concatenated along time
+    with learn.asgd_switch.averaged() if kind == 'train' else torch.no_grad():
+        torch.testing.assert_close(preds, plain_probs(learn.model, tdl))
+    nll = -preds.log().gather(-1, targs[..., None]).mean()
+    v = learn.validate(dl=split_dl(corpus, n, bs=2))[0]   # one batch: validate's loss is the token mean
+    torch.testing.assert_close(torch.tensor(v), nll, rtol=1e-5, atol=1e-5)
+
+    raw, opt = learn.model.flat.data.clone(), learn.opt
+    learn.export(tmp_path/'export.pkl')
+    assert learn.opt is opt and torch.equal(learn.model.flat.data, raw) and learn.dls.train is not None
+    loaded = load_learner(tmp_path/'export.pkl')
+    assert loaded.dls.vocab == corpus.vocab and loaded.opt is None
+    torch.testing.assert_close(loaded.get_preds(dl=tdl)[0], preds, rtol=0, atol=0)
+    if kind == 'train':   # the export holds the averaged weights, which evaluation uses
+        ax = learn.asgd_switch.averages()
+        assert ax is not None and not torch.equal(ax, raw) and torch.equal(loaded.model.flat.data, ax)
+    learn.fit(1)   # the exported-from learner trains on, with its optimizer (ASGD's state too)
+    assert learn.opt is opt
+
+def test_predict_generates_words_from_the_vocabulary_like_plain_sampling(corpus, tmp_path):
+    learn = make('search', corpus, tmp_path)
+    learn.fit(1)
+    hidden = dict(learn.model.hidden); learn.model.train()
+    torch.manual_seed(5); out = learn.predict('one two three', 7, temperature=0.7)
+    words = out.split()
+    assert words[:3] == ['one', 'two', 'three'] and len(words) == 10 and set(words) <= set(corpus.vocab)
+    assert learn.model.training and learn.model.hidden.keys() == hidden.keys()   # mode and streams untouched
+    torch.manual_seed(5); assert learn.predict('one two three', 7, temperature=0.7) == out
+    # plain sampling: rerun the whole text from a fresh state for every word, as fastai's LMLearner does
+    m, stoi, ids = learn.model, {w: i for i, w in enumerate(corpus.vocab)}, [corpus.vocab.index(w) for w in words[:3]]
+    m.eval(); torch.manual_seed(5)
+    with torch.no_grad(), m.streaming('plain'):
+        for _ in range(7):
+            m.hidden.pop('plain', None)
+            p = m(torch.tensor([ids]))[0][0, -1].softmax(-1).pow(1 / 0.7)
+            ids.append(int(torch.multinomial(p, 1)))
+    m.train()
+    assert [corpus.vocab[i] for i in ids] == words
+    with pytest.raises(KeyError, match="word 'zebra' is not in the vocabulary"): learn.predict('one zebra', 2)
+    with pytest.raises(NotImplementedError, match='learn.predict'): learn.show_results()
+
+def test_hand_built_learner_with_fastai_defaults_fails_at_once_saying_what_to_pass(corpus, tmp_path):
+    set_seed(0)
+    dls = lm_dls(corpus, bs=8, bptt=10, eval_bs=4)
+    def learner(model, **kw):
+        cbs = [ModelResetter(), RNNCallback(), ArchParamUpdate(search_stream(corpus, 8), mode='first'), FlatGradClip(0.25)]
+        return Learner(dls, model, path=tmp_path, cbs=cbs + kw.pop('cbs', []), **kw)
+    model = DartsRnnSearch(len(corpus.vocab), **TINY)
+    w0 = state(model)
+    learn = learner(model, loss_func=SeqCrossEntropy())   # fastai's default splitter and Adam
+    with learn.no_bar(), pytest.raises(ValueError, match='pass splitter=flat_splitter to Learner'): learn.fit(1)
+    assert_same(state(model), w0)   # nothing moved: the error came before the first step
+    learn = learner(model, loss_func=CrossEntropyLossFlat(), splitter=flat_splitter, cbs=[FusedDecoderLoss()])
+    with learn.no_bar(), pytest.raises(ValueError, match=r'pass loss_func=SeqCrossEntropy\(\)'): learn.fit(1)
+    # what the messages say to pass: then it trains with fastai's default optimizer (Adam)
+    learn = learner(model, loss_func=SeqCrossEntropy(), splitter=flat_splitter, cbs=[FusedDecoderLoss()])
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
+    w1 = state(model)
+    assert not torch.equal(w1['alpha'], w0['alpha']) and not torch.equal(w1['encoder.weight'], w0['encoder.weight'])
+    assert all(torch.isfinite(v).all() for v in w1.values())
+
+def test_readme_python_example_with_a_preset(tmp_path):
+    "The README's Python example, at tiny sizes: a preset split into data settings and learner keywords"
+    from rnn_darts import numbers_corpus, lm_dls, search_stream, test_dl, search_learner, train_learner, evaluate, load_preset, learner_kwargs
+    p = load_preset('quick')
+    p.update(n_train=1_500, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=16, nhid=16)   # tiny, for the test
+    with pytest.raises(TypeError): search_learner(None, None, **p)   # a preset is not a list of learner keywords
+    corpus = numbers_corpus(seed=p['seed'], n_train=p['n_train'], n_valid=600, n_test=400)   # README: default valid/test sizes
+    dls = lm_dls(corpus, bs=p['bs'], bptt=p['bptt'], eval_bs=p['eval_bs'], seed=p['seed'])
+    learn = search_learner(dls, search_stream(corpus, bs=p['bs']), path=tmp_path/'search', **learner_kwargs(p, search_learner))
+    learn.fit(p['epochs'])
+    g = learn.model.genotype()
+    dls = lm_dls(corpus, bs=p['bs'], bptt=p['bptt'], phase='train', eval_bs=p['eval_bs'], seed=p['seed'])
+    learn_t = train_learner(dls, g, path=tmp_path/'train', **learner_kwargs(p, train_learner))
+    learn_t.fit(1)
+    res = evaluate(learn_t, test_dl(corpus, p['bptt']))
+    assert learn.arch_param_update.mode == 'second' and learn.model.nhid == 16 and learn_t.model.genotype == g
+    assert res['ppl'] == pytest.approx(torch.tensor(res['loss']).exp().item()) and res['ppl'] < len(corpus.vocab) * 2
+
+def test_top_level_api_is_lazy_and_complete():
+    code = ("import sys, rnn_darts; assert 'fastai' not in sys.modules, 'import rnn_darts imported fastai'; "
+            "from rnn_darts import search_learner; assert 'fastai' in sys.modules; print(rnn_darts.__version__)")
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    import rnn_darts, rnn_darts.learner, rnn_darts.genotypes
+    assert r.stdout.strip() == rnn_darts.__version__ and rnn_darts.__version__.count('.') >= 2
+    for name in rnn_darts.__all__: assert getattr(rnn_darts, name) is not None, name   # every listed name resolves
+    assert rnn_darts.search_learner is rnn_darts.learner.search_learner and rnn_darts.DARTS_V2 is rnn_darts.genotypes.DARTS_V2
+    with pytest.raises(AttributeError): rnn_darts.no_such_name
