@@ -176,7 +176,7 @@ def test_divergence_skip_does_not_apply_the_step(tmp_path):
     assert torch.equal(a0, a1) and all(torch.equal(st0[k], st1[k]) for k in st0 if k != 'step')   # α and Adam untouched
     (b0, _), (b1, _) = alphas[(0, 8)]
     assert not torch.equal(b0, b1)
-    assert learn.divergence_guard.events == [dict(epoch=0, weight_steps=1, arch_steps=1, action='skip')]
+    assert learn.divergence_guard.events == [dict(epoch=0, skipped=dict(weight=1, architecture=1), nonfinite=[], action='skip')]
     assert torch.isfinite(learn.model.flat.data).all() and torch.isfinite(learn.model.alpha).all()
 
 def test_divergence_nan_loss_is_caught_too(tmp_path):
@@ -184,7 +184,7 @@ def test_divergence_nan_loss_is_caught_too(tmp_path):
     learn, obs, _ = guarded(tmp_path, 'skip', inj)
     fit(learn, 1)
     assert torch.equal(obs.w_after[(0, 2)], inj.seen['w_before'])
-    assert learn.divergence_guard.events == [dict(epoch=0, weight_steps=1, arch_steps=0, action='skip')]
+    assert learn.divergence_guard.events == [dict(epoch=0, skipped=dict(weight=1, architecture=0), nonfinite=[], action='skip')]
 
 def test_divergence_stop_raises(tmp_path):
     learn, _, _ = guarded(tmp_path, 'stop', Inject(at=(0, 3), grad=True))
@@ -199,7 +199,7 @@ def test_divergence_rollback_restores_last_checkpoint(tmp_path):
     ck = load_checkpoint(tmp_path/'checkpoints'/'epoch_0000.pth')
     after = obs.w_after[('end', 1)]     # just after the guard's after_train
     assert sd_equal(after, ck['model'])
-    assert learn.divergence_guard.events == [dict(epoch=1, weight_steps=1, arch_steps=0, action='rollback')]
+    assert learn.divergence_guard.events == [dict(epoch=1, skipped=dict(weight=1, architecture=0), nonfinite=[], action='rollback')]
     # the epoch-1 checkpoint holds the rolled-back weights
     assert sd_equal(load_checkpoint(tmp_path/'checkpoints'/'epoch_0001.pth')['model'], ck['model'])
 
