@@ -181,3 +181,21 @@ def test_resume_removes_temporary_files_of_dead_writers(tmp_path, capsys):
     learn = tiny_train(tmp_path, resume=True); fit(learn, 2)
     assert not any(p.exists() for p in junk) and all(p.exists() for p in keep)
     assert "removed temporary files left by a killed run: " in capsys.readouterr().out
+
+# ---------------------------------------------------------------- log.csv in process
+def test_runlogger_in_process(tmp_path, capsys):
+    "Resume from an earlier checkpoint: later rows dropped; validate() leaves the log alone; other columns are an error"
+    from callbacks.training import RunLogger
+    learn = tiny_train(tmp_path, cbs=[RunLogger('log.csv', append=True)]); fit(learn, 3)
+    log = (tmp_path/'log.csv').read_text().splitlines()
+    assert log[0].startswith('epoch,train_loss,valid_loss') and [l.split(',')[0] for l in log[1:]] == ['0', '1', '2']
+    learn.validate()
+    assert (tmp_path/'log.csv').read_text().splitlines() == log
+    learn = tiny_train(tmp_path, cbs=[RunLogger('log.csv', append=True)], resume=tmp_path/'checkpoints'/'epoch_0001.pth'); fit(learn, 3)
+    new = (tmp_path/'log.csv').read_text().splitlines()
+    assert new[:3] == log[:3] and len(new) == 4 and new[3].split(',')[:3] == log[3].split(',')[:3]   # epoch 2 redone, once
+    assert "dropped the rows of epochs [2]" in capsys.readouterr().out
+    (tmp_path/'log.csv').write_text('epoch,loss,time\n0,1.0,00:01\n')
+    learn = tiny_train(tmp_path, cbs=[RunLogger('log.csv', append=True)], resume=True)
+    with pytest.raises(ValueError, match=r"log\.csv: its columns \(epoch,loss,time\) are not this run's \(epoch,train_loss,valid_loss,"):
+        fit(learn, 4)

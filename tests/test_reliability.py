@@ -46,8 +46,8 @@ def tiny_train(path, seed=0, genotype=DARTS_V2, **kwargs):
     return train_learner(dls, genotype, **dict(dict(emsize=16, nhid=16, path=path, keep=2), **kwargs))
 
 # ---------------------------------------------------------------- 1. kill and resume
-def _run_script(run, n, **kw):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get('PYTHONPATH', '')]))
+def _run_script(run, n, env=None, **kw):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get('PYTHONPATH', '')]), **(env or {}))
     return subprocess.Popen([sys.executable, str(SCRIPT), str(run), str(n)], env=env, cwd=str(run.parent),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
@@ -72,7 +72,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     assert killed_at is not None and killed_at.name != f'epoch_{n-1:04d}.pth'
     # a checkpoint that was being written when the process died: a temporary file, never a checkpoint
     k = int(killed_at.stem.split('_')[1])
-    junk = ck/f'.epoch_{k+1:04d}.pth.tmp99999'
+    junk = ck/f'.epoch_{k+1:04d}.pth.tmp{p.pid}'
     junk.write_bytes(b'PK\x03\x04 half a zip file')
     assert latest_checkpoint(ck) == killed_at and junk not in epoch_checkpoints(ck)
 
@@ -88,6 +88,34 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
         assert (ref_dir/f'epoch_{e:04d}.json').read_text() == (run_dir/f'epoch_{e:04d}.json').read_text()
     assert b['genotype'] == a['genotype'] and b['alpha'] == a['alpha'] and b['weights'] == a['weights']
     assert json.loads((ref_dir/'history.json').read_text()) == json.loads((run_dir/'history.json').read_text())
+    assert not junk.exists()                         # the killed writer's temporary file was removed on resume
+    assert log_rows(run_dir) == log_rows(ref_dir)    # log.csv: header once, each epoch once, the same losses
+
+def log_rows(run):
+    "log.csv's rows (header first), without the time column; it must end with a newline and hold each epoch once, in order"
+    text = (run/'log.csv').read_text()
+    assert text.endswith('\n')
+    rows = [l.split(',') for l in text[:-1].split('\n')]
+    t = rows[0].index('time')
+    assert rows[0][0] == 'epoch' and [r[0] for r in rows[1:]] == [str(e) for e in range(len(rows) - 1)]
+    return [r[:t] + r[t+1:] for r in rows]
+
+def test_kill_between_log_row_and_checkpoint(tmp_path):
+    """SIGKILL after epoch 1's log row but before its checkpoint, then a torn half line (a kill inside a write):
+    the resumed run redoes epoch 1, and its log equals the uninterrupted run's (no orphan, duplicate or torn row)"""
+    n = 2
+    ref_dir, run_dir = tmp_path/'ref', tmp_path/'run'
+    ref = _run_script(ref_dir, n)
+    p = _run_script(run_dir, n, env=dict(KILL_AFTER_LOG='1')); out, _ = p.communicate(timeout=300)
+    assert p.returncode == -signal.SIGKILL, out
+    assert [r[0] for r in log_rows(run_dir)] == ['epoch', '0', '1'] and latest_checkpoint(run_dir/'checkpoints').name == 'epoch_0000.pth'
+    with open(run_dir/'log.csv', 'a') as f: f.write('2,4.0')
+    r = _run_script(run_dir, n); out, _ = r.communicate(timeout=300)
+    assert r.returncode == 0, out
+    assert "dropping a torn last line '2,4.0'" in out and "dropped the rows of epochs [1]" in out
+    out_ref, _ = ref.communicate(timeout=300)
+    assert ref.returncode == 0, out_ref
+    assert log_rows(run_dir) == log_rows(ref_dir) and len(log_rows(ref_dir)) == n + 1
 
 def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     "A save interrupted after some bytes (kill, Ctrl-C) removes its temporary file; the old checkpoint is still loadable"
