@@ -16,7 +16,7 @@ from callbacks.training import TrainEpochEnd, valid_loss_of
 # %% auto #0
 __all__ = ['KEPT', 'model_meta', 'check_meta', 'stateful_cbs', 'learner_state', 'named_floats', 'nonfinite', 'kept_nonfinite',
            'short_list', 'save_atomic', 'load_checkpoint', 'epoch_of', 'epoch_checkpoints', 'latest_checkpoint',
-           'remove_stale_tmp', 'restore', 'Checkpoint', 'skip_counters', 'DivergenceGuard']
+           'remove_stale_tmp', 'restore', 'Checkpoint', 'skip_counters', 'cb_optimizers', 'DivergenceGuard']
 
 # %% ../nbs/06_checkpoint.ipynb #88ff6c64
 def model_meta(model) -> dict:
@@ -218,6 +218,11 @@ def skip_counters(learn) -> list:
     return [(getattr(cb, 'skip_name', type(cb).__name__), cb.n_skipped) for cb in learn.cbs
             if isinstance(getattr(cb, 'n_skipped', None), torch.Tensor)]
 
+def cb_optimizers(learn) -> dict:
+    "The states of the torch optimizers callbacks hold (α's Adam), named as in a checkpoint: {class: {attribute: state}}"
+    return {type(cb).__name__: {k: v.state_dict() for k, v in vars(cb).items() if isinstance(v, torch.optim.Optimizer)}
+            for cb in learn.cbs if any(isinstance(v, torch.optim.Optimizer) for v in vars(cb).values())}
+
 class DivergenceGuard(Callback):
     "Skip non-finite steps on the device; once per epoch check the state, log, and roll back or stop"
     order = 12  # before_step after FlatGradClip (11) has clipped; after_step it restores
@@ -252,7 +257,7 @@ class DivergenceGuard(Callback):
 
     def after_train(self):
         counters = [(self.skip_name, self.n_skipped)] + [c for c in skip_counters(self.learn) if c[1] is not self.n_skipped]
-        named = list(named_floats(dict(model=self.model.state_dict(), opt=self.opt.state_dict())))
+        named = list(named_floats(dict(model=self.model.state_dict(), opt=self.opt.state_dict(), cbs=cb_optimizers(self.learn))))
         dev = self.n_skipped.device
         vals = torch.stack([c.to(dev) for _, c in counters] + [(~torch.isfinite(t).all()).long().to(dev) for _, t in named]).tolist()
         for _, c in counters: c.zero_()            # the line above is the epoch's one host sync
