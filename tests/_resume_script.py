@@ -3,10 +3,9 @@
 Usage: python tests/_resume_script.py RUN_DIR N_EPOCHS [SEED]
 Builds everything from SEED, calls `search_learner(..., resume=True, path=RUN_DIR).fit(N_EPOCHS)` with a
 `RunLogger('log.csv', append=True)`, and writes `RUN_DIR/epoch_NNNN.json` (losses of each epoch, atomically, as it
-ends) and `RUN_DIR/result.json` at the end. With KILL_AFTER_LOG=E in the environment the process SIGKILLs itself at
-the end of epoch E, after the log row and before the checkpoint (the moment that used to leave an orphan row).
+ends) and `RUN_DIR/result.json` at the end.
 """
-import sys, json, hashlib, os, signal
+import sys, json, hashlib
 from pathlib import Path
 import torch
 from fastai.callback.core import Callback
@@ -39,18 +38,10 @@ class EpochLog(Callback):
         if self.training is False and getattr(self.learn, 'final_record', None) is not None:
             write_json_atomic([float(v) for v in self.learn.final_record], Path(self.path)/f'epoch_{self.epoch:04d}.json')
 
-class KillAfterLog(Callback):
-    "SIGKILL this process at the end of epoch `e`: after the log row (Recorder, 50) and EpochLog (85), before Checkpoint (90)"
-    order = 89
-    def __init__(self, e): self.e = e
-    def after_epoch(self):
-        if self.training is False and self.epoch == self.e: os.kill(os.getpid(), signal.SIGKILL)
-
 if __name__ == '__main__':
     run, n = Path(sys.argv[1]), int(sys.argv[2])
     seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-    kill = [KillAfterLog(int(os.environ['KILL_AFTER_LOG']))] if os.environ.get('KILL_AFTER_LOG') else []
-    learn = build(run, seed, resume=True, cbs=[EpochLog(), RunLogger('log.csv', append=True)] + kill)
+    learn = build(run, seed, resume=True, cbs=[EpochLog(), RunLogger('log.csv', append=True)])
     with learn.no_bar(), learn.no_logging(): learn.fit(n)
     write_json_atomic(dict(values=[[float(v) for v in r] for r in learn.recorder.values], first_epoch=learn.first_epoch,
                            genotype=genotype_to_dict(learn.model.genotype()), weights=weights_hash(learn.model),
