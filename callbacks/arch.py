@@ -163,3 +163,9 @@ class ArchParamUpdate(Callback):
         if d['arch_opt'] is not None: self.arch_opt.load_state_dict(d['arch_opt'])
         if d['search_dl'] is not None: self.search_dl.load_state_dict(d['search_dl'])
         if d['n_skipped'] is not None: self.n_skipped.fill_(d['n_skipped'])
+
+    skip_name = 'architecture'   # how DivergenceGuard names the steps counted in `n_skipped`
+    def rollback_state(self, d):
+        "What a rollback restores: α's Adam state (α itself is in the model's state); the search stream and `n_skipped` go on"
+        if self.arch_opt is None: self.before_fit()
+        if d['arch_opt'] is not None: self.arch_opt.load_state_dict(d['arch_opt'])

@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_checkpoint.ipynb #ddca2e40
 from __future__ import annotations
-import os, re, errno
+import os, re, errno, math
 from pathlib import Path
 import torch
 from fastai.callback.core import Callback
@@ -14,8 +14,9 @@ from rnn_darts.genotypes import genotype_to_dict
 from callbacks.training import TrainEpochEnd, valid_loss_of
 
 # %% auto #0
-__all__ = ['model_meta', 'check_meta', 'stateful_cbs', 'learner_state', 'save_atomic', 'load_checkpoint', 'epoch_checkpoints',
-           'latest_checkpoint', 'restore', 'Checkpoint', 'DivergenceGuard']
+__all__ = ['KEPT', 'model_meta', 'check_meta', 'stateful_cbs', 'learner_state', 'named_floats', 'nonfinite', 'kept_nonfinite',
+           'short_list', 'save_atomic', 'load_checkpoint', 'epoch_of', 'epoch_checkpoints', 'latest_checkpoint',
+           'remove_stale_tmp', 'restore', 'Checkpoint', 'skip_counters', 'cb_optimizers', 'DivergenceGuard']
 
 # %% ../nbs/06_checkpoint.ipynb #88ff6c64
 def model_meta(model) -> dict:
@@ -32,6 +33,7 @@ def check_meta(saved:dict, model, where) -> None:
     if diffs: raise ValueError(f"{where} does not fit this model ({'; '.join(diffs)})")
 
 def stateful_cbs(learn):
+    "The callbacks with a checkpoint state (`ckpt_state`/`load_ckpt_state`), by class name (the key in saved files)"
     return {type(cb).__name__: cb for cb in learn.cbs if callable(getattr(type(cb), 'ckpt_state', None))}
 
 def _smooth_state(learn):
@@ -46,6 +48,29 @@ def learner_state(learn) -> dict:
                 opt=learn.opt.state_dict(), asgd=bool(sw is not None and sw.active), rng=rng_states(),
                 dl=learn.dls.train.state_dict() if hasattr(learn.dls.train, 'state_dict') else None,
                 cbs={k: cb.ckpt_state() for k, cb in stateful_cbs(learn).items()}, smooth=_smooth_state(learn))
+
+# %% ../nbs/06_checkpoint.ipynb #f1a7e0c2
+def named_floats(obj, name=''):
+    "(name, tensor) for every floating-point tensor in nested dicts, lists and tuples"
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point(): yield name, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items(): yield from named_floats(v, f'{name}.{k}' if name else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj): yield from named_floats(v, f'{name}[{i}]')
+
+def nonfinite(state) -> list:
+    "Names of the floating-point tensors in `state` holding a NaN or an inf (one host sync per device)"
+    named, ok, by_dev = list(named_floats(state)), {}, {}
+    for i, (_, t) in enumerate(named): by_dev.setdefault(t.device, []).append(i)
+    for idx in by_dev.values(): ok.update(zip(idx, torch.stack([torch.isfinite(named[i][1]).all() for i in idx]).tolist()))
+    return [n for i, (n, _) in enumerate(named) if not ok[i]]
+
+KEPT = ('model', 'opt', 'cbs')   # what a resume or a rollback loads: weights, α, buffers, both optimizers, callbacks' states
+def kept_nonfinite(state:dict) -> list: return nonfinite({k: state[k] for k in KEPT if k in state})
+
+def short_list(names, n=6) -> str:
+    return ', '.join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else '')
 
 # %% ../nbs/06_checkpoint.ipynb #f72599d3
 def save_atomic(obj, path):
@@ -70,33 +95,57 @@ def load_checkpoint(path) -> dict:
     except Exception as e: raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from None
 
 _ckpt_re = re.compile(r'^epoch_(\d+)\.pth$')
+def epoch_of(p) -> int: return int(_ckpt_re.match(Path(p).name)[1])
+
 def epoch_checkpoints(folder) -> list:
     "The epoch checkpoints in `folder`, oldest first (temporary files are never listed)"
     folder = Path(folder)
     if not folder.is_dir(): return []
-    return sorted((p for p in folder.iterdir() if _ckpt_re.match(p.name)), key=lambda p: int(_ckpt_re.match(p.name)[1]))
+    return sorted((p for p in folder.iterdir() if _ckpt_re.match(p.name)), key=epoch_of)
 
 def latest_checkpoint(folder):
     "The newest epoch checkpoint in `folder`, or None"
     cks = epoch_checkpoints(folder)
     return cks[-1] if cks else None
 
+_tmp_re = re.compile(r'^\.(.+)\.tmp(\d+)$')
+def _running(pid:int) -> bool:
+    "Whether another process with this id runs (our own id: not writing now, so its files are stale)"
+    if pid == os.getpid(): return False
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except (PermissionError, OverflowError): return True
+    return True
+
+def remove_stale_tmp(folder, names=r'epoch_\d+\.pth|best\.pth') -> list:
+    "Remove the temporary files `.NAME.tmpPID` (NAME matching `names`) in `folder` whose writer no longer runs; their names"
+    folder, gone = Path(folder), []
+    if not folder.is_dir(): return gone
+    for p in sorted(folder.iterdir()):
+        m = _tmp_re.match(p.name)
+        if m and re.fullmatch(names, m[1]) and p.is_file() and not _running(int(m[2])):
+            p.unlink(missing_ok=True); gone.append(p.name)
+    return gone
+
 # %% ../nbs/06_checkpoint.ipynb #a1fba23d
 def restore(learn, state:dict, where='checkpoint', full=True):
-    "Load `state` (from `learner_state`) into `learn`"
+    "Load `state` (from `learner_state`) into `learn`; `full=False`: a rollback (model, weight optimizer, callbacks' `rollback_state`)"
     check_meta(state['meta'], learn.model, where)
     learn.model.load_state_dict(state['model'])
     sw = getattr(learn, 'asgd_switch', None)
     if state['asgd'] and sw is None: raise ValueError(f"{where} was saved with ASGD on, but this learner has no ASGDSwitch callback")
     if sw is not None and state['asgd']:
         if not sw.active: sw.switch()
-    else: learn.create_opt()
+    else:
+        learn.create_opt()
+        if sw is not None and sw.active: sw.active, sw.switch_epoch = False, None   # back to before the switch
     learn.opt.load_state_dict(state['opt'])
     cbs = stateful_cbs(learn)
     for k, d in state['cbs'].items():
-        if k in cbs and (full or k == 'ArchParamUpdate'):
-            if full or k != 'ArchParamUpdate': cbs[k].load_ckpt_state(d)
-            else: cbs[k].load_ckpt_state({**d, 'search_dl': None, 'n_skipped': None})
+        cb = cbs.get(k)
+        if cb is None: continue
+        if full: cb.load_ckpt_state(d)
+        elif callable(getattr(cb, 'rollback_state', None)): cb.rollback_state(d)
     if not full: return
     if state['dl'] is not None and hasattr(learn.dls.train, 'load_state_dict'): learn.dls.train.load_state_dict(state['dl'])
     set_rng_states(state['rng'])
@@ -112,74 +161,130 @@ class Checkpoint(TrainEpochEnd):
     def __init__(self, dirname='checkpoints', every=1, keep=2, save_best=True, resume=None):
         if keep < 1: raise ValueError(f"keep must be >= 1, got {keep}")
         self.dirname, self.every, self.keep, self.save_best, self.resume = dirname, every, keep, save_best, resume
-        self.best = None
+        self.best, self.written = None, []   # `written`: this run's epoch checkpoints (names), oldest first
 
     @property
     def folder(self): return Path(self.path)/self.dirname
 
     def before_fit(self):
+        if rank_distrib() == 0:
+            gone = remove_stale_tmp(self.folder) + remove_stale_tmp(Path(self.path), r'[^/]+\.json|[^/]+\.csv')
+            if gone: print(f"removed temporary files left by a killed run: {', '.join(gone)}")
         if self.resume is None or self.resume is False: return
         p = latest_checkpoint(self.folder) if self.resume is True else Path(self.resume)
         if p is None: print(f"no checkpoint in {self.folder}: starting from scratch"); return
         state = load_checkpoint(p)
         restore(self.learn, state, str(p))
-        self.best = state['cbs'].get('Checkpoint', {}).get('best', self.best)
+        d = state['cbs'].get('Checkpoint', {})
+        self.best, written = d.get('best', self.best), d.get('written')
+        if p.parent.resolve() != self.folder.resolve(): written = []     # another folder's files are not this run's
+        elif written is None: written = [q.name for q in epoch_checkpoints(self.folder) if epoch_of(q) <= state['epoch']]
+        self.written = list(written)[-self.keep:]
         print(f"resumed from {p} (epoch {state['epoch']}); continuing at epoch {self.learn.first_epoch}")
         self.resume = None
 
     def epoch_done(self):
         v = valid_loss_of(self.learn)
-        improved = v == v and (self.best is None or v < self.best)
+        improved = math.isfinite(v) and (self.best is None or v < self.best)
+        due = (self.epoch + 1) % self.every == 0
+        if not (due or improved): return
+        name, old, gone = f'epoch_{self.epoch:04d}.pth', (self.best, self.written), []
         if improved: self.best = v
-        if rank_distrib() != 0: return   # one writer: rank 0
-        if (self.epoch + 1) % self.every and not improved: return
+        if due:
+            w = [n for n in self.written if n != name] + [name]
+            self.written, gone = w[-self.keep:], w[:-self.keep]
         state = learner_state(self.learn)
-        if (self.epoch + 1) % self.every == 0:
-            save_atomic(state, self.folder/f'epoch_{self.epoch:04d}.pth')
-            for old in epoch_checkpoints(self.folder)[:-self.keep]: old.unlink(missing_ok=True)
+        bad = kept_nonfinite(state)    # every rank decides alike (their states are equal)
+        if bad:
+            self.best, self.written = old
+            print(f"epoch {self.epoch}: no checkpoint written: non-finite values in {short_list(bad)}; the previous checkpoints are kept")
+            return
+        if rank_distrib() != 0: return   # one writer: rank 0
+        if due:
+            save_atomic(state, self.folder/name)
+            for n in gone: (self.folder/n).unlink(missing_ok=True)
         if improved and self.save_best: save_atomic(state, self.folder/'best.pth')
 
-    def ckpt_state(self): return dict(best=self.best)
-    def load_ckpt_state(self, d): self.best = d['best']
+    def rollback_candidates(self) -> list:
+        "This run's epoch checkpoints, newest first"
+        return [self.folder/n for n in reversed(self.written) if (self.folder/n).is_file()]
+
+    def ckpt_state(self): return dict(best=self.best, written=list(self.written))
+    def load_ckpt_state(self, d): self.best, self.written = d['best'], list(d.get('written') or [])
 
 # %% ../nbs/06_checkpoint.ipynb #e74e0e13
+def skip_counters(learn) -> list:
+    "(name, counter) for each callback that counts the non-finite steps it did not apply (`n_skipped`, a device tensor)"
+    return [(getattr(cb, 'skip_name', type(cb).__name__), cb.n_skipped) for cb in learn.cbs
+            if isinstance(getattr(cb, 'n_skipped', None), torch.Tensor)]
+
+def cb_optimizers(learn) -> dict:
+    "The states of the torch optimizers callbacks hold (α's Adam), named as in a checkpoint: {class: {attribute: state}}"
+    return {type(cb).__name__: {k: v.state_dict() for k, v in vars(cb).items() if isinstance(v, torch.optim.Optimizer)}
+            for cb in learn.cbs if any(isinstance(v, torch.optim.Optimizer) for v in vars(cb).values())}
+
 class DivergenceGuard(Callback):
-    "Skip non-finite steps on the device; once per epoch log them and roll back or stop"
+    "Skip non-finite steps on the device; once per epoch check the state, log, and roll back or stop"
     order = 12  # before_step after FlatGradClip (11) has clipped; after_step it restores
+    skip_name = 'weight'
     def __init__(self, on_nan='rollback'):
         if on_nan not in ('rollback', 'stop', 'skip'): raise ValueError(f"on_nan must be 'rollback', 'stop' or 'skip', got {on_nan!r}")
-        self.on_nan, self.events, self.backup, self.n_bad = on_nan, [], None, None
+        self.on_nan, self.events, self.backup, self.n_skipped, self.opt_backup = on_nan, [], None, None, {}
 
     def before_fit(self):
         w = self.model.flat.data
-        self.backup, self.n_bad = torch.empty_like(w), torch.zeros((), dtype=torch.long, device=w.device)
+        self.backup, self.n_skipped = torch.empty_like(w), torch.zeros((), dtype=torch.long, device=w.device)
+
+    def _opt_state(self): return getattr(self.opt, 'state', {}).get(self.model.flat.param, {})
 
     def before_step(self):
         flat = self.model.flat
         self.ok = torch.isfinite(self.loss_grad) & torch.isfinite(flat.grad).all()
         self.backup.copy_(flat.data)
+        self.saved = []
+        for k, v in self._opt_state().items():     # e.g. ASGD's average `ax`, which the step also moves
+            if not (isinstance(v, torch.Tensor) and v.is_floating_point()): continue
+            b = self.opt_backup.get(k)
+            if b is None or b.shape != v.shape or b.device != v.device: b = self.opt_backup[k] = torch.empty_like(v)
+            self.saved.append((k, b.copy_(v)))
 
     def after_step(self):
-        w = self.model.flat.data
-        with torch.no_grad(): w.copy_(torch.where(self.ok, w, self.backup))
-        self.n_bad += (~self.ok).long()
+        w, st = self.model.flat.data, self._opt_state()
+        with torch.no_grad():
+            w.copy_(torch.where(self.ok, w, self.backup))
+            for k, b in self.saved: st[k].copy_(torch.where(self.ok, st[k], b))
+        self.n_skipped += (~self.ok).long()
 
     def after_train(self):
-        arch = getattr(self.learn, 'arch_param_update', None)
-        n_w = int(self.n_bad.item()); self.n_bad.zero_()
-        n_a = int(arch.n_skipped.item()) if arch is not None and arch.n_skipped is not None else 0
-        if arch is not None and arch.n_skipped is not None: arch.n_skipped.zero_()
-        if not (n_w or n_a): return
-        msg = f"epoch {self.epoch}: {n_w} weight step(s) and {n_a} architecture step(s) had a non-finite loss or gradient and were not applied"
-        self.events.append(dict(epoch=self.epoch, weight_steps=n_w, arch_steps=n_a, action=self.on_nan))
+        counters = [(self.skip_name, self.n_skipped)] + [c for c in skip_counters(self.learn) if c[1] is not self.n_skipped]
+        named = list(named_floats(dict(model=self.model.state_dict(), opt=self.opt.state_dict(), cbs=cb_optimizers(self.learn))))
+        dev = self.n_skipped.device
+        vals = torch.stack([c.to(dev) for _, c in counters] + [(~torch.isfinite(t).all()).long().to(dev) for _, t in named]).tolist()
+        for _, c in counters: c.zero_()            # the line above is the epoch's one host sync
+        skipped = {n: v for (n, _), v in zip(counters, vals)}
+        bad = [n for (n, _), v in zip(named, vals[len(counters):]) if v]
+        if not (any(skipped.values()) or bad): return
+        msg = [' and '.join(f"{v} {n} step(s)" for n, v in skipped.items()) + " had a non-finite loss or gradient and were not applied"] if any(skipped.values()) else []
+        if bad: msg.append(f"the state after the epoch's steps is not finite in {short_list(bad)}")
+        msg = f"epoch {self.epoch}: " + '; '.join(msg)
+        self.events.append(dict(epoch=self.epoch, skipped=skipped, nonfinite=bad, action=self.on_nan))
         print(msg)
         if self.on_nan == 'stop': raise RuntimeError(msg + "; stopping (on_nan='stop')")
-        if self.on_nan == 'rollback':
-            ck = getattr(self.learn, 'checkpoint', None)
-            p = latest_checkpoint(ck.folder) if ck is not None else None
-            if p is None: print("no checkpoint to roll back to: continuing from the last finite weights"); return
-            restore(self.learn, load_checkpoint(p), str(p), full=False)
-            print(f"rolled back weights and optimizers to {p}")
+        if self.on_nan == 'rollback': self.rollback(bad)
+
+    def rollback(self, bad):
+        "Restore the newest finite checkpoint of this run; with none, stop if the state is not finite"
+        ck = getattr(self.learn, 'checkpoint', None)
+        for p in (ck.rollback_candidates() if ck is not None else []):
+            try: state = load_checkpoint(p)
+            except (ValueError, FileNotFoundError) as e: print(f"not rolling back to {p}: {e}"); continue
+            if nf := kept_nonfinite(state): print(f"not rolling back to {p}: non-finite values in {short_list(nf)}"); continue
+            restore(self.learn, state, str(p), full=False)
+            print(f"rolled back the model and the optimizers to {p}"); return
+        where = f"in {ck.folder}" if ck is not None else "(this learner has no Checkpoint callback)"
+        if bad: raise RuntimeError(f"no finite checkpoint to roll back to {where}, and the state after epoch {self.epoch} is not finite "
+                                   f"({short_list(bad)}); stopping (on_nan='rollback')")
+        print(f"no checkpoint to roll back to {where}: continuing from the last finite weights")
 
     def ckpt_state(self): return dict(events=self.events)
     def load_ckpt_state(self, d): self.events = list(d['events'])

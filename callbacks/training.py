@@ -180,8 +180,11 @@ def write_json_atomic(obj, path):
     "Write JSON to `path` via a temporary file and a rename: a crash never leaves a half-written file"
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f'.{path.name}.tmp{os.getpid()}')
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, 'w') as f: f.write(json.dumps(obj, indent=1)); f.flush(); os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True); raise
 
 class GenotypeLogger(TrainEpochEnd):
     "Each epoch: the current genotype and mixing weights, to the console and to `history.json`"
@@ -199,13 +202,41 @@ class GenotypeLogger(TrainEpochEnd):
 
 # %% ../nbs/05_training.ipynb #10a20dbf
 class RunLogger(CSVLogger):
-    "`CSVLogger` that appends without repeating the header"
+    "`CSVLogger` for runs that resume: one header, each epoch once, no row the resumed checkpoint does not hold"
     def before_fit(self):
-        p = self.path/self.fname
-        had = self.append and p.exists() and p.stat().st_size > 0
-        super().before_fit()
-        if had:   # undo the repeated header line the parent just wrote
-            self.file.close()
-            lines = p.read_text().splitlines(keepends=True)
-            p.write_text(''.join(lines[:-1]))
-            self.file = p.open('a')
+        if getattr(self, 'file', None) is not None: self.after_fit()   # a fit that died without after_fit
+        self.file = None   # opened at the first training epoch: by then a resuming `Checkpoint` has set the epoch
+
+    def before_train(self):
+        if self.file is not None or hasattr(self.learn, 'lr_finder') or hasattr(self, 'gather_preds'): return
+        p, header = self.path/self.fname, ','.join(self.recorder.metric_names)
+        rows = self.earlier_rows(p, header) if self.append and p.is_file() else {}
+        keep = [rows[e] for e in sorted(rows) if e < self.epoch]
+        if len(keep) < len(rows): print(f"{p}: dropped the rows of epochs {sorted(e for e in rows if e >= self.epoch)}, "
+                                        f"which the run it resumes from had not checkpointed")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f'.{p.name}.tmp{os.getpid()}')
+        with open(tmp, 'w') as f: f.write(''.join(l + '\n' for l in [header] + keep)); f.flush(); os.fsync(f.fileno())
+        os.replace(tmp, p)
+        self.file = p.open('a')
+        self.old_logger, self.learn.logger = self.logger, self._write_line
+
+    def earlier_rows(self, p, header) -> dict:
+        "{epoch: row} of the log an earlier process wrote (the last row of each epoch); a torn last line is dropped"
+        lines = p.read_text(encoding='utf-8').split('\n')
+        if lines[-1]: print(f"{p}: dropping a torn last line {lines[-1][:60]!r}")
+        lines = lines[:-1]
+        if not lines: return {}
+        if lines[0] != header:
+            raise ValueError(f"{p}: its columns ({lines[0]}) are not this run's ({header}); move it away to start a new log")
+        rows, n = {}, header.count(',')
+        for l in lines[1:]:
+            e = l.split(',', 1)[0]
+            if l.count(',') == n and e.isdigit(): rows[int(e)] = l
+            else: print(f"{p}: dropping a malformed row {l[:60]!r}")
+        return rows
+
+    def after_fit(self):
+        if getattr(self, 'file', None) is None: return
+        self.file.close(); self.file = None
+        self.learn.logger = self.old_logger

@@ -28,7 +28,8 @@ def build(kind='search', mode='first', bn='batch', seed=0, path=None, checkpoint
     set_seed(seed)
     c = corpus(n_train)
     dls = lm_dls(c, bs, BPTT, 'search' if kind == 'search' else 'train', eval_bs=4, seed=seed)
-    kw = dict(emsize=NHID, nhid=NHID, path=path, checkpoint=checkpoint, resume=resume, **NODROP)
+    kw = dict(emsize=NHID, nhid=NHID, path=path, checkpoint=checkpoint, resume=resume, **NODROP,
+              lr=2. if bn == 'off' else 20.)   # without normalisation lr 20 diverges (NaN) in the first epoch
     if kind == 'search': learn = search_learner(dls, search_stream(c, bs), mode=mode, **kw)
     else: learn = train_learner(dls, 'DARTS_V2', **kw)
     set_norm(learn.model, bn)

@@ -1,8 +1,9 @@
 """Helper for tests/test_reliability.py: a tiny, seeded DARTS search run that resumes from its latest checkpoint.
 
 Usage: python tests/_resume_script.py RUN_DIR N_EPOCHS [SEED]
-Builds everything from SEED, calls `search_learner(..., resume=True, path=RUN_DIR).fit(N_EPOCHS)`, and writes
-`RUN_DIR/epoch_NNNN.json` (losses of each epoch, atomically, as it ends) and `RUN_DIR/result.json` at the end.
+Builds everything from SEED, calls `search_learner(..., resume=True, path=RUN_DIR).fit(N_EPOCHS)` with a
+`RunLogger('log.csv', append=True)`, and writes `RUN_DIR/epoch_NNNN.json` (losses of each epoch, atomically, as it
+ends) and `RUN_DIR/result.json` at the end.
 """
 import sys, json, hashlib
 from pathlib import Path
@@ -12,7 +13,7 @@ from rnn_darts.core import set_seed
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.learner import search_learner
 from rnn_darts.genotypes import genotype_to_dict
-from callbacks.training import write_json_atomic
+from callbacks.training import write_json_atomic, RunLogger
 
 torch.set_num_threads(1)  # the same reduction order in every process
 
@@ -40,7 +41,7 @@ class EpochLog(Callback):
 if __name__ == '__main__':
     run, n = Path(sys.argv[1]), int(sys.argv[2])
     seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-    learn = build(run, seed, resume=True, cbs=[EpochLog()])
+    learn = build(run, seed, resume=True, cbs=[EpochLog(), RunLogger('log.csv', append=True)])
     with learn.no_bar(), learn.no_logging(): learn.fit(n)
     write_json_atomic(dict(values=[[float(v) for v in r] for r in learn.recorder.values], first_epoch=learn.first_epoch,
                            genotype=genotype_to_dict(learn.model.genotype()), weights=weights_hash(learn.model),

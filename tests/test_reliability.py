@@ -72,7 +72,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     assert killed_at is not None and killed_at.name != f'epoch_{n-1:04d}.pth'
     # a checkpoint that was being written when the process died: a temporary file, never a checkpoint
     k = int(killed_at.stem.split('_')[1])
-    junk = ck/f'.epoch_{k+1:04d}.pth.tmp99999'
+    junk = ck/f'.epoch_{k+1:04d}.pth.tmp{p.pid}'
     junk.write_bytes(b'PK\x03\x04 half a zip file')
     assert latest_checkpoint(ck) == killed_at and junk not in epoch_checkpoints(ck)
 
@@ -88,6 +88,36 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
         assert (ref_dir/f'epoch_{e:04d}.json').read_text() == (run_dir/f'epoch_{e:04d}.json').read_text()
     assert b['genotype'] == a['genotype'] and b['alpha'] == a['alpha'] and b['weights'] == a['weights']
     assert json.loads((ref_dir/'history.json').read_text()) == json.loads((run_dir/'history.json').read_text())
+    assert not junk.exists()                         # the killed writer's temporary file was removed on resume
+    assert log_rows(run_dir) == log_rows(ref_dir)    # log.csv: header once, each epoch once, the same losses
+
+def log_rows(run):
+    "log.csv's rows (header first), without the time column; it must end with a newline and hold each epoch once, in order"
+    text = (run/'log.csv').read_text()
+    assert text.endswith('\n')
+    rows = [l.split(',') for l in text[:-1].split('\n')]
+    t = rows[0].index('time')
+    assert rows[0][0] == 'epoch' and [r[0] for r in rows[1:]] == [str(e) for e in range(len(rows) - 1)]
+    return [r[:t] + r[t+1:] for r in rows]
+
+def test_kill_between_log_row_and_checkpoint(tmp_path):
+    """Killed after epoch 1's log row but before its checkpoint (in process: an exception no callback sees, like a kill), then a torn half line (a kill inside a write): the resumed run redoes epoch 1, and its
+    log equals the uninterrupted run's (no orphan, duplicate or torn row)"""
+    from callbacks.training import RunLogger
+    class Killed(BaseException): pass
+    class Kill(Callback):
+        order = 89   # after the log row (Recorder, 50), before Checkpoint (90)
+        def after_epoch(self):
+            if self.training is False and self.epoch == 1: raise Killed()
+    ref = build(tmp_path/'ref', 0, cbs=[RunLogger('log.csv', append=True)]); fit(ref, 2)
+    run = tmp_path/'run'
+    learn = build(run, 0, resume=True, cbs=[RunLogger('log.csv', append=True), Kill()])
+    with pytest.raises(Killed): fit(learn, 2)
+    assert [r[0] for r in log_rows(run)] == ['epoch', '0', '1'] and latest_checkpoint(run/'checkpoints').name == 'epoch_0000.pth'
+    with open(run/'log.csv', 'a') as f: f.write('2,4.0')
+    learn = build(run, 0, resume=True, cbs=[RunLogger('log.csv', append=True)])
+    fit(learn, 2)
+    assert log_rows(run) == log_rows(tmp_path/'ref') and len(log_rows(run)) == 3
 
 def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     "A save interrupted after some bytes (kill, Ctrl-C) removes its temporary file; the old checkpoint is still loadable"
@@ -176,7 +206,7 @@ def test_divergence_skip_does_not_apply_the_step(tmp_path):
     assert torch.equal(a0, a1) and all(torch.equal(st0[k], st1[k]) for k in st0 if k != 'step')   # α and Adam untouched
     (b0, _), (b1, _) = alphas[(0, 8)]
     assert not torch.equal(b0, b1)
-    assert learn.divergence_guard.events == [dict(epoch=0, weight_steps=1, arch_steps=1, action='skip')]
+    assert learn.divergence_guard.events == [dict(epoch=0, skipped=dict(weight=1, architecture=1), nonfinite=[], action='skip')]
     assert torch.isfinite(learn.model.flat.data).all() and torch.isfinite(learn.model.alpha).all()
 
 def test_divergence_nan_loss_is_caught_too(tmp_path):
@@ -184,7 +214,7 @@ def test_divergence_nan_loss_is_caught_too(tmp_path):
     learn, obs, _ = guarded(tmp_path, 'skip', inj)
     fit(learn, 1)
     assert torch.equal(obs.w_after[(0, 2)], inj.seen['w_before'])
-    assert learn.divergence_guard.events == [dict(epoch=0, weight_steps=1, arch_steps=0, action='skip')]
+    assert learn.divergence_guard.events == [dict(epoch=0, skipped=dict(weight=1, architecture=0), nonfinite=[], action='skip')]
 
 def test_divergence_stop_raises(tmp_path):
     learn, _, _ = guarded(tmp_path, 'stop', Inject(at=(0, 3), grad=True))
@@ -199,7 +229,7 @@ def test_divergence_rollback_restores_last_checkpoint(tmp_path):
     ck = load_checkpoint(tmp_path/'checkpoints'/'epoch_0000.pth')
     after = obs.w_after[('end', 1)]     # just after the guard's after_train
     assert sd_equal(after, ck['model'])
-    assert learn.divergence_guard.events == [dict(epoch=1, weight_steps=1, arch_steps=0, action='rollback')]
+    assert learn.divergence_guard.events == [dict(epoch=1, skipped=dict(weight=1, architecture=0), nonfinite=[], action='rollback')]
     # the epoch-1 checkpoint holds the rolled-back weights
     assert sd_equal(load_checkpoint(tmp_path/'checkpoints'/'epoch_0001.pth')['model'], ck['model'])
 
