@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V2
-from rnn_darts.model import DartsRnn, DartsRnnSearch
+from rnn_darts.model import DartsRnn, DartsRnnSearch, NodeNorm
 from callbacks.arch import ArchParamUpdate, hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
 
 # %% auto #0
@@ -150,7 +150,7 @@ class PlainSearchRnn(nn.Module):
         self.W0 = nn.Parameter(torch.empty(2 * nhid, 2 * nhid).uniform_(-0.04, 0.04))
         self.Ws = nn.ParameterList([nn.Parameter(torch.empty(nhid, 2 * nhid).uniform_(-0.04, 0.04)) for _ in range(steps)])
         self.decoder_bias = nn.Parameter(torch.zeros(ntoken))
-        self.bn = nn.BatchNorm1d(nhid, affine=False)
+        self.bn = NodeNorm(steps + 1, nhid)   # s0 and every node: their own running statistics
         self.alpha = nn.Parameter(1e-3 * torch.randn(steps * (steps + 1) // 2, len(PRIMITIVES)))
         self.bn_update = True   # False in architecture passes: batch statistics, running ones untouched
 
@@ -164,9 +164,11 @@ class PlainSearchRnn(nn.Module):
         m.bn_update = self.bn_update
         return m
 
-    def norm(self, s):
-        if self.training and not self.bn_update: return F.batch_norm(s, None, None, training=True, eps=self.bn.eps)
-        return self.bn(s)
+    def norm(self, s, i):
+        if not self.training: return F.batch_norm(s, self.bn.running_mean[i], self.bn.running_var[i], training=False, eps=self.bn.eps)
+        if not self.bn_update: return F.batch_norm(s, None, None, training=True, eps=self.bn.eps)
+        self.bn.num_batches_tracked[i] += 1
+        return F.batch_norm(s, self.bn.running_mean[i], self.bn.running_var[i], training=True, momentum=0.1, eps=self.bn.eps)
 
     def _mask(self, shape, p, like):
         if not self.training or not p: return None
@@ -175,7 +177,7 @@ class PlainSearchRnn(nn.Module):
     def cell(self, x_t, h, mx, mh, probs):
         xh = torch.cat([x_t if mx is None else x_t * mx, h if mh is None else h * mh], -1)
         c0, h0 = (xh @ self.W0).chunk(2, -1)
-        states = [self.norm(h + c0.sigmoid() * (h0.tanh() - h))]
+        states = [self.norm(h + c0.sigmoid() * (h0.tanh() - h), 0)]
         row = 0
         for i in range(1, self.steps + 1):
             s = 0
@@ -187,7 +189,7 @@ class PlainSearchRnn(nn.Module):
                     if op == 'none': continue
                     s = s + probs[row + j, k] * (sj + c * (_ACT[op](hh) - sj))
             row += i
-            states.append(self.norm(s))
+            states.append(self.norm(s, i))
         return torch.stack(states[1:]).mean(0)
 
     def forward(self, x, hidden=None):
