@@ -5,13 +5,14 @@
 # %% ../nbs/10_bench.ipynb #54700977
 from __future__ import annotations
 import copy, gc, json, os, platform, resource, time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V2
 from rnn_darts.model import DartsRnn, DartsRnnSearch, NodeNorm
-from callbacks.arch import ArchParamUpdate, hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
+from callbacks.arch import ArchParamUpdate, arch_grad, hypergrad
 
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'STEP_NAMES', 'mem_kind', 'time_fn',
@@ -104,28 +105,23 @@ def weight_step(model, xb, yb, lr=STEP['lr'], clip=STEP['clip']):
     model.zero_grad()
     return loss.detach()
 
-def arch_updater(model, mode='second', arch_bf16=False):
-    "An `ArchParamUpdate` bound to `model` outside a `Learner`: Adam on α with the finiteness guard, the passes' precision"
+def arch_updater(model, mode='second', arch_bf16=False, **kwargs):
+    "An `ArchParamUpdate` bound to `model` outside a `Learner` (the search learner's callback, its Adam and guard)"
     cb = ArchParamUpdate(None, mode, arch_lr=STEP['arch_lr'], arch_betas=STEP['arch_betas'], arch_wd=STEP['arch_wd'],
-                         arch_bf16=arch_bf16)
+                         arch_bf16=arch_bf16, **kwargs)
     cb.learn = SimpleNamespace(model=model)
+    cb.hypers = STEP['lr'], STEP['wd'], STEP['clip']
     cb.before_fit()
     return cb
 
 def arch_hypergrad(model, trn, val, mode='second', lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
-    "The hypergradient of `mode` (first|second|exact) in `arch_pass()` and `frozen_masks()`; α requires grad only meanwhile"
-    a = model.alpha
-    a.requires_grad_(True)
-    try:
-        with model.arch_pass(), model.frozen_masks():
-            if mode == 'first': return hypergrad_first(model, trn, val)[0]
-            return hypergrad_second(model, trn, val, lr, wd, clip, exact_hvp if mode == 'exact' else fd_hvp)[0]
-    finally: a.requires_grad_(False)
+    "The hypergradient of `mode` (first|second|exact) as an architecture pass (`arch_grad`: shared masks, frozen BatchNorm statistics), in the surrounding precision"
+    return arch_grad(model, trn, val, partial(hypergrad, model, mode=mode, lr=lr, wd=wd, clip=clip), arch_bf16=True)[0]
 
 def search_step(model, cb, trn, val, mode='second', lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
-    "One architecture step (`mode` first|second|exact, in `cb`'s precision) then one weight step"
-    with cb.precision(): g = arch_hypergrad(model, trn, val, mode, lr, wd, clip)
-    cb.step(g)
+    "One architecture step (the callback's own `arch_step`, in mode `mode`) then one weight step"
+    cb.mode, cb.hypers = mode, (lr, wd, clip)
+    cb.arch_step(trn, val)
     return weight_step(model, *trn, lr=lr, clip=clip)
 
 def in_bf16(fn, device):
