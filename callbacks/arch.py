@@ -5,13 +5,15 @@
 # %% ../nbs/04_arch.ipynb #10fc50de
 from __future__ import annotations
 from contextlib import nullcontext
+from functools import partial
 import torch, torch.nn.functional as F
 from fastai.callback.core import Callback
 from rnn_darts.genotypes import PRIMITIVES
 
 # %% auto #0
 __all__ = ['train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first', 'fd_hvp', 'exact_hvp', 'hypergrad_second',
-           'op_param_counts', 'relax_extra_grad', 'ArchParamUpdate']
+           'hypergrad', 'op_param_counts', 'op_decay_grad', 'check_zero_one', 'zero_one_grad', 'arch_adam',
+           'guarded_adam_step', 'arch_precision', 'arch_grad', 'arch_step', 'ArchParamUpdate']
 
 # %% ../nbs/04_arch.ipynb #bb97d689
 def train_loss(model, xb, yb, weight_grads=True): return model.loss(xb, yb, 'train', advance=False, weight_grads=weight_grads)
@@ -59,45 +61,106 @@ def hypergrad_second(model, trn, val, eta, wd, clip, hvp=fd_hvp):
     with torch.no_grad(): w.copy_(w0)
     return ga - eta * c * hvp(model, trn, v, w0), loss.detach()
 
+def hypergrad(model, trn, val, mode='second', lr=20., wd=0., clip=None):
+    "The hypergradient of `mode` (first|second|exact) and the search loss"
+    if mode == 'first': return hypergrad_first(model, trn, val)
+    return hypergrad_second(model, trn, val, lr, wd, clip, exact_hvp if mode == 'exact' else fd_hvp)
+
 # %% ../nbs/04_arch.ipynb #c55f570d
 def op_param_counts(model):
-    "Trainable weights each primitive uses on an edge of the search cell (`none`: 0)"
+    "AutoRA's count per primitive: the weights an op of an edge uses, plus one for being an op; `none`: 0"
     n = model.nhid
-    return torch.tensor([0. if op == 'none' else float(n * 2 * n) for op in PRIMITIVES], device=model.alpha.device)
+    return torch.tensor([0. if op == 'none' else float(n * 2 * n + 1) for op in PRIMITIVES], device=model.alpha.device)
 
-def relax_extra_grad(model, zero_one=0., op_decay=None):
-    "Gradient w.r.t. α of the variant terms (zero-one loss, per-op decay)"
-    a, g = model.alpha, torch.zeros_like(model.alpha)
-    if zero_one and model.relax == 'sigmoid':
-        with torch.enable_grad():
-            a_ = a.detach().requires_grad_()
-            l = -zero_one * F.mse_loss(torch.sigmoid(a_), torch.full_like(a_, 0.5))
-            g = g + torch.autograd.grad(l, a_)[0]
-    if op_decay is not None:
-        base, per = op_decay
-        counts = op_param_counts(model)
-        g = g + a.detach() * torch.where(counts > 0, base + per * counts, torch.zeros_like(counts))
-    return g
+def op_decay_grad(model, op_decay):
+    "∂/∂α of `op_decay · Σ_edges Σ_k n_k α_k`: each op's decay in proportion to its parameter count `n_k`"
+    return (op_decay * op_param_counts(model)).expand_as(model.alpha)
+
+def check_zero_one(zero_one, relax):
+    "The zero-one loss needs independent sigmoid weights (Fair DARTS)"
+    if zero_one and relax != 'sigmoid':
+        raise ValueError(f"zero_one={zero_one} needs relax='sigmoid' (Fair DARTS); relax={relax!r} would ignore it")
+
+def zero_one_grad(model, zero_one):
+    "∇α of the Fair DARTS zero-one loss `−zero_one · mean((σ(α) − ½)²)`, which pushes σ(α) away from ½"
+    check_zero_one(zero_one, model.relax)
+    with torch.enable_grad():
+        a = model.alpha.detach().requires_grad_()
+        return torch.autograd.grad(-zero_one * F.mse_loss(torch.sigmoid(a), torch.full_like(a, 0.5)), a)[0]
+
+# %% ../nbs/04_arch.ipynb #c9a8e3f2
+def arch_adam(alpha, lr=3e-3, betas=(0.9, 0.999), wd=1e-3):
+    "Adam over α; `capturable` on CUDA, so its step count stays on the device"
+    return torch.optim.Adam([alpha], lr=lr, betas=betas, weight_decay=wd, capturable=alpha.is_cuda)
+
+def _adam_state(opt, a):
+    "Adam's state of `a`, created (as Adam would lazily) if it does not exist yet"
+    st = opt.state[a]
+    if not st:
+        g = opt.param_groups[0]
+        dev = a.device if g['capturable'] or g.get('fused') else 'cpu'
+        st['step'] = torch.zeros((), dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32, device=dev)
+        st['exp_avg'], st['exp_avg_sq'] = torch.zeros_like(a, memory_format=torch.preserve_format), torch.zeros_like(a, memory_format=torch.preserve_format)
+        if g['amsgrad']: st['max_exp_avg_sq'] = torch.zeros_like(a, memory_format=torch.preserve_format)
+    return st
+
+def guarded_adam_step(opt, a, g, decay=None):
+    "Adam step of `a` with gradient `g`, then `a −= lr·decay`; if `g` is not finite nothing moves. Returns the flag (on the device)"
+    ok = torch.isfinite(g).all()
+    keep = [a.detach()] + list(_adam_state(opt, a).values())
+    old = torch._foreach_mul(keep, 1.)                   # one copy of α and Adam's state (x·1 is exact)
+    a.grad = torch.where(ok, g, torch.zeros_like(g))
+    opt.step()
+    a.grad = None
+    with torch.no_grad():
+        if decay is not None: a.sub_(opt.param_groups[0]['lr'] * decay)
+        for t, o in zip(keep, old): t.copy_(torch.where(ok, t, o))
+    return ok
+
+def arch_precision(device, arch_bf16=False):
+    "Inside a bf16 autocast the architecture passes run in fp32 unless `arch_bf16`"
+    return nullcontext() if arch_bf16 else torch.autocast(torch.device(device).type, enabled=False)
+
+def arch_grad(model, trn, val, grad_fn, same_masks=True, arch_bf16=False):
+    "`grad_fn(trn, val)` (→ hypergradient, loss) as an architecture pass: α requires grad only meanwhile, frozen BatchNorm statistics, shared masks if `same_masks`"
+    a = model.alpha
+    a.requires_grad_(True)
+    try:
+        with model.arch_pass(), arch_precision(a.device, arch_bf16), (model.frozen_masks() if same_masks else nullcontext()):
+            return grad_fn(trn, val)
+    finally: a.requires_grad_(False)
+
+def arch_step(model, opt, trn, val, mode='second', lr=20., wd=0., clip=None, same_masks=True, arch_bf16=False,
+              zero_one=0., op_decay=0., reduce=None, grad_fn=None):
+    "One architecture step: the hypergradient of `mode` (or `grad_fn(trn, val)`), `reduce`, the zero-one gradient, the guarded Adam step with the op decay. Returns the search loss and the finiteness flag (tensors)"
+    grad_fn = grad_fn or partial(hypergrad, model, mode=mode, lr=lr, wd=wd, clip=clip)
+    g, loss = arch_grad(model, trn, val, grad_fn, same_masks, arch_bf16)
+    if reduce is not None: g = reduce(g)
+    if zero_one: g = g + zero_one_grad(model, zero_one)
+    ok = guarded_adam_step(opt, model.alpha, g, op_decay_grad(model, op_decay) if op_decay else None)
+    return loss, ok
 
 # %% ../nbs/04_arch.ipynb #0a2ffa92
 class ArchParamUpdate(Callback):
     "One DARTS architecture step (α) per training batch, before the weight step"
     order = 66  # after SeqLenLR (65) has set the batch's learning rate
     def __init__(self, search_dl, mode='second', arch_lr=3e-3, arch_betas=(0.9, 0.999), arch_wd=1e-3,
-                 same_masks=True, clip='learn', zero_one=0., op_decay=None, arch_bf16=False):
+                 same_masks=True, clip='learn', zero_one=0., op_decay=0., arch_bf16=False):
         if mode not in ('first', 'second', 'exact'): raise ValueError(f"mode must be 'first', 'second' or 'exact', got {mode!r}")
+        if op_decay < 0: raise ValueError(f"op_decay must be >= 0, got {op_decay}")
         self.search_dl, self.mode, self.same_masks, self.clip = search_dl, mode, same_masks, clip
         self.zero_one, self.op_decay = zero_one, op_decay
         self.arch_bf16 = arch_bf16
         self.arch_lr, self.arch_betas, self.arch_wd = arch_lr, arch_betas, arch_wd
         self.arch_opt, self.n_skipped, self.loss_sum, self.n_steps = None, None, None, 0
         self.reduce = None   # optional: averages the hypergradient across processes (see rnn_darts.distrib)
+        self.hypers = None   # optional (lr, wd, clip) for the virtual step; default: the learner's (see `step_hypers`)
 
     def before_fit(self):
         a = self.model.alpha
+        check_zero_one(self.zero_one, self.model.relax)
         a.requires_grad_(False)                    # the weight step never touches α
-        if self.arch_opt is None:
-            self.arch_opt = torch.optim.Adam([a], lr=self.arch_lr, betas=self.arch_betas, weight_decay=self.arch_wd)
+        if self.arch_opt is None: self.arch_opt = arch_adam(a, self.arch_lr, self.arch_betas, self.arch_wd)
         if hasattr(self.search_dl, 'to'): self.search_dl.to(a.device)
         if self.n_skipped is None: self.n_skipped = torch.zeros((), dtype=torch.long, device=a.device)
 
@@ -108,46 +171,38 @@ class ArchParamUpdate(Callback):
         cb = getattr(self.learn, 'flat_grad_clip', None)
         return cb.max_norm if cb is not None else None
 
-    def hypergrad(self, trn, val):
-        m = self.model
-        if self.mode == 'first': return hypergrad_first(m, trn, val)
+    def step_hypers(self):
+        "(lr, wd, clip) of the virtual weight step: the learner's batch learning rate and weight decay, the weights' clip"
+        if self.hypers is not None: return self.hypers
+        if self.mode == 'first': return 0., 0., None
         hyp = self.opt.hypers[-1]
-        return hypergrad_second(m, trn, val, hyp['lr'], hyp.get('wd', 0.), self.max_norm(),
-                                exact_hvp if self.mode == 'exact' else fd_hvp)
+        return hyp['lr'], hyp.get('wd', 0.), self.max_norm()
+
+    def hypergrad(self, trn, val):
+        "The hypergradient of the mode and the search loss"
+        return hypergrad(self.model, trn, val, self.mode, *self.step_hypers())
 
     def precision(self):
         "Inside a bf16 autocast (`BF16Autocast`) the passes stay in bf16 if `arch_bf16`, else they run in fp32"
-        return nullcontext() if self.arch_bf16 else torch.autocast(self.model.alpha.device.type, enabled=False)
+        return arch_precision(self.model.alpha.device, self.arch_bf16)
 
-    def before_batch(self):
-        if not self.training or hasattr(self.learn, 'lr_finder'): return
-        m, a = self.model, self.model.alpha
-        trn = (self.xb[0], self.yb[0])
-        val = self.search_dl.next(trn[0].shape[1])
-        a.requires_grad_(True)
-        try:
-            with m.arch_pass(), self.precision():
-                if self.same_masks:
-                    with m.frozen_masks(): g, loss = self.hypergrad(trn, val)
-                else: g, loss = self.hypergrad(trn, val)
-        finally: a.requires_grad_(False)
-        if self.reduce is not None: g = self.reduce(g)
-        self.step(g + relax_extra_grad(m, self.zero_one, self.op_decay))
+    def arch_step(self, trn, val):
+        "One architecture step (`arch_step`) with this callback's settings and optimizer; counts skipped steps and the search loss"
+        loss, ok = arch_step(self.model, self.arch_opt, trn, val, same_masks=self.same_masks, arch_bf16=self.arch_bf16,
+                             zero_one=self.zero_one, op_decay=self.op_decay, reduce=self.reduce, grad_fn=self.hypergrad)
+        self.n_skipped += (~ok).long()
         self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
         self.n_steps += 1
 
+    def before_batch(self):
+        if not self.training or hasattr(self.learn, 'lr_finder'): return
+        trn = (self.xb[0], self.yb[0])
+        self.arch_step(trn, self.search_dl.next(trn[0].shape[1]))
+
     def step(self, g):
-        "Apply `g` to α with Adam, unless it is not finite (checked on the device)"
-        a = self.model.alpha
-        ok = torch.isfinite(g).all()
-        a0, st0 = a.detach().clone(), {k: v.clone() for k, v in self.arch_opt.state[a].items()}
-        a.grad = torch.where(ok, g, torch.zeros_like(g))
-        self.arch_opt.step()
-        a.grad = None
-        with torch.no_grad():
-            a.copy_(torch.where(ok, a, a0))
-            for k, v in st0.items(): self.arch_opt.state[a][k].copy_(torch.where(ok, self.arch_opt.state[a][k], v))
-        self.n_skipped += (~ok).long()
+        "Apply `g` to α with Adam (and the op decay), unless it is not finite (checked on the device)"
+        m = self.model
+        self.n_skipped += (~guarded_adam_step(self.arch_opt, m.alpha, g, op_decay_grad(m, self.op_decay) if self.op_decay else None)).long()
 
     def search_loss(self):
         "Mean search-stream loss of this epoch's architecture steps (one host sync, at epoch end)"
@@ -160,7 +215,12 @@ class ArchParamUpdate(Callback):
 
     def load_ckpt_state(self, d):
         if self.arch_opt is None: self.before_fit()
-        if d['arch_opt'] is not None: self.arch_opt.load_state_dict(d['arch_opt'])
+        if d['arch_opt'] is not None:
+            self.arch_opt.load_state_dict(d['arch_opt'])
+            a = self.model.alpha                    # saved on another device: capturable only on CUDA
+            for g in self.arch_opt.param_groups: g['capturable'] = a.is_cuda
+            st = self.arch_opt.state.get(a)
+            if st and 'step' in st: st['step'] = st['step'].to(a.device if a.is_cuda else 'cpu')
         if d['search_dl'] is not None: self.search_dl.load_state_dict(d['search_dl'])
         if d['n_skipped'] is not None: self.n_skipped.fill_(d['n_skipped'])
 

@@ -5,13 +5,14 @@
 # %% ../nbs/10_bench.ipynb #54700977
 from __future__ import annotations
 import copy, gc, json, os, platform, resource, time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V2
-from rnn_darts.model import DartsRnn, DartsRnnSearch
-from callbacks.arch import ArchParamUpdate, hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
+from rnn_darts.model import DartsRnn, DartsRnnSearch, NodeNorm
+from callbacks.arch import ArchParamUpdate, arch_grad, hypergrad
 
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'STEP_NAMES', 'mem_kind', 'time_fn',
@@ -104,28 +105,23 @@ def weight_step(model, xb, yb, lr=STEP['lr'], clip=STEP['clip']):
     model.zero_grad()
     return loss.detach()
 
-def arch_updater(model, mode='second', arch_bf16=False):
-    "An `ArchParamUpdate` bound to `model` outside a `Learner`: Adam on α with the finiteness guard, the passes' precision"
+def arch_updater(model, mode='second', arch_bf16=False, **kwargs):
+    "An `ArchParamUpdate` bound to `model` outside a `Learner` (the search learner's callback, its Adam and guard)"
     cb = ArchParamUpdate(None, mode, arch_lr=STEP['arch_lr'], arch_betas=STEP['arch_betas'], arch_wd=STEP['arch_wd'],
-                         arch_bf16=arch_bf16)
+                         arch_bf16=arch_bf16, **kwargs)
     cb.learn = SimpleNamespace(model=model)
+    cb.hypers = STEP['lr'], STEP['wd'], STEP['clip']
     cb.before_fit()
     return cb
 
 def arch_hypergrad(model, trn, val, mode='second', lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
-    "The hypergradient of `mode` (first|second|exact) in `arch_pass()` and `frozen_masks()`; α requires grad only meanwhile"
-    a = model.alpha
-    a.requires_grad_(True)
-    try:
-        with model.arch_pass(), model.frozen_masks():
-            if mode == 'first': return hypergrad_first(model, trn, val)[0]
-            return hypergrad_second(model, trn, val, lr, wd, clip, exact_hvp if mode == 'exact' else fd_hvp)[0]
-    finally: a.requires_grad_(False)
+    "The hypergradient of `mode` (first|second|exact) as an architecture pass (`arch_grad`: shared masks, frozen BatchNorm statistics), in the surrounding precision"
+    return arch_grad(model, trn, val, partial(hypergrad, model, mode=mode, lr=lr, wd=wd, clip=clip), arch_bf16=True)[0]
 
 def search_step(model, cb, trn, val, mode='second', lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
-    "One architecture step (`mode` first|second|exact, in `cb`'s precision) then one weight step"
-    with cb.precision(): g = arch_hypergrad(model, trn, val, mode, lr, wd, clip)
-    cb.step(g)
+    "One architecture step (the callback's own `arch_step`, in mode `mode`) then one weight step"
+    cb.mode, cb.hypers = mode, (lr, wd, clip)
+    cb.arch_step(trn, val)
     return weight_step(model, *trn, lr=lr, clip=clip)
 
 def in_bf16(fn, device):
@@ -150,7 +146,7 @@ class PlainSearchRnn(nn.Module):
         self.W0 = nn.Parameter(torch.empty(2 * nhid, 2 * nhid).uniform_(-0.04, 0.04))
         self.Ws = nn.ParameterList([nn.Parameter(torch.empty(nhid, 2 * nhid).uniform_(-0.04, 0.04)) for _ in range(steps)])
         self.decoder_bias = nn.Parameter(torch.zeros(ntoken))
-        self.bn = nn.BatchNorm1d(nhid, affine=False)
+        self.bn = NodeNorm(steps + 1, nhid)   # s0 and every node: their own running statistics
         self.alpha = nn.Parameter(1e-3 * torch.randn(steps * (steps + 1) // 2, len(PRIMITIVES)))
         self.bn_update = True   # False in architecture passes: batch statistics, running ones untouched
 
@@ -164,9 +160,11 @@ class PlainSearchRnn(nn.Module):
         m.bn_update = self.bn_update
         return m
 
-    def norm(self, s):
-        if self.training and not self.bn_update: return F.batch_norm(s, None, None, training=True, eps=self.bn.eps)
-        return self.bn(s)
+    def norm(self, s, i):
+        if not self.training: return F.batch_norm(s, self.bn.running_mean[i], self.bn.running_var[i], training=False, eps=self.bn.eps)
+        if not self.bn_update: return F.batch_norm(s, None, None, training=True, eps=self.bn.eps)
+        self.bn.num_batches_tracked[i] += 1
+        return F.batch_norm(s, self.bn.running_mean[i], self.bn.running_var[i], training=True, momentum=0.1, eps=self.bn.eps)
 
     def _mask(self, shape, p, like):
         if not self.training or not p: return None
@@ -175,7 +173,7 @@ class PlainSearchRnn(nn.Module):
     def cell(self, x_t, h, mx, mh, probs):
         xh = torch.cat([x_t if mx is None else x_t * mx, h if mh is None else h * mh], -1)
         c0, h0 = (xh @ self.W0).chunk(2, -1)
-        states = [self.norm(h + c0.sigmoid() * (h0.tanh() - h))]
+        states = [self.norm(h + c0.sigmoid() * (h0.tanh() - h), 0)]
         row = 0
         for i in range(1, self.steps + 1):
             s = 0
@@ -187,7 +185,7 @@ class PlainSearchRnn(nn.Module):
                     if op == 'none': continue
                     s = s + probs[row + j, k] * (sj + c * (_ACT[op](hh) - sj))
             row += i
-            states.append(self.norm(s))
+            states.append(self.norm(s, i))
         return torch.stack(states[1:]).mean(0)
 
     def forward(self, x, hidden=None):

@@ -111,12 +111,12 @@ def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=False, bf16
 
 def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
                    dropoute=0., lr=20., wd=5e-7, clip=0.25, alpha=0., beta=1e-3, mode='second', arch_lr=3e-3,
-                   arch_wd=1e-3, relax='softmax', same_masks=True, zero_one=0., on_nan='rollback', path='.',
+                   arch_wd=1e-3, relax='softmax', same_masks=True, zero_one=0., op_decay=0., on_nan='rollback', path='.',
                    checkpoint=True, keep=2, resume=None, cbs=None, device=None, ntoken=None, compile=False, bf16=False,
                    arch_bf16=False, fused_loss=True) -> DartsLearner:
     "A `Learner` for the DARTS search phase, with the paper's defaults"
     model = DartsRnnSearch(_ntoken(dls, ntoken), emsize, nhid, dropout, dropouth, dropoutx, dropouti, dropoute, relax=relax)
-    arch = ArchParamUpdate(search_dl, mode, arch_lr, arch_wd=arch_wd, same_masks=same_masks, zero_one=zero_one,
+    arch = ArchParamUpdate(search_dl, mode, arch_lr, arch_wd=arch_wd, same_masks=same_masks, zero_one=zero_one, op_decay=op_decay,
                            arch_bf16=arch_bf16)
     learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16, fused_loss)
     learn.metrics.append(ValueMetric(arch.search_loss, 'search_loss'))

@@ -4,14 +4,16 @@
 
 # %% ../nbs/03_model.ipynb #8dbd81eb
 from __future__ import annotations
+import warnings
 from contextlib import contextmanager
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
 
 # %% auto #0
-__all__ = ['ACTS', 'FlatParams', 'FlatModule', 'MaskBank', 'PackedCell', 'DartsCell', 'DartsCellSearch', 'ce_chunk_rows',
-           'LinearCrossEntropy', 'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch', 'n_weights']
+__all__ = ['ACTS', 'FlatParams', 'FlatModule', 'MaskBank', 'PackedCell', 'DartsCell', 'NodeNorm', 'DartsCellSearch',
+           'ce_chunk_rows', 'LinearCrossEntropy', 'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch',
+           'n_weights']
 
 # %% ../nbs/03_model.ipynb #3bef24ac
 class FlatParams:
@@ -190,24 +192,53 @@ class DartsCell(PackedCell):
         return torch.stack([states[i] for i in self.genotype.concat]).mean(0)
 
 # %% ../nbs/03_model.ipynb #08c5a066
+class NodeNorm(nn.Module):
+    "Affine-free batch normalisation of `n` nodes, each with its own running statistics (row `i` of `running_mean`/`running_var`)"
+    def __init__(self, n, nhid, eps=1e-5, momentum=0.1):
+        super().__init__()
+        self.n, self.eps, self.momentum = n, eps, momentum
+        self.register_buffer('running_mean', torch.zeros(n, nhid))
+        self.register_buffer('running_var', torch.ones(n, nhid))
+        self.register_buffer('num_batches_tracked', torch.zeros(n, dtype=torch.long))
+
+    def forward(self, s, i, update=True):
+        "Normalise node `i`'s `s` (bs, nhid): batch statistics in training (updating row `i` if `update`), row `i` in eval"
+        if not self.training: return F.batch_norm(s, self.running_mean[i], self.running_var[i], training=False, eps=self.eps)
+        if not update: return F.batch_norm(s, None, None, training=True, eps=self.eps)
+        self.num_batches_tracked[i].add_(1)
+        return F.batch_norm(s, self.running_mean[i], self.running_var[i], training=True, momentum=self.momentum, eps=self.eps)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        "A state dict from one shared `BatchNorm1d` (statistics of shape (nhid,)): copy them to every node, and say so"
+        rm = state_dict.get(prefix + 'running_mean')
+        if rm is not None and rm.dim() == 1:
+            warnings.warn(f"{prefix}running_mean: this state dict has one set of normalisation statistics shared by all "
+                          f"nodes (saved before per-node statistics); copying it to each of the {self.n} nodes. Eval-mode "
+                          "losses stay biased until the statistics are re-estimated (train on, or run training-mode forwards)")
+            for k in ('running_mean', 'running_var'):
+                if prefix + k in state_dict: state_dict[prefix + k] = state_dict[prefix + k].expand(self.n, -1).clone()
+            nb = state_dict.get(prefix + 'num_batches_tracked')
+            if nb is not None and nb.dim() == 0: state_dict[prefix + 'num_batches_tracked'] = nb.expand(self.n).clone()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
 class DartsCellSearch(PackedCell):
     "The DARTS search cell: every node mixes all earlier nodes through all primitives"
     def __init__(self, ninp, nhid, dropoutx=0., dropouth=0., steps=STEPS):
         super().__init__(ninp, nhid, steps, dropoutx, dropouth)
-        self.bn = nn.BatchNorm1d(nhid, affine=False)
+        self.bn = NodeNorm(steps + 1, nhid)   # s0 and every node: their own running statistics
         self.bn_update = True
         self.probs = None   # set by the model before each forward: (edges, ops) mixing weights
         offs = [s.start for s in edge_slices(steps)]
         # rows of α for the edges leaving node j, towards nodes j+1..steps
         for j in range(steps): self.register_buffer(f'rows{j}', torch.tensor([offs[i - 1] + j for i in range(j + 1, steps + 1)]), persistent=False)
 
-    def norm(self, s):
-        if self.training and not self.bn_update: return F.batch_norm(s, None, None, training=True, eps=self.bn.eps)
-        return self.bn(s)
+    def norm(self, s, i):
+        "Normalise node `i` (0 is s0); architecture passes (`bn_update=False`) leave the running statistics alone"
+        return self.bn(s, i, self.bn_update)
 
     def per_sequence(self):
-        "Once per sequence: per node j, the rows of all downstream matrices, and the weights (tanh, relu, sigmoid,"
-        "identity; each (downstream, 1)) and non-`none` sum of the edges leaving j"
+        """Once per sequence: per node j, the rows of all downstream matrices, and the weights (tanh, relu, sigmoid,
+        identity; each (downstream, 1)) and non-`none` sum of the edges leaving j"""
         n2, steps = 2 * self.nhid, self.n_nodes
         Wsuf = tuple(self.WhT[j * n2:] for j in range(steps))
         w = [self.probs[getattr(self, f'rows{j}')].t()[1:, :, None] for j in range(steps)]
@@ -216,7 +247,7 @@ class DartsCellSearch(PackedCell):
     def step(self, xw_t, h, mh, ctx):
         W0h, Wsuf, edge_w, edge_sum = ctx
         n, steps = self.nhid, self.n_nodes
-        s = self.norm(self.init_state(xw_t, h, mh, W0h))
+        s = self.norm(self.init_state(xw_t, h, mh, W0h), 0)
         rest, total = None, 0
         for j in range(steps):
             c, hh = F.linear(s if mh is None else s * mh, Wsuf[j]).view(s.shape[0], steps - j, 2 * n).split(n, dim=-1)
@@ -226,7 +257,7 @@ class DartsCellSearch(PackedCell):
             term = torch.addcmul(ps, c.sigmoid(), mix - ps)
             acc = term if rest is None else rest + term
             done, rest = acc.split([1, steps - j - 1], dim=1)
-            s = self.norm(done.squeeze(1))
+            s = self.norm(done.squeeze(1), j + 1)
             total = total + s
         return total / steps
 

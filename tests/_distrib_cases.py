@@ -15,9 +15,9 @@ def set_norm(model, bn, groups=2):
     "bn: 'batch' (the model's BatchNorm), 'off' (identity) or 'ghost' (batch statistics over `groups` row blocks)"
     cell = getattr(model, 'cell', None)
     if bn == 'batch' or not hasattr(cell, 'bn'): return
-    if bn == 'off': cell.norm = lambda s: s; return
-    def norm(s):
-        if not cell.training: return cell.bn(s)
+    if bn == 'off': cell.norm = lambda s, i: s; return
+    def norm(s, i):
+        if not cell.training: return cell.bn(s, i)
         return torch.cat([F.batch_norm(h, None, None, training=True, eps=cell.bn.eps) for h in s.chunk(groups)])
     cell.norm = norm
 

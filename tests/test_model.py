@@ -301,3 +301,80 @@ def test_forward_is_time_major_and_seq_cross_entropy_reads_it_without_a_copy():
     assert logits.shape == (4, 6, 30) and logits.transpose(0, 1).is_contiguous() and raw.transpose(0, 1).is_contiguous()
     torch.testing.assert_close(SeqCrossEntropy()(logits, y), CrossEntropyLossFlat()(logits, y))
     torch.testing.assert_close(SeqCrossEntropy()(logits.contiguous(), y), CrossEntropyLossFlat()(logits, y))
+
+# --- per-node normalisation statistics ---------------------------------------------------------------------------
+
+def _fwd_bwd(m, x, y):
+    m.reset(); m.zero_grad()
+    logits = m(x)[0]
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+    return logits.detach(), m.flat.grad.clone(), m.alpha.grad.clone()
+
+def test_per_node_stats_keep_training_math_bit_identical_and_update_like_batchnorm1d():
+    """Training mode: outputs and every gradient bit-identical to the former shared `BatchNorm1d`; each node's running
+    statistics are those of its own `BatchNorm1d` (momentum, unbiased variance, count)"""
+    torch.manual_seed(0)
+    m = DartsRnnSearch(20, 6, 6, dropout=0., dropouth=0., dropoutx=0., dropouti=0.).train()
+    x, y = torch.randint(0, 20, (3, 5)), torch.randint(0, 20, (3, 5))
+    ref = copy.deepcopy(m)
+    shared = nn.BatchNorm1d(6, affine=False)                    # the former implementation: one BatchNorm for all nodes
+    ref.cell.norm = lambda s, i: shared(s)
+    per_node = [nn.BatchNorm1d(6, affine=False) for _ in range(9)]
+    rec = copy.deepcopy(m)
+    rec.cell.norm = lambda s, i: per_node[i](s)
+    for _ in range(2):
+        for a, b, c in zip(_fwd_bwd(m, x, y), _fwd_bwd(ref, x, y), _fwd_bwd(rec, x, y)):
+            assert torch.equal(a, b) and torch.equal(a, c)
+    for i, bn in enumerate(per_node):
+        assert torch.equal(m.cell.bn.running_mean[i], bn.running_mean)
+        assert torch.equal(m.cell.bn.running_var[i], bn.running_var)
+        assert m.cell.bn.num_batches_tracked[i] == bn.num_batches_tracked == 2 * 5
+    # the nodes' statistics differ (one shared set would be wrong for most of them)
+    assert not torch.allclose(m.cell.bn.running_var[0], m.cell.bn.running_var[8])
+    # eval mode: node i normalised with row i
+    m.eval(); rec.eval(); m.reset(); rec.reset()
+    for bn in per_node: bn.eval()
+    assert torch.equal(m(x)[0], rec(x)[0])
+
+def test_old_shared_batchnorm_state_dict_loads_with_a_warning():
+    m = DartsRnnSearch(20, 6, 6).train()
+    m(torch.randint(0, 20, (3, 5)))
+    sd = m.state_dict()
+    old_mean, old_var = torch.randn(6), torch.rand(6) + 0.5
+    sd['cell.bn.running_mean'], sd['cell.bn.running_var'] = old_mean, old_var          # the former layout, (nhid,)
+    sd['cell.bn.num_batches_tracked'] = torch.tensor(7)
+    new = DartsRnnSearch(20, 6, 6)
+    with pytest.warns(UserWarning, match='shared by all nodes.*copying it to each of the 9 nodes'):
+        new.load_state_dict(sd)
+    assert torch.equal(new.cell.bn.running_mean, old_mean.expand(9, 6))
+    assert torch.equal(new.cell.bn.running_var, old_var.expand(9, 6))
+    assert new.cell.bn.num_batches_tracked.tolist() == [7] * 9
+    assert torch.equal(new.flat.data, m.flat.data)
+    m2 = DartsRnnSearch(20, 6, 6)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter('error'); m2.load_state_dict(m.state_dict())            # the new layout: no warning
+
+def test_eval_validation_measures_the_supernet():
+    "After a little training, eval-mode validation (running statistics) is close to evaluation with batch statistics"
+    from rnn_darts.core import set_seed
+    from rnn_darts.data import numbers_corpus, lm_dls, search_stream
+    from rnn_darts.learner import search_learner
+    set_seed(0)
+    c = numbers_corpus(seed=0, n_train=6000, n_valid=2000, n_test=500)
+    dls = lm_dls(c, 16, 10, 'search', eval_bs=16, seed=0)
+    learn = search_learner(dls, search_stream(c, 16), emsize=16, nhid=16, mode='first', checkpoint=False,
+                           path=tempfile.mkdtemp(), dropout=0., dropouth=0., dropoutx=0., dropouti=0.)
+    learn.remove_cb(learn.progress)
+    with learn.no_logging(): learn.fit(2)
+    running = float(learn.validate()[0])
+    cell = learn.model.cell
+    cell.norm = lambda s, i: F.batch_norm(s, None, None, training=True, eps=1e-5)
+    batch = float(learn.validate()[0])
+    # the former single set of statistics, blended over all nodes (what one shared BatchNorm1d converges to)
+    rm, rv = cell.bn.running_mean.mean(0), cell.bn.running_var.mean(0)
+    cell.norm = lambda s, i: F.batch_norm(s, rm, rv, training=False, eps=1e-5)
+    blended = float(learn.validate()[0])
+    del cell.norm                               # measured: 2.48 (running), 2.61 (batch), 3.29 (blended)
+    assert abs(running - batch) < 0.08 * batch, (running, batch)
+    assert abs(blended - batch) > 3 * abs(running - batch), (blended, running, batch)
