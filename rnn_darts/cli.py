@@ -272,12 +272,12 @@ def record_overrides_cb(settings:dict, changes:dict):
 
 # %% ../nbs/08_cli.ipynb #933d3b51
 def set_threads(threads, dev):
-    "`torch.set_num_threads(threads)`; by default 1 on CPU (see the README's *Speed*), torch's default elsewhere"
+    "`torch.set_num_threads(threads)`; without `threads`, `CPU_THREADS` on CPU (None: torch's default)"
     import torch
     if threads is None and dev.type == 'cpu' and CPU_THREADS: threads = CPU_THREADS
     if threads is not None: torch.set_num_threads(threads)
 
-CPU_THREADS = None   # the default number of CPU threads (None: torch's default)
+CPU_THREADS = None   # the default number of CPU threads on CPU (None: torch's default; see the README's *Speed*)
 
 class _Run:
     "What `_prepare` sets up for a command: settings, device, run folder (locked), corpus; `close()` releases the lock"
@@ -328,7 +328,7 @@ def search(
     resume:bool=False,    # continue from the newest checkpoint in the run folder
     overwrite:bool=False, # start afresh in a folder that holds a run: delete its log, checkpoints, history, genotype and run.json
     override:bool_arg=False, # with --resume: continue even though settings differ from the run's (recorded in run.json)
-    threads:int=None,     # CPU threads for torch (default: 1 on CPU, torch's default with a GPU)
+    threads:int=None,     # CPU threads for torch (default: torch's, one per core; on a busy or shared CPU, 1 is far faster)
     epochs:int=None,      # epochs in all (with --resume: the total, so a finished run can be extended)
     seed:int=None,        # random seed (data, weights, dropout)
     bs:int=None,          # training batch size (text streams); architecture steps use it on the valid split
@@ -391,7 +391,7 @@ def train(
     resume:bool=False,    # continue from the newest checkpoint in the run folder
     overwrite:bool=False, # start afresh in a folder that holds a run: delete its log, checkpoints and run.json
     override:bool_arg=False, # with --resume: continue even though settings differ from the run's (recorded in run.json)
-    threads:int=None,     # CPU threads for torch (default: 1 on CPU, torch's default with a GPU)
+    threads:int=None,     # CPU threads for torch (default: torch's, one per core; on a busy or shared CPU, 1 is far faster)
     epochs:int=None,      # epochs in all (with --resume: the total, so a finished run can be extended)
     seed:int=None,        # random seed (data, weights, dropout)
     bs:int=None,          # training batch size (text streams)
@@ -445,7 +445,7 @@ def evaluate_run(
     checkpoint:str='best',# best | last | a checkpoint file
     split:str='test',     # test | valid
     device:str=None,      # cpu | cuda | cuda:N (default: CUDA when present)
-    threads:int=None,     # CPU threads for torch (default: 1 on CPU, torch's default with a GPU)
+    threads:int=None,     # CPU threads for torch (default: torch's, one per core; on a busy or shared CPU, 1 is far faster)
 ):
     "Evaluate a run's checkpoint on the test (or valid) split, with ASGD's averaged weights when it was on"
     check_choice('--split', split, CHOICES['split'])
@@ -492,7 +492,7 @@ def bench(
     iters:int=None,       # timed iterations per measurement (default: the benchmark's own)
     compile:bool=False,   # time our steps with the torch.compile'd recurrent step (the plain baseline stays eager)
     bf16:bool=False,      # time our steps in bf16 autocast, and measure bf16's effect on the hypergradient
-    threads:int=None,     # CPU threads for torch (default: 1 on CPU, torch's default with a GPU)
+    threads:int=None,     # CPU threads for torch (default: torch's, one per core; on a busy or shared CPU, 1 is far faster)
 ):
     "Time search steps (second, first, exact), derived-cell training steps and evaluation"
     if iters is not None: check_number('--iters', iters, 1, integer=True)
@@ -618,6 +618,8 @@ def run_command(argv):
 
 def main():
     "Entry point of the `rnn-darts` console script"
-    run_command(sys.argv[1:])
+    try: run_command(sys.argv[1:])
+    except BrokenPipeError:   # `rnn-darts --help | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()); sys.exit(1)
 
 if __name__ == '__main__' and not in_notebook(): main()
