@@ -520,7 +520,10 @@ def report(
 
 # %% ../nbs/08_cli.ipynb #719b8ce7
 COMMANDS = dict(search=search, train=train, evaluate=evaluate_run, bench=bench, report=report)
-_ROOTS = (Path(__file__).resolve().parent, Path(__file__).resolve().parents[1]/'callbacks')
+def _roots():
+    "The folders of this project's packages (`rnn_darts`, `callbacks`)"
+    import importlib.util
+    return [Path(p).resolve() for m in ('rnn_darts', 'callbacks') for p in (importlib.util.find_spec(m).submodule_search_locations or [])]
 _INPUT_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, RuntimeError)
 _ENV_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ELOOP, errno.ENOENT,
                errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
@@ -530,7 +533,7 @@ def _raised_here(e) -> bool:
     tb = traceback.extract_tb(e.__traceback__)
     if not tb: return False
     f = tb[-1]
-    try: ours = any(Path(f.filename).resolve().is_relative_to(r) for r in _ROOTS)
+    try: ours = any(Path(f.filename).resolve().is_relative_to(r) for r in _roots())
     except (OSError, ValueError): return False
     src = ''.join(linecache.getline(f.filename, i) for i in range(f.lineno, (f.end_lineno or f.lineno) + 1))
     return ours and re.search(r'\braise\b', src) is not None
