@@ -32,7 +32,8 @@ def _learner_fn(command):
 def known_options() -> dict:
     "Every option a preset may set, with its type"
     from rnn_darts.core import options_of
-    return {**options_of(_learner_fn('search'), _learner_fn('train')), **{k: type(v) for k, v in DATA_DEFAULTS.items()}}
+    opts = {k: v for k, v in options_of(_learner_fn('search'), _learner_fn('train')).items() if k not in _NOT_SETTINGS}
+    return {**opts, **{k: type(v) for k, v in DATA_DEFAULTS.items()}}
 
 def options_of_defaults(fn) -> dict:
     return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty}

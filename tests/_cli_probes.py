@@ -116,12 +116,18 @@ HANDLED = [   # inputs that must be accepted and handled: (name, argv factory, c
      lambda learn: '\ufeff' not in ''.join(learn.dls.vocab)),
 ]
 
+def _no_n_train_with_folders(argv):
+    "--n-train sizes the generated corpus only: drop it when --data names a folder"
+    if '--data' not in argv: return argv
+    i = argv.index('--n-train')
+    return argv[:i] + argv[i+2:]
+
 def run_probe(argv_fn, check=None):
     from rnn_darts.cli import run_command
     d = tempfile.mkdtemp(); cwd = os.getcwd(); os.chdir(d)
     out, err = io.StringIO(), io.StringIO()
     try:
-        argv = argv_fn(d)
+        argv = _no_n_train_with_folders(argv_fn(d))
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try: res = run_command(argv)
             except SystemExit as e:
