@@ -31,8 +31,11 @@ def test_wheel_ships_the_presets(tmp_path):
     "The built wheel holds rnn_darts/settings.ini, the same text as the checkout's settings.ini"
     import subprocess, sys, zipfile
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '-q', '-w', str(tmp_path), str(root)],
+    import shutil
+    root, src = Path(__file__).resolve().parents[1], tmp_path/'src'   # build from a copy: setuptools writes build/ next to the sources
+    for d in ('rnn_darts', 'callbacks'): shutil.copytree(root/d, src/d, symlinks=True, ignore=shutil.ignore_patterns('__pycache__'))
+    for f in ('pyproject.toml', 'README.md', 'settings.ini'): shutil.copy(root/f, src/f)
+    r = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '-q', '-w', str(tmp_path), str(src)],
                        capture_output=True, text=True, timeout=300)
     if r.returncode and 'No module named' in r.stderr: pytest.skip('pip wheel needs setuptools in this environment')
     assert r.returncode == 0, r.stderr
