@@ -4,165 +4,475 @@
 
 # %% ../nbs/08_cli.ipynb #c0c1a83b
 from __future__ import annotations
-import json, sys
+import argparse, difflib, errno, inspect, json, linecache, os, re, socket, sys, traceback
 from pathlib import Path
-from fastcore.script import anno_parser, bool_arg
+from fastcore.script import bool_arg
+from fastcore.docments import docments
 from fastcore.imports import in_notebook
-from rnn_darts.core import get_device, set_seed, read_preset, options_of
-from rnn_darts.data import numbers_corpus, read_corpus, get_ptb, lm_dls, search_stream, test_dl
-from rnn_darts.genotypes import load_genotype, save_genotype, genotype_to_dict
-from rnn_darts.learner import search_learner, train_learner, evaluate, RunInfo
-from callbacks.training import RunLogger
-from callbacks.checkpoint import load_checkpoint, latest_checkpoint, restore
-from rnn_darts.distrib import setup_distrib, distrib_learner, cleanup_distrib
+from rnn_darts.core import UserError, UsageError, get_device, set_seed, read_preset, check_number, check_choice
 
 # %% auto #0
-__all__ = ['DATA_DEFAULTS', 'COMMANDS', 'known_options', 'resolve_settings', 'options_of_defaults', 'load_corpus', 'search',
-           'train', 'evaluate_run', 'bench', 'report', 'run_command', 'main']
+__all__ = ['DATA_DEFAULTS', 'TRAIN_DEFAULTS', 'CHOICES', 'RUN_FILES', 'RESUME_FREE', 'CPU_THREADS', 'COMMANDS', 'known_options',
+           'options_of_defaults', 'settings_and_sources', 'resolve_settings', 'signature_defaults', 'code_defaults',
+           'setting_name', 'check_settings', 'check_fits', 'memory_estimate', 'available_memory', 'check_memory',
+           'load_corpus', 'run_files', 'RunLock', 'read_run_json', 'settings_diff', 'prepare_run_dir',
+           'record_overrides_cb', 'set_threads', 'search', 'train', 'evaluate_run', 'bench', 'report',
+           'user_error_code', 'error_message', 'command_parser', 'main_help', 'run_command', 'main']
 
 # %% ../nbs/08_cli.ipynb #09131284
 DATA_DEFAULTS = dict(data='numbers', files='', unk='', n_train=200_000, epochs=50, bs=256, bptt=35, eval_bs=10,
                      test_bs=1, max_delta=20, seed=3, genotype='DARTS_V2', out='')
+TRAIN_DEFAULTS = dict(bs=64, seed=1267)   # the paper's derived-cell training
+_NOT_SETTINGS = ('cbs', 'device', 'path', 'ntoken', 'resume')
+
+def _learner_fn(command):
+    from rnn_darts.learner import search_learner, train_learner
+    return search_learner if command == 'search' else train_learner
 
 def known_options() -> dict:
     "Every option a preset may set, with its type"
-    return {**options_of(search_learner, train_learner), **{k: type(v) for k, v in DATA_DEFAULTS.items()}}
+    from rnn_darts.core import options_of
+    opts = {k: v for k, v in options_of(_learner_fn('search'), _learner_fn('train')).items() if k not in _NOT_SETTINGS}
+    return {**opts, **{k: type(v) for k, v in DATA_DEFAULTS.items()}}
+
+def options_of_defaults(fn) -> dict:
+    return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty}
+
+def settings_and_sources(command, preset=None, settings_file=None, **flags):
+    "`resolve_settings`, and for each setting where it came from: 'flag', 'SETTINGS: [preset] key', or 'default'"
+    own = {k: v for k, v in options_of_defaults(_learner_fn(command)).items() if k not in _NOT_SETTINGS}
+    res = {**DATA_DEFAULTS, **own, **(TRAIN_DEFAULTS if command == 'train' else {})}
+    src = {k: 'default' for k in res}
+    if preset:
+        from rnn_darts.core import find_settings
+        ini = find_settings(settings_file, preset)
+        for k, v in read_preset(preset, known_options(), ini).items():
+            if k in res: res[k], src[k] = v, f"{ini}: [{preset}] {k}"
+    for k, v in flags.items():
+        if v is not None: res[k], src[k] = v, 'flag'
+    return res, src
 
 def resolve_settings(command, preset=None, settings_file=None, **flags) -> dict:
     "Code defaults for `command`, overridden by `preset`, overridden by the flags that were given (not None)"
-    fn = search_learner if command == 'search' else train_learner
-    own = {k: v for k, v in options_of_defaults(fn).items() if k not in ('cbs', 'device', 'path', 'ntoken', 'resume')}
-    res = {**DATA_DEFAULTS, **own}
-    if command == 'train': res.update(bs=64, seed=1267)   # the paper's derived-cell training
-    if preset:
-        for k, v in read_preset(preset, known_options(), settings_file).items():
-            if k in res: res[k] = v
-    res.update({k: v for k, v in flags.items() if v is not None})
+    return settings_and_sources(command, preset, settings_file, **flags)[0]
+
+def signature_defaults(module:str, fn:str) -> dict:
+    "The literal defaults of `module.fn`'s arguments, read from its source without importing it"
+    import ast, importlib.util
+    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == fn)
+    a, res = node.args, {}
+    pairs = list(zip(a.args[len(a.args) - len(a.defaults):], a.defaults)) + list(zip(a.kwonlyargs, a.kw_defaults))
+    for arg, d in pairs:
+        if d is None: continue
+        try: res[arg.arg] = ast.literal_eval(d)
+        except ValueError: pass
     return res
 
-def options_of_defaults(fn) -> dict:
-    import inspect
-    return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty}
+def code_defaults(command) -> dict:
+    "The defaults `command` uses when neither a preset nor a flag sets a value (for `--help`; no torch import)"
+    fn = 'search_learner' if command == 'search' else 'train_learner'
+    return {**DATA_DEFAULTS, **signature_defaults('rnn_darts.learner', fn), **(TRAIN_DEFAULTS if command == 'train' else {})}
+
+# %% ../nbs/08_cli.ipynb #c11c0002
+CHOICES = dict(mode=('second', 'first', 'exact'), relax=('softmax', 'sigmoid'), on_nan=('rollback', 'stop', 'skip'),
+               split=('test', 'valid'), fmt=('md', 'html'))
+_POS_INT = ('epochs', 'bs', 'eval_bs', 'test_bs', 'n_train', 'emsize', 'nhid', 'nonmono', 'keep', 'threads', 'iters')
+_NONNEG_INT = ('seed', 'max_delta')
+_POS_FLOAT = ('lr', 'arch_lr')
+_NONNEG_FLOAT = ('wd', 'arch_wd', 'clip', 'alpha', 'beta', 'zero_one', 'op_decay')
+_PROBS = ('dropout', 'dropouth', 'dropoutx', 'dropouti', 'dropoute')
+
+def setting_name(k, src=None) -> str:
+    "How to name setting `k` in an error: its flag, or the preset key that set it"
+    where = (src or {}).get(k, 'flag')
+    flag = '--' + k.replace('_', '-')
+    return flag if where == 'flag' else f"{flag} (default)" if where == 'default' else where
+
+def check_settings(s:dict, src:dict|None=None) -> dict:
+    "Raise a `UsageError` naming the flag or preset key of the first bad value in the settings `s`"
+    n = lambda k: setting_name(k, src)
+    for k, v in s.items():
+        if v is None: continue
+        if k in _POS_INT: check_number(n(k), v, 1, integer=True)
+        elif k in _NONNEG_INT: check_number(n(k), v, 0, integer=True)
+        elif k in _POS_FLOAT: check_number(n(k), v, 0, lo_open=True)
+        elif k in _NONNEG_FLOAT: check_number(n(k), v, 0)
+        elif k in _PROBS:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise UsageError(f"{n(k)} is a dropout probability and must be in [0, 1), got {v!r}")
+        elif k in CHOICES: check_choice(n(k), v, CHOICES[k])
+    if 'bptt' in s: check_number(n('bptt'), s['bptt'], 2, integer=True)
+    if s.get('emsize') is not None and s.get('nhid') is not None and s['emsize'] != s['nhid']:
+        raise UsageError(f"{n('emsize')} ({s['emsize']}) must equal {n('nhid')} ({s['nhid']}): the decoder is tied to the embedding")
+    if s.get('data') in ('numbers', 'ptb'):
+        for k in ('files', 'unk'):
+            if s.get(k) and (src or {}).get(k) == 'flag': raise UsageError(f"--{k} applies to a corpus folder, not --data {s['data']}")
+    if s.get('data') != 'numbers' and (src or {}).get('n_train') == 'flag':
+        raise UsageError(f"--n-train sets the size of the generated corpus (--data numbers), not of --data {s.get('data')}")
+    return s
+
+def _fits(corpus, split, bs, need, name, why):
+    n = len(getattr(corpus, split))
+    if n // bs < need:
+        hint = f"use at most {n // need:,}" if n >= need else "the split is too short for any batch size"
+        raise UsageError(f"{name} {bs} is too large for {corpus.where(split)} ({n:,} tokens): each of the {bs} rows needs "
+                         f"at least {need} tokens ({why}); {hint}")
+
+def check_fits(corpus, s:dict, command:str, src:dict|None=None, split:str|None=None):
+    "Raise unless every batch size of `command` fits its split of `corpus`"
+    n = lambda k: setting_name(k, src)
+    if command in ('search', 'train'):
+        _fits(corpus, 'train', s['bs'], 2, n('bs'), 'an input and its target')
+        _fits(corpus, 'valid', s['eval_bs'], 2, n('eval_bs'), 'an input and its target')
+    if command == 'search':   # the architecture steps read the valid split at the training batch size, bptt tokens at a time
+        _fits(corpus, 'valid', s['bs'], s['bptt'] + 1, n('bs'), f"the architecture steps read the valid split in slices of --bptt {s['bptt']} + 1")
+    if command == 'train' or split == 'test': _fits(corpus, 'test', s['test_bs'], 2, n('test_bs'), 'an input and its target')
+    if split == 'valid': _fits(corpus, 'valid', s['eval_bs'], 2, n('eval_bs'), 'an input and its target')
+
+def memory_estimate(s:dict, ntoken:int, command:str) -> dict:
+    "A lower bound, in bytes, of the memory a run needs: weights with gradients and optimizer copies, and activations"
+    e, h, bs, T, nodes = s['emsize'], s['nhid'], s['bs'], s['bptt'], 8
+    n_w = ntoken * e + (e + h) * 2 * h + nodes * h * 2 * h
+    copies = 4 if command == 'search' else 3   # weights, gradients, and the unrolled step's backup / ASGD's average (+ α's passes)
+    return dict(weights=4 * n_w * copies, activations=4 * (bs * T * h * nodes * 2 + s['eval_bs'] * T * ntoken))
+
+def available_memory(dev) -> tuple:
+    "(bytes, description) of the memory the run can use on `dev`: a GPU's total, or RAM available plus free swap"
+    import torch
+    if dev.type == 'cuda':
+        free, total = torch.cuda.mem_get_info(dev)
+        return total, f"the GPU {torch.cuda.get_device_name(dev)} has {total / 2**30:.1f} GiB"
+    try:
+        info = {l.split(':')[0]: int(l.split()[1]) * 1024 for l in Path('/proc/meminfo').read_text().splitlines() if l.split()[1:]}
+        avail = info.get('MemAvailable', info.get('MemFree', 0)) + info.get('SwapFree', 0)
+    except (OSError, ValueError, IndexError):
+        try: avail = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES')
+        except (ValueError, OSError, AttributeError): return None, 'unknown'
+    return avail, f"this machine has {avail / 2**30:.1f} GiB of memory available"
+
+def check_memory(s:dict, ntoken:int, command:str, dev):
+    "Refuse a run whose lower-bound memory estimate exceeds what `dev` has"
+    est = memory_estimate(s, ntoken, command)
+    avail, what = available_memory(dev)
+    need = sum(est.values())
+    if avail is not None and need > avail:
+        g = lambda b: f"{b / 2**30:,.1f} GiB"
+        raise UserError(f"the model is too large for memory: emsize {s['emsize']}, nhid {s['nhid']}, bs {s['bs']}, bptt {s['bptt']} and "
+                        f"{ntoken:,} words need at least {g(need)} (weights, gradients and optimizer state {g(est['weights'])}, "
+                        f"activations {g(est['activations'])}), and {what}; use a smaller --nhid/--emsize or --bs")
 
 # %% ../nbs/08_cli.ipynb #c69a6174
 def load_corpus(s:dict):
+    "The corpus the settings `s` name: the generated numbers, PTB (downloaded once), or a folder"
+    from rnn_darts.data import numbers_corpus, read_corpus, get_ptb
     if s['data'] == 'numbers': return numbers_corpus(seed=s['seed'], n_train=s['n_train'])
     path = get_ptb() if s['data'] == 'ptb' else Path(s['data'])
     files = None
     if s['files']:
         names = s['files'].split(',')
-        if len(names) != 3: raise ValueError(f"--files must name 3 files (train,valid,test), got {s['files']!r}")
-        files = dict(zip(('train', 'valid', 'test'), names))
+        if len(names) != 3 or not all(n.strip() for n in names):
+            raise UsageError(f"--files must name 3 files (train,valid,test), got {s['files']!r}")
+        files = dict(zip(('train', 'valid', 'test'), (n.strip() for n in names)))
     return read_corpus(path, unk=s['unk'] or None, files=files)
 
 def _kwargs(fn, s, drop=()):
     keys = options_of_defaults(fn)
     return {k: v for k, v in s.items() if k in keys and k not in ('cbs', 'path', 'resume', 'device', 'ntoken', *drop)}
 
-# %% ../nbs/08_cli.ipynb #933d3b51
-def _prepare(command, preset, settings_file, device, flags):
-    "Settings, device (one per process under torchrun), run folder and corpus"
-    s = resolve_settings(command, preset, settings_file, **flags)
-    rank, world, dev = setup_distrib(device=str(get_device(device)))
-    out = Path(s['out'] or f'runs/{command}')
+# %% ../nbs/08_cli.ipynb #c11c0005
+RUN_FILES = ('run.json', 'log.csv', 'history.json', 'genotype.json', 'checkpoints')
+RESUME_FREE = ('epochs', 'out', 'device', 'threads')   # settings a resumed run may change without --override
+
+def run_files(out) -> list:
+    "The files of a run that the folder `out` holds"
+    out = Path(out)
+    return [f for f in RUN_FILES if (out/f).exists() and not ((out/f).is_dir() and not any((out/f).iterdir()))]
+
+class RunLock:
+    "An exclusive, non-blocking `flock` on `folder/.lock` naming its holder; released by `release()` or when the process ends"
+    def __init__(self, folder): self.path, self.f = Path(folder)/'.lock', None
+    def acquire(self):
+        import fcntl
+        f = open(self.path, 'a+')
+        try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0); holder = f.read().strip() or 'another process'; f.close()
+            raise UserError(f"run folder {self.path.parent} is in use by {holder}; wait for it to end, or choose another --out") from None
+        f.seek(0); f.truncate(); f.write(f"pid {os.getpid()} on {socket.gethostname()}\n"); f.flush()
+        self.f = f
+        return self
+    def release(self):
+        if self.f is None: return
+        import fcntl
+        try: self.f.seek(0); self.f.truncate(); fcntl.flock(self.f, fcntl.LOCK_UN)
+        finally: self.f.close(); self.f = None
+    def __enter__(self): return self.acquire()
+    def __exit__(self, *a): self.release()
+
+def read_run_json(p) -> dict:
+    "A run's `run.json`, with an error naming the file if it is damaged or not a run record"
+    p = Path(p)
+    if not p.is_file(): raise FileNotFoundError(f"{p} does not exist: is {p.parent} a run folder?")
+    try: info = json.loads(p.read_text(encoding='utf-8'))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{p} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); the run record is damaged or half-written") from None
+    except UnicodeDecodeError as e: raise UserError(f"{p} is not valid UTF-8 (byte offset {e.start}); the run record is damaged") from None
+    if not isinstance(info, dict) or info.get('command') not in ('search', 'train') or not isinstance(info.get('settings'), dict):
+        raise UserError(f"{p} is not a run record: it needs \"command\" (search or train) and \"settings\"")
+    return info
+
+def settings_diff(old:dict, new:dict) -> dict:
+    "Settings (present in both) that differ between a saved run and this one, `RESUME_FREE` ones excepted: key -> (old, new)"
+    return {k: (old[k], new[k]) for k in sorted(old) if k in new and k not in RESUME_FREE and old[k] != new[k]}
+
+def _fmt_changes(d): return '; '.join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in d.items())
+
+def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, override=False):
+    "Lock the run folder `out` and check it: returns `(lock, changes)`, `changes` the settings a resume overrides"
+    out = Path(out)
+    if resume and overwrite: raise UsageError("--resume continues the run in the folder and --overwrite deletes it: give one of them")
+    if out.exists() and not out.is_dir(): raise UsageError(f"--out {out} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
-    set_seed(s['seed'])
-    corpus = load_corpus(s)
-    return s, dev, out, corpus, rank
+    lock, changes = RunLock(out).acquire(), {}
+    try:
+        had = run_files(out)
+        if resume and (out/'run.json').exists():
+            info = read_run_json(out/'run.json')
+            if info['command'] != command: raise UsageError(f"--resume: {out} holds a {info['command']} run, not a {command} run")
+            changes = settings_diff(info['settings'], s)
+            if changes and not override:
+                raise UsageError(f"--resume: these settings differ from {out/'run.json'}: {_fmt_changes(changes)}; "
+                                 f"drop the flags, or pass --override true to continue with the new values")
+            if changes: print(f"--override: continuing {out} with changed settings: {_fmt_changes(changes)}")
+        elif had and not resume:
+            if not overwrite:
+                raise UsageError(f"{out} already holds a run ({', '.join(had)}); pass --resume to continue it, "
+                                 f"--overwrite to replace it, or choose another --out")
+            import shutil
+            for f in had: shutil.rmtree(out/f) if (out/f).is_dir() else (out/f).unlink()
+            print(f"--overwrite: deleted {', '.join(had)} in {out}")
+    except BaseException: lock.release(); raise
+    return lock, changes
+
+def record_overrides_cb(settings:dict, changes:dict):
+    "A callback for `fit(cbs=...)`: after a resume restored `RunInfo`, put the new settings in `run.json` and record `changes`"
+    from fastai.callback.core import Callback
+    from fastai.torch_core import rank_distrib
+    from callbacks.training import write_json_atomic
+    class RecordOverrides(Callback):
+        order = 91   # after Checkpoint (90) resumed
+        def before_fit(self):
+            ri = getattr(self.learn, 'run_info', None)
+            if ri is None or ri.info is None: return
+            ri.info['settings'] = dict(settings)
+            if changes: ri.info.setdefault('overrides', []).append(
+                dict(epoch=self.learn.first_epoch, changes={k: dict(old=a, new=b) for k, (a, b) in changes.items()}))
+            if rank_distrib() == 0: write_json_atomic(ri.info, Path(self.learn.path)/ri.fname)
+    return RecordOverrides()
+
+# %% ../nbs/08_cli.ipynb #933d3b51
+def set_threads(threads, dev):
+    "`torch.set_num_threads(threads)`; without `threads`, `CPU_THREADS` on CPU (None: torch's default)"
+    import torch
+    if threads is None and dev.type == 'cpu' and CPU_THREADS: threads = CPU_THREADS
+    if threads is not None: torch.set_num_threads(threads)
+
+CPU_THREADS = None   # the default number of CPU threads on CPU (None: torch's default; see the README's *Speed*)
+
+class _Run:
+    "What `_prepare` sets up for a command: settings, device, run folder (locked), corpus; `close()` releases the lock"
+    lock = None
+    def close(self):
+        if self.lock is not None: self.lock.release()
+
+def _prepare(command, preset, settings_file, device, flags, resume=False, overwrite=False, override=False, threads=None) -> _Run:
+    "Check everything, then: settings, device (one per process under torchrun), locked run folder and corpus"
+    r = _Run()
+    if settings_file is not None and not preset: raise UsageError("--settings names the file to read --preset from; give --preset NAME too")
+    r.s, r.src = settings_and_sources(command, preset, settings_file, **flags)
+    check_settings(r.s, r.src)
+    if threads is not None: check_number('--threads', threads, 1, integer=True)
+    if flags.get('op_decay') is not None and 'op_decay' not in options_of_defaults(_learner_fn(command)):
+        raise UsageError("--op-decay: this version's search_learner has no op_decay")
+    dev = get_device(device)
+    if command == 'train':
+        from rnn_darts.genotypes import load_genotype
+        r.genotype = load_genotype(r.s['genotype'])
+    from rnn_darts.distrib import setup_distrib
+    r.rank, world, r.dev = setup_distrib(device=str(dev))
+    set_threads(threads, r.dev)
+    set_seed(r.s['seed'])
+    r.corpus = load_corpus(r.s)
+    check_fits(r.corpus, r.s, command, r.src)
+    check_memory(r.s, len(r.corpus.vocab), command, r.dev)
+    r.out = Path(r.s['out'] or f'runs/{command}')
+    r.changes = {}
+    if r.rank == 0: r.lock, r.changes = prepare_run_dir(r.out, command, r.s, resume, overwrite, override)
+    else: r.out.mkdir(parents=True, exist_ok=True)
+    return r
 
 def _report_end(learn, out, extra):
+    from callbacks.training import write_json_atomic
     p = out/'run.json'
-    info = json.loads(p.read_text()) if p.exists() else {}
-    info.update(extra); p.write_text(json.dumps(info, indent=1))
+    info = read_run_json(p) if p.exists() else {}
+    info.update(extra); write_json_atomic(info, p)
 
 def search(
-    preset:str=None,      # preset name in settings.ini (quick, search, ...)
-    settings:str=None,    # settings.ini to read (default: nearest, else the installed one)
+    preset:str=None,      # preset name in settings.ini: quick, search, ... (default: none, the code's defaults)
+    settings:str=None,    # settings.ini to read the preset from (default: ./settings.ini or a parent's if it has the preset, else the packaged one)
     data:str=None,        # numbers | ptb | a corpus folder
-    files:str=None,       # train,valid,test file names inside the folder
-    unk:str=None,         # token for unknown words in valid/test (e.g. '<unk>')
-    out:str=None,         # run folder (default runs/search)
-    device:str=None,      # cpu | cuda | cuda:1 (default: CUDA when present)
+    files:str=None,       # train,valid,test file names inside the corpus folder
+    unk:str=None,         # token for unknown words in valid/test (e.g. '<unk>'); default: unknown words are an error
+    out:str=None,         # run folder (default: runs/search)
+    device:str=None,      # cpu | cuda | cuda:N (default: CUDA when present)
     resume:bool=False,    # continue from the newest checkpoint in the run folder
-    epochs:int=None, seed:int=None, bs:int=None, bptt:int=None, eval_bs:int=None, n_train:int=None,
-    emsize:int=None, nhid:int=None, lr:float=None, wd:float=None, clip:float=None,
-    dropout:float=None, dropouth:float=None, dropoutx:float=None, dropouti:float=None, dropoute:float=None,
-    mode:str=None,        # second | first | exact
-    arch_lr:float=None, arch_wd:float=None,
+    overwrite:bool=False, # start afresh in a folder that holds a run: delete its log, checkpoints, history, genotype and run.json
+    override:bool_arg=False, # with --resume: continue even though settings differ from the run's (recorded in run.json)
+    threads:int=None,     # CPU threads for torch (default: torch's, one per core; on a busy or shared CPU, 1 is far faster)
+    epochs:int=None,      # epochs in all (with --resume: the total, so a finished run can be extended)
+    seed:int=None,        # random seed (data, weights, dropout)
+    bs:int=None,          # training batch size (text streams); architecture steps use it on the valid split
+    bptt:int=None,        # tokens per batch (sequence length), >= 2
+    eval_bs:int=None,     # validation batch size
+    n_train:int=None,     # tokens in the generated train split (--data numbers)
+    emsize:int=None,      # embedding size (must equal --nhid: tied decoder)
+    nhid:int=None,        # hidden size of the cell
+    lr:float=None,        # learning rate of the weights (SGD), > 0
+    wd:float=None,        # weight decay of the weights
+    clip:float=None,      # gradient norm clipping of the weights, >= 0
+    dropout:float=None,   # dropout on the cell's output, in [0, 1)
+    dropouth:float=None,  # dropout on the hidden state (between time steps)
+    dropoutx:float=None,  # dropout on the cell's input
+    dropouti:float=None,  # dropout on the embedded input
+    dropoute:float=None,  # embedding (word) dropout
+    mode:str=None,        # architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product)
+    arch_lr:float=None,   # learning rate of α (Adam), > 0
+    arch_wd:float=None,   # weight decay of α
     relax:str=None,       # softmax (DARTS) | sigmoid (Fair DARTS)
-    on_nan:str=None,      # rollback | stop | skip
+    op_decay:float=None,  # α decay per weight: each op's α decays by op_decay × its weight count (`none` has none); default: off
+    on_nan:str=None,      # on a non-finite loss: rollback (to the last checkpoint) | stop | skip
     compile:bool_arg=None,# fuse the recurrent step with torch.compile (pays off on long runs)
     bf16:bool_arg=None,   # bf16 autocast (fp32 weights and α)
     arch_bf16:bool_arg=None, # with --bf16, run the architecture passes in bf16 too (loses the hypergradient: see README)
 ):
-    "Architecture search: learn α, write the genotype"
-    flags = {k: v for k, v in locals().items() if k not in ('preset', 'settings', 'device', 'resume')}
-    s, dev, out, corpus, rank = _prepare('search', preset, settings, device, flags)
-    if rank == 0: print(f"search on {corpus} ({dev}); run folder {out}")
-    dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
-    learn = search_learner(dls, search_stream(corpus, s['bs'], device=dev), path=out, resume=True if resume else None,
-                           device=dev, cbs=[RunLogger('log.csv', append=resume), RunInfo('search', s)], **_kwargs(search_learner, s))
-    learn = distrib_learner(learn)
-    learn.fit(s['epochs'])
-    g = learn.model.genotype()
-    if rank == 0:
-        save_genotype(g, out/'genotype.json')
-        print(f"genotype: {g}\nwritten to {out/'genotype.json'}")
-    cleanup_distrib()
-    return learn
+    "Architecture search: learn the mixing weights α of a recurrent cell, write the genotype"
+    flags = {k: v for k, v in locals().items() if k not in _CONTROL}
+    r = _prepare('search', preset, settings, device, flags, resume, overwrite, override, threads)
+    try:
+        from rnn_darts.data import lm_dls, search_stream
+        from rnn_darts.learner import search_learner, RunInfo
+        from rnn_darts.genotypes import save_genotype
+        from rnn_darts.distrib import distrib_learner, cleanup_distrib
+        from callbacks.training import RunLogger
+        s, dev, out, corpus = r.s, r.dev, r.out, r.corpus
+        if r.rank == 0: print(f"search on {corpus} ({dev}); run folder {out}")
+        dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
+        learn = search_learner(dls, search_stream(corpus, s['bs'], device=dev), path=out, resume=True if resume else None,
+                               device=dev, cbs=[RunLogger('log.csv', append=resume), RunInfo('search', s)], **_kwargs(search_learner, s))
+        learn = distrib_learner(learn)
+        learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes)] if resume else None)
+        g = learn.model.genotype()
+        if r.rank == 0:
+            save_genotype(g, out/'genotype.json')
+            print(f"genotype: {g}\nwritten to {out/'genotype.json'}")
+        cleanup_distrib()
+        return learn
+    finally: r.close()
 
 def train(
-    genotype:str=None,    # genotype JSON file, or a published name (DARTS_V2, DARTS_V1, ENAS)
-    preset:str=None,      # preset name in settings.ini (quick, train, ...)
-    settings:str=None,    # settings.ini to read
+    genotype:str=None,    # genotype JSON file (from search), or a published name: DARTS_V2, DARTS_V1, ENAS
+    preset:str=None,      # preset name in settings.ini: quick, train, ... (default: none, the code's defaults)
+    settings:str=None,    # settings.ini to read the preset from (default: ./settings.ini or a parent's if it has the preset, else the packaged one)
     data:str=None,        # numbers | ptb | a corpus folder
-    files:str=None,       # train,valid,test file names inside the folder
-    unk:str=None,         # token for unknown words in valid/test
-    out:str=None,         # run folder (default runs/train)
-    device:str=None,      # cpu | cuda (default: CUDA when present)
+    files:str=None,       # train,valid,test file names inside the corpus folder
+    unk:str=None,         # token for unknown words in valid/test (e.g. '<unk>'); default: unknown words are an error
+    out:str=None,         # run folder (default: runs/train)
+    device:str=None,      # cpu | cuda | cuda:N (default: CUDA when present)
     resume:bool=False,    # continue from the newest checkpoint in the run folder
-    epochs:int=None, seed:int=None, bs:int=None, bptt:int=None, eval_bs:int=None, test_bs:int=None, n_train:int=None,
-    emsize:int=None, nhid:int=None, lr:float=None, wd:float=None, clip:float=None,
-    dropout:float=None, dropouth:float=None, dropoutx:float=None, dropouti:float=None, dropoute:float=None,
-    nonmono:int=None,     # NT-ASGD patience (epochs)
+    overwrite:bool=False, # start afresh in a folder that holds a run: delete its log, checkpoints and run.json
+    override:bool_arg=False, # with --resume: continue even though settings differ from the run's (recorded in run.json)
+    threads:int=None,     # CPU threads for torch (default: torch's, one per core; on a busy or shared CPU, 1 is far faster)
+    epochs:int=None,      # epochs in all (with --resume: the total, so a finished run can be extended)
+    seed:int=None,        # random seed (data, weights, dropout)
+    bs:int=None,          # training batch size (text streams)
+    bptt:int=None,        # tokens per batch (mean sequence length), >= 2
+    eval_bs:int=None,     # validation batch size
+    test_bs:int=None,     # test batch size (checked against the test split before training starts)
+    n_train:int=None,     # tokens in the generated train split (--data numbers)
+    emsize:int=None,      # embedding size (must equal --nhid: tied decoder)
+    nhid:int=None,        # hidden size of the cell
+    lr:float=None,        # learning rate (SGD, then averaged SGD), > 0
+    wd:float=None,        # weight decay
+    clip:float=None,      # gradient norm clipping, >= 0
+    dropout:float=None,   # dropout on the cell's output, in [0, 1)
+    dropouth:float=None,  # dropout on the hidden state (between time steps)
+    dropoutx:float=None,  # dropout on the cell's input
+    dropouti:float=None,  # dropout on the embedded input
+    dropoute:float=None,  # embedding (word) dropout
+    nonmono:int=None,     # NT-ASGD patience (epochs without improvement before averaging starts)
     asgd:bool_arg=None,   # average from the start
-    on_nan:str=None,      # rollback | stop | skip
+    on_nan:str=None,      # on a non-finite loss: rollback (to the last checkpoint) | stop | skip
     compile:bool_arg=None,# fuse the recurrent step with torch.compile (pays off on long runs)
     bf16:bool_arg=None,   # bf16 autocast (fp32 weights)
 ):
-    "Train a derived cell from scratch with NT-ASGD; evaluate on test with the averaged weights"
-    flags = {k: v for k, v in locals().items() if k not in ('preset', 'settings', 'device', 'resume')}
-    s, dev, out, corpus, rank = _prepare('train', preset, settings, device, flags)
-    g = load_genotype(s['genotype'])
-    if rank == 0: print(f"train {g} on {corpus} ({dev}); run folder {out}")
-    dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
-    learn = train_learner(dls, g, path=out, resume=True if resume else None, device=dev,
-                          cbs=[RunLogger('log.csv', append=resume), RunInfo('train', s)], **_kwargs(train_learner, s, ('genotype',)))
-    learn = distrib_learner(learn)
-    learn.fit(s['epochs'])
-    res = evaluate(learn, test_dl(corpus, s['bptt'], bs=s['test_bs'], device=dev))   # on every rank: validation all-reduces
-    if rank == 0:
-        print(f"test loss {res['loss']:.4f}, perplexity {res['ppl']:.2f} (averaged weights: {learn.asgd_switch.active})")
-        _report_end(learn, out, dict(test_loss=res['loss'], test_ppl=res['ppl']))
-    cleanup_distrib()
-    return learn
+    "Train a derived cell from scratch with NT-ASGD; evaluate it on the test split with the averaged weights"
+    flags = {k: v for k, v in locals().items() if k not in _CONTROL}
+    r = _prepare('train', preset, settings, device, flags, resume, overwrite, override, threads)
+    try:
+        from rnn_darts.data import lm_dls, test_dl
+        from rnn_darts.learner import train_learner, evaluate, RunInfo
+        from rnn_darts.distrib import distrib_learner, cleanup_distrib
+        from callbacks.training import RunLogger
+        s, dev, out, corpus, g = r.s, r.dev, r.out, r.corpus, r.genotype
+        if r.rank == 0: print(f"train {g} on {corpus} ({dev}); run folder {out}")
+        dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
+        learn = train_learner(dls, g, path=out, resume=True if resume else None, device=dev,
+                              cbs=[RunLogger('log.csv', append=resume), RunInfo('train', s)], **_kwargs(train_learner, s, ('genotype',)))
+        learn = distrib_learner(learn)
+        learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes)] if resume else None)
+        res = evaluate(learn, test_dl(corpus, s['bptt'], bs=s['test_bs'], device=dev))   # on every rank: validation all-reduces
+        if r.rank == 0:
+            print(f"test loss {res['loss']:.4f}, perplexity {res['ppl']:.2f} (averaged weights: {learn.asgd_switch.active})")
+            _report_end(learn, out, dict(test_loss=res['loss'], test_ppl=res['ppl']))
+        cleanup_distrib()
+        return learn
+    finally: r.close()
+
+_CONTROL = ('preset', 'settings', 'device', 'resume', 'overwrite', 'override', 'threads')
 
 def evaluate_run(
     run:str,              # run folder (written by search or train)
     checkpoint:str='best',# best | last | a checkpoint file
     split:str='test',     # test | valid
-    device:str=None,      # cpu | cuda
+    device:str=None,      # cpu | cuda | cuda:N (default: CUDA when present)
+    threads:int=None,     # CPU threads for torch (default: torch's, one per core; on a busy or shared CPU, 1 is far faster)
 ):
     "Evaluate a run's checkpoint on the test (or valid) split, with ASGD's averaged weights when it was on"
+    check_choice('--split', split, CHOICES['split'])
+    if threads is not None: check_number('--threads', threads, 1, integer=True)
     run = Path(run)
-    if not (run/'run.json').is_file(): raise FileNotFoundError(f"{run/'run.json'} does not exist: is {run} a run folder?")
-    info = json.loads((run/'run.json').read_text())
-    s, dev = info['settings'], get_device(device)
-    p = {'best': run/'checkpoints'/'best.pth', 'last': latest_checkpoint(run/'checkpoints')}.get(checkpoint, Path(checkpoint))
-    if p is None: raise FileNotFoundError(f"no checkpoint in {run/'checkpoints'}")
+    if not run.is_dir(): raise FileNotFoundError(f"run folder {run} does not exist" if not run.exists() else f"{run} is not a run folder")
+    info = read_run_json(run/'run.json')
+    s = {**DATA_DEFAULTS, **info['settings']}
+    check_settings({k: v for k, v in s.items() if k not in ('threads',)}, {k: f"{run/'run.json'}: settings.{k}" for k in s})
+    dev = get_device(device)
+    from callbacks.checkpoint import load_checkpoint, latest_checkpoint, restore
+    if checkpoint == 'best':
+        p = run/'checkpoints'/'best.pth'
+        if not p.is_file(): raise FileNotFoundError(f"{p} does not exist: the run has no best checkpoint; try --checkpoint last or a file")
+    elif checkpoint == 'last':
+        p = latest_checkpoint(run/'checkpoints')
+        if p is None: raise FileNotFoundError(f"--checkpoint last: no epoch checkpoint in {run/'checkpoints'}")
+    else: p = Path(checkpoint)
+    set_threads(threads, dev)
     state = load_checkpoint(p)
     set_seed(s['seed'])
     corpus = load_corpus(s)
+    check_fits(corpus, s, 'evaluate', {k: f"{run/'run.json'}: settings.{k}" for k in s}, split=split)
+    from rnn_darts.data import lm_dls, search_stream, test_dl
+    from rnn_darts.learner import search_learner, train_learner, evaluate
+    from rnn_darts.genotypes import load_genotype
     dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search' if info['command'] == 'search' else 'train', eval_bs=s['eval_bs'], device=dev)
     if info['command'] == 'search':
         learn = search_learner(dls, search_stream(corpus, s['bs'], device=dev), path=run, checkpoint=False, device=dev,
@@ -178,13 +488,19 @@ def evaluate_run(
 
 def bench(
     small:bool=False,     # the small CPU shape (and the plain implementation for comparison)
-    device:str=None,      # cpu | cuda
+    device:str=None,      # cpu | cuda | cuda:N (default: CUDA when present)
     json_path:str=None,   # also write the results as JSON here
-    iters:int=None,       # timed iterations per measurement
+    iters:int=None,       # timed iterations per measurement (default: the benchmark's own)
     compile:bool=False,   # time our steps with the torch.compile'd recurrent step (the plain baseline stays eager)
     bf16:bool=False,      # time our steps in bf16 autocast, and measure bf16's effect on the hypergradient
+    threads:int=None,     # CPU threads for torch (default: torch's, one per core; on a busy or shared CPU, 1 is far faster)
 ):
     "Time search steps (second, first, exact), derived-cell training steps and evaluation"
+    if iters is not None: check_number('--iters', iters, 1, integer=True)
+    if threads is not None: check_number('--threads', threads, 1, integer=True)
+    if json_path is not None and Path(json_path).is_dir(): raise UsageError(f"--json-path {json_path} is a folder; give a file name")
+    dev = get_device(device)
+    set_threads(threads, dev)
     from rnn_darts.bench import run_bench, print_table
     res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile, bf16=bf16, verbose=True)
     print_table(res)
@@ -195,6 +511,9 @@ def report(
     fmt:str='md',         # md | html
 ):
     "Write a one-page report (genotype diagram, α heatmaps, curves, best perplexity) for a run"
+    check_choice('--fmt', fmt, CHOICES['fmt'])
+    run = Path(run)
+    if run.is_dir() and (run/'run.json').exists(): read_run_json(run/'run.json')
     from rnn_darts.plot import write_report
     p = write_report(run, fmt=fmt)
     print(f"report written to {p}")
@@ -202,19 +521,109 @@ def report(
 
 # %% ../nbs/08_cli.ipynb #719b8ce7
 COMMANDS = dict(search=search, train=train, evaluate=evaluate_run, bench=bench, report=report)
+def _roots():
+    "The folders of this project's packages (`rnn_darts`, `callbacks`)"
+    import importlib.util
+    return [Path(p).resolve() for m in ('rnn_darts', 'callbacks') for p in (importlib.util.find_spec(m).submodule_search_locations or [])]
+_INPUT_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, RuntimeError)
+_ENV_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ELOOP, errno.ENOENT,
+               errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
+
+def _raised_here(e) -> bool:
+    "Whether `e` came from a `raise` statement in this project's code (a message we wrote), not from a bug or a library"
+    tb = traceback.extract_tb(e.__traceback__)
+    if not tb: return False
+    f = tb[-1]
+    try: ours = any(Path(f.filename).resolve().is_relative_to(r) for r in _roots())
+    except (OSError, ValueError): return False
+    src = ''.join(linecache.getline(f.filename, i) for i in range(f.lineno, (f.end_lineno or f.lineno) + 1))
+    return ours and re.search(r'\braise\b', src) is not None
+
+def user_error_code(e:BaseException):
+    "The exit status for an error that is the user's (bad input or environment), or None for a bug (show the traceback)"
+    if isinstance(e, UserError): return e.exit_code
+    if isinstance(e, OSError) and e.errno in _ENV_ERRNOS: return 1
+    if isinstance(e, _INPUT_ERRORS) and _raised_here(e): return 1
+    return None
+
+def error_message(e:BaseException) -> str:
+    "The one-line message for a user error"
+    if isinstance(e, OSError) and e.errno is not None and e.strerror:
+        msg = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    else: msg = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
+    msg = re.sub(r"^Exception occured in `\w+` when calling event `\w+`:\s*", '', msg)   # fastai's callback wrapper
+    return ' '.join(msg.split())
+
+class _Parser(argparse.ArgumentParser):
+    "argparse, with its usage errors as a `UsageError` (one line, exit status 2)"
+    def error(self, message): raise UsageError(f"{self.prog.split()[-1]}: {message} (see {self.prog} -h)")
+
+def _default_text(k, dflt, defaults):
+    v = defaults.get(k, dflt) if dflt is None else dflt
+    if v is None or v == '' or k in ('out', 'device', 'threads', 'preset', 'settings', 'op_decay', 'unk'): return ''
+    if isinstance(v, bool): v = str(v).lower()
+    return f" (default: {v}{', or the preset' if dflt is None else ''})"
+
+def command_parser(cmd:str) -> argparse.ArgumentParser:
+    "The argument parser of `rnn-darts CMD`, from the command function's signature and comments"
+    fn = COMMANDS[cmd]
+    defaults = code_defaults(cmd) if cmd in ('search', 'train') else {}
+    p = _Parser(prog=f'rnn-darts {cmd}', description=fn.__doc__, allow_abbrev=False,
+                epilog="--debug (or RNN_DARTS_DEBUG=1) shows the traceback of an error.")
+    for k, d in docments(fn, full=True, returns=False, eval_str=True).items():
+        help = d.docment or ''
+        if d.default is inspect.Parameter.empty: p.add_argument(k, help=help); continue
+        kw = dict(dest=k, default=d.default)
+        if d.anno is bool: kw['action'] = 'store_true'
+        elif d.anno is bool_arg: kw.update(type=bool_arg, metavar='true|false')
+        else: kw.update(type=d.anno if d.anno in (int, float) else str, metavar=k.upper())
+        if k in CHOICES: kw['metavar'] = '|'.join(CHOICES[k])
+        p.add_argument('--' + k.replace('_', '-'), help=help + ('' if kw.get('action') else _default_text(k, d.default, defaults)), **kw)
+    p.add_argument('--debug', action='store_true', help="show the traceback of an error")
+    return p
+
+def main_help() -> str:
+    "The text of `rnn-darts --help`"
+    w = max(map(len, COMMANDS))
+    cmds = '\n'.join(f"  {k:{w}}  {fn.__doc__.splitlines()[0]}" for k, fn in COMMANDS.items())
+    return (f"usage: rnn-darts [--debug] COMMAND [options]\n\n"
+            f"DARTS architecture search for recurrent language-model cells, with fastai.\n\ncommands:\n{cmds}\n\n"
+            f"rnn-darts COMMAND -h lists a command's options and their defaults.\n"
+            f"--debug (or RNN_DARTS_DEBUG=1) shows the traceback of an error; --version prints the version.")
+
+def _dispatch(argv):
+    if not argv or argv[0] in ('-h', '--help'):
+        print(main_help())
+        sys.exit(0 if argv else 2)
+    if argv[0] == '--version':
+        from importlib.metadata import version, PackageNotFoundError
+        try: print(f"rnn-darts {version('rnn_darts')}")
+        except PackageNotFoundError: print("rnn-darts (not installed)")
+        sys.exit(0)
+    cmd = argv[0]
+    if cmd not in COMMANDS:
+        if cmd.startswith('-'): raise UsageError(f"{cmd}: give the command first: rnn-darts COMMAND [options]; commands: {', '.join(COMMANDS)}")
+        near = difflib.get_close_matches(cmd, COMMANDS, n=1)
+        raise UsageError(f"unknown command {cmd!r}{f' (did you mean {near[0]}?)' if near else ''}; commands: {', '.join(COMMANDS)}")
+    args = vars(command_parser(cmd).parse_args(argv[1:]))
+    args.pop('debug', None)
+    return COMMANDS[cmd](**args)
 
 def run_command(argv):
     "Run `rnn-darts ARGV...` (`argv` without the program name) and return what the command returns (a learner, results)"
-    if not argv or argv[0] not in COMMANDS:
-        print("usage: rnn-darts {" + ",".join(COMMANDS) + "} [options]   (rnn-darts COMMAND -h for the options)")
-        sys.exit(0 if argv and argv[0] in ('-h', '--help') else 2)
-    cmd, fn = argv[0], COMMANDS[argv[0]]
-    args = vars(anno_parser(fn, prog=f"rnn-darts {cmd}").parse_args(argv[1:]))
-    args.pop('pdb', None); args.pop('xtra', None)
-    return fn(**args)
+    argv = list(argv)
+    debug = '--debug' in argv or os.environ.get('RNN_DARTS_DEBUG', '').lower() not in ('', '0', 'false', 'no')
+    try: return _dispatch([a for a in argv if a != '--debug'])
+    except Exception as e:
+        code = user_error_code(e)
+        if code is None or debug: raise
+        if os.environ.get('RANK', '0') == '0': print(f"rnn-darts: error: {error_message(e)}", file=sys.stderr, flush=True)
+        sys.exit(code)
 
 def main():
     "Entry point of the `rnn-darts` console script"
-    run_command(sys.argv[1:])
+    try: run_command(sys.argv[1:])
+    except BrokenPipeError:   # `rnn-darts --help | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()); sys.exit(1)
 
 if __name__ == '__main__' and not in_notebook(): main()

@@ -4,49 +4,76 @@
 
 # %% ../nbs/00_core.ipynb #853d301f
 from __future__ import annotations
-import configparser, os, random, sys, inspect
+import configparser, math, os, random, re, sys, inspect
 from pathlib import Path
-import numpy as np, torch
 
 # %% auto #0
-__all__ = ['get_device', 'set_seed', 'rng_states', 'set_rng_states', 'check_positive', 'check_prob', 'check_bptt',
+__all__ = ['UserError', 'UsageError', 'get_device', 'set_seed', 'rng_states', 'set_rng_states', 'check_positive', 'check_prob',
+           'check_bptt', 'check_number', 'check_choice', 'packaged_settings', 'read_ini', 'settings_candidates',
            'find_settings', 'read_preset', 'options_of']
 
+# %% ../nbs/00_core.ipynb #c0e11a02
+class UserError(ValueError):
+    "A mistake in the user's input (flag, file, preset): the command line prints the message as one line, exit status 1"
+    exit_code = 1
+
+class UsageError(UserError):
+    "A bad flag or preset value: exit status 2, like argparse's own usage errors"
+    exit_code = 2
+
 # %% ../nbs/00_core.ipynb #706ea45f
-def get_device(device=None) -> torch.device:
-    "`device` as a `torch.device`: CUDA when present if `device` is None; an error naming the argument if CUDA is asked for but absent"
+_DEVICE_RE = re.compile(r'^(cpu|cuda|cuda:\d+|mps)$')
+
+def get_device(device=None):
+    "`device` as a `torch.device`: CUDA when present if `device` is None; an error naming the argument if the name is not a device or CUDA is absent"
+    import torch
     if device is None or device == '': return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-    dev = torch.device(device)
-    if dev.type == 'cuda' and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA was asked for, but torch.cuda.is_available() is False on this machine; use --device cpu")
+    if isinstance(device, torch.device): dev = device
+    else:
+        if not _DEVICE_RE.match(str(device)):
+            raise UsageError(f"--device {device}: not a device name; use cpu, cuda or cuda:N (N = GPU index)")
+        dev = torch.device(device)
+    if dev.type == 'cuda':
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: CUDA was asked for, but torch.cuda.is_available() is False on this machine; use --device cpu")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise UsageError(f"--device {device}: this machine has {n} GPU(s), cuda:0..cuda:{n-1}")
+    if dev.type == 'mps' and not (hasattr(torch.backends, 'mps') and torch.backends.mps.is_available()):
+        raise UsageError(f"--device {device}: MPS is not available on this machine; use --device cpu")
     return dev
 
 # %% ../nbs/00_core.ipynb #c1c60223
 def set_seed(seed:int):
     "Seed Python, NumPy and torch (all devices)"
+    import numpy as np, torch
     random.seed(seed); np.random.seed(seed % 2**32); torch.manual_seed(seed)
 
 def rng_states() -> dict:
     "The global RNG states, for a checkpoint"
+    import numpy as np, torch
     d = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
     if torch.cuda.is_available(): d['cuda'] = torch.cuda.get_rng_state_all()
     return d
 
 def set_rng_states(d:dict):
     "Restore the states captured by `rng_states`"
+    import numpy as np, torch
     random.setstate(d['python']); np.random.set_state(d['numpy']); torch.set_rng_state(d['torch'])
     if 'cuda' in d and torch.cuda.is_available(): torch.cuda.set_rng_state_all(d['cuda'])
 
 # %% ../nbs/00_core.ipynb #5ce4e70c
+def _is_num(v): return isinstance(v, (int, float)) and not isinstance(v, bool)
+
 def check_positive(name:str, v):
     "Raise if `v` is not a positive number"
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+    if not _is_num(v) or not v > 0 or (isinstance(v, float) and not math.isfinite(v)):
         raise ValueError(f"{name} must be a positive number, got {v!r}")
     return v
 
 def check_prob(name:str, v):
     "Raise unless 0 <= `v` < 1 (a dropout probability)"
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1:
+    if not _is_num(v) or not 0 <= v < 1:
         raise ValueError(f"{name} is a dropout probability and must be in [0, 1), got {v!r}")
     return v
 
@@ -55,33 +82,86 @@ def check_bptt(v):
     if not isinstance(v, int) or isinstance(v, bool) or v < 2: raise ValueError(f"bptt must be an integer >= 2, got {v!r}")
     return v
 
+def check_number(name:str, v, lo=None, hi=None, lo_open=False, integer=False):
+    "Raise a `UsageError` naming `name` unless `v` is a finite number (an integer if `integer`) in the given range"
+    kind = 'an integer' if integer else 'a finite number'
+    ok = (isinstance(v, int) if integer else _is_num(v)) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or v <= hi)
+    if not ok:
+        rng = ' and '.join(([f"{'>' if lo_open else '>='} {lo:g}"] if lo is not None else []) + ([f"<= {hi:g}"] if hi is not None else []))
+        raise UsageError(f"{name} must be {kind}{' ' + rng if rng else ''}, got {v!r}")
+    return v
+
+def check_choice(name:str, v, choices):
+    "Raise a `UsageError` naming `name` unless `v` is one of `choices`"
+    if v not in choices: raise UsageError(f"{name} must be one of {', '.join(map(str, choices))}; got {v!r}")
+    return v
+
 # %% ../nbs/00_core.ipynb #345c49c3
-def find_settings(path=None) -> Path:
-    "The `settings.ini` to read: `path`, else the nearest one up from the working folder, else the installed copy"
-    if path is not None:
-        p = Path(path)
-        if not p.is_file(): raise FileNotFoundError(f"settings file {p} does not exist")
-        return p
-    for d in [Path.cwd(), *Path.cwd().parents]:
-        if (d/'settings.ini').is_file(): return d/'settings.ini'
-    p = Path(sys.prefix)/'share'/'rnn_darts'/'settings.ini'
-    if p.is_file(): return p
-    raise FileNotFoundError("no settings.ini found in the working folder, its parents, or the installed share/rnn_darts/")
+def packaged_settings() -> Path:
+    "The `settings.ini` that ships inside the package"
+    from importlib.resources import files
+    return Path(str(files('rnn_darts')/'settings.ini'))
+
+def _check_file(p:Path, what:str) -> Path:
+    if p.is_dir(): raise UsageError(f"{what} {p} is a folder; give the settings file itself (e.g. {p/'settings.ini'})")
+    if not p.is_file():
+        if os.path.lexists(p): raise FileNotFoundError(f"{what} {p} is a broken symbolic link or a symbolic link loop")
+        raise FileNotFoundError(f"settings file {p} does not exist")
+    return p
+
+def read_ini(p) -> configparser.ConfigParser:
+    "Parse the INI file `p`; every way it can be malformed is a `UserError` naming the file (and the line)"
+    p = Path(p)
+    cp = configparser.ConfigParser(interpolation=None)
+    try:
+        with open(p, encoding='utf-8-sig') as f: cp.read_file(f)
+    except UnicodeDecodeError as e: raise UserError(f"{p}: not valid UTF-8 at byte offset {e.start}") from None
+    except configparser.MissingSectionHeaderError as e:
+        raise UserError(f"{p}: line {e.lineno}: {e.line.strip()!r} comes before any [section]; a preset starts with a [name] line") from None
+    except configparser.ParsingError as e:
+        ln = e.errors[0][0]
+        line = p.read_text(encoding='utf-8-sig').splitlines()[ln - 1]
+        raise UserError(f"{p}: line {ln}: {line.strip()!r} is not a 'key = value' line") from None
+    except (configparser.DuplicateSectionError, configparser.DuplicateOptionError) as e:
+        what = f"key {e.option!r} in [{e.section}]" if isinstance(e, configparser.DuplicateOptionError) else f"section [{e.section}]"
+        raise UserError(f"{p}: line {e.lineno}: {what} appears twice") from None
+    except configparser.Error as e: raise UserError(f"{p}: {str(e).splitlines()[0]}") from None
+    return cp
+
+def settings_candidates() -> list:
+    "Where presets are looked for, first match wins: `settings.ini` in the working folder and its parents, then the packaged one"
+    res = [d/'settings.ini' for d in [Path.cwd(), *Path.cwd().parents] if (d/'settings.ini').is_file()]
+    for p in (packaged_settings(), Path(sys.prefix)/'share'/'rnn_darts'/'settings.ini'):
+        if p.is_file() and p.resolve() not in [q.resolve() for q in res]: res.append(p)
+    return res
+
+def find_settings(path=None, preset:str|None=None) -> Path:
+    "The `settings.ini` to read: `path`, else the first of `settings_candidates()` that defines `preset` (else the first one)"
+    if path is not None: return _check_file(Path(path), '--settings')
+    cands = settings_candidates()
+    if not cands: raise FileNotFoundError("no settings.ini found in the working folder, its parents, or the installed package")
+    if preset is not None:
+        for p in cands:
+            if preset in read_ini(p).sections(): return p
+    return cands[0]
 
 def _convert(v:str, typ, where:str):
     if typ is bool:
         if v.lower() in ('1','true','yes','on'): return True
         if v.lower() in ('0','false','no','off'): return False
-        raise ValueError(f"{where}: expected a boolean, got {v!r}")
+        raise UsageError(f"{where}: expected a boolean, got {v!r}")
     try: return typ(v)
-    except ValueError: raise ValueError(f"{where}: expected {typ.__name__}, got {v!r}") from None
+    except ValueError: raise UsageError(f"{where}: expected {typ.__name__}, got {v!r}") from None
 
 def read_preset(name:str, known:dict, path=None) -> dict:
     "Preset `name` from `settings.ini`, with each value converted to the type in `known` (option -> type)"
-    p = find_settings(path)
-    cp = configparser.ConfigParser(interpolation=None)
-    cp.read(p)
-    if name not in cp.sections(): raise KeyError(f"{p}: no preset [{name}]; presets there: {', '.join(cp.sections())}")
+    p = find_settings(path, name)
+    cp = read_ini(p)
+    if name not in cp.sections():
+        others = [q for q in settings_candidates() if q != p] if path is None else []
+        more = ''.join(f"; in {q}: {', '.join(read_ini(q).sections())}" for q in others)
+        raise KeyError(f"{p}: no preset [{name}]; presets there: {', '.join(cp.sections())}{more}")
     res = {}
     for k, v in cp[name].items():
         if k not in known: raise KeyError(f"{p}: preset [{name}] has key {k!r}, which no option knows; known: {', '.join(sorted(known))}")

@@ -46,15 +46,30 @@ class Corpus:
                 f"valid {len(self.valid):,} tokens, test {len(self.test):,} tokens)")
 
 # %% ../nbs/01_data.ipynb #467b7d4a
+def _check_path(p:Path, what:str):
+    "Raise if `p` is missing, or a broken symbolic link or a link loop"
+    if p.exists(): return
+    if os.path.lexists(p):
+        try: os.stat(p)
+        except OSError as e: raise FileNotFoundError(f"{what} {p} is a broken symbolic link or a symbolic link loop ({e.strerror})") from None
+    raise FileNotFoundError(f"{what} {p} does not exist")
+
 def _read_lines(p:Path, split:str) -> list:
     "The lines of split file `p`, decoded as UTF-8 (errors name the file, the byte offset and the line)"
-    if not p.exists(): raise FileNotFoundError(f"{p}: the {split} split file does not exist")
+    if not p.exists():
+        if os.path.lexists(p): _check_path(p, f"the {split} split file")
+        raise FileNotFoundError(f"{p}: the {split} split file does not exist")
     if not p.is_file(): raise FileNotFoundError(f"{p}: the {split} split is not a regular file")
     raw = p.read_bytes()
     try: text = raw.decode('utf-8')
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b'\n') + 1
         raise ValueError(f"{p}: not valid UTF-8 at byte offset {e.start} (line {line}): {e.reason}") from None
+    nul = raw.find(b'\x00')
+    if nul >= 0:
+        line = raw[:nul].count(b'\n') + 1
+        raise ValueError(f"{p}: line {line}: a NUL byte at byte offset {nul}; is this a text file?")
+    text = text.replace('\ufeff', '')   # byte-order marks
     lines = text.split('\n')
     if lines and lines[-1] == '': lines.pop()  # the newline that ends the last line
     if not any(l.strip() for l in lines): raise ValueError(f"{p}: the {split} split is empty (it contains no tokens)")
@@ -76,7 +91,7 @@ def _ids_of(lines, stoi:dict, p, unk_id=None, grow=False) -> torch.Tensor:
 def read_corpus(path, unk:str|None=None, files:dict|None=None) -> Corpus:
     "Read the Mikolov-layout corpus folder `path`; `files` maps split -> file name, `unk` is the token for unknown words"
     path = Path(path)
-    if not path.exists(): raise FileNotFoundError(f"corpus folder {path} does not exist")
+    _check_path(path, 'corpus folder')
     if not path.is_dir(): raise NotADirectoryError(f"corpus folder {path} is not a directory")
     files = dict(files or {})
     bad = set(files) - set(SPLITS)

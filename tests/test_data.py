@@ -356,3 +356,21 @@ def test_fastai_learner_fit_validate_get_preds():
     with learn.no_bar(): p, t = learn.get_preds(dl=D.test_dl(c, 16, bs=2), concat_dim=1)
     assert p.shape == (2, len(c.test)//2 - 1, V) and torch.equal(t, batchify(c.test, 2)[:, 1:])
     assert torch.allclose(p.sum(-1), torch.ones(()))
+
+# ---------------------------------------------------------------- byte-order marks, NUL bytes, symbolic links
+
+def test_byte_order_marks_are_dropped(tmp_path):
+    "An editor's UTF-8 byte-order mark (U+FEFF) at the start of a file, or anywhere, never becomes part of a word"
+    c = read_corpus(mkcorpus(tmp_path, train="\ufeff the cat sat \n the \ufeffdog \n", valid="\ufeff the cat \n", test=" the dog \n"))
+    assert c.vocab == ['the', 'cat', 'sat', EOS, 'dog'] and words(c, 'valid') == ['the', 'cat', EOS]
+
+def test_nul_bytes_name_the_file_and_line(tmp_path):
+    d = mkcorpus(tmp_path, test=b" the cat \n the \x00 \n")
+    with pytest.raises(ValueError, match=r"test\.txt: line 2: a NUL byte at byte offset 15"): read_corpus(d)
+
+def test_symbolic_link_loops(tmp_path):
+    (tmp_path/'loop').symlink_to(tmp_path/'loop')
+    with pytest.raises(FileNotFoundError, match=r"corpus folder .*loop is a broken symbolic link or a symbolic link loop"):
+        read_corpus(tmp_path/'loop')
+    d = mkcorpus(tmp_path/'c'); (d/'valid.txt').unlink(); (d/'valid.txt').symlink_to(d/'nowhere.txt')
+    with pytest.raises(FileNotFoundError, match=r"valid\.txt is a broken symbolic link or a symbolic link loop"): read_corpus(d)

@@ -1,0 +1,284 @@
+"""The command line answers, it does not crash (issue 13): every bad input is one line `rnn-darts: error: ...` naming
+the flag, key or file, exit status 2 for bad flags and values, 1 otherwise; no traceback unless --debug; run folders
+are refused, locked, overwritten and resumed as documented; presets ship with the package; --help is fast."""
+import errno, json, os, re, shutil, subprocess, sys, time
+from pathlib import Path
+import pytest
+from rnn_darts import cli
+from rnn_darts.core import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ['--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '8', '--nhid', '8', '--device', 'cpu']
+NUM = ['--n-train', '3000', *TINY]
+
+def small_corpus(d, train=None, valid=None, test=None):
+    "A corpus folder of about 3,000 / 400 / 400 tokens (tiny runs: validation is quick)"
+    d = Path(d); d.mkdir(parents=True, exist_ok=True)
+    words = 'one two three four five six seven eight nine ten'.split()
+    line = lambda i: ' '.join(words[(i * 7 + k) % 10] for k in range(9))
+    for s, n, t in (('train', 300, train), ('valid', 40, valid), ('test', 40, test)):
+        (d/f'{s}.txt').write_bytes(t if isinstance(t, bytes) else (t or ''.join(f' {line(i)} \n' for i in range(n))).encode())
+    return str(d)
+
+def fails(capsys, argv, code, *parts):
+    "Run `rnn-darts ARGV`: it must exit with `code` and print exactly one error line containing `parts`, no traceback"
+    with pytest.raises(SystemExit) as e: cli.run_command(argv)
+    out, err = capsys.readouterr()
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert e.value.code == code, err
+    assert len(lines) == 1 and lines[0].startswith('rnn-darts: error: '), err
+    for p in parts: assert p in lines[0], (p, lines[0])
+    assert 'Traceback' not in out + err
+    return lines[0]
+
+@pytest.fixture(scope='module')
+def run_dir(tmp_path_factory):
+    "A finished 1-epoch search on a small corpus folder"
+    d = tmp_path_factory.mktemp('run')
+    data = small_corpus(d/'corpus')
+    cli.run_command(['search', '--data', data, *TINY, '--out', str(d/'run')])
+    return d/'run', data
+
+# --- flag and preset values: exit 2, the flag or key named ----------------------------------------------------------
+@pytest.mark.parametrize('argv,parts', [
+    (['--lr', 'nan'], ['--lr must be a finite number > 0, got nan']),
+    (['--lr', '-1'], ['--lr must be a finite number > 0, got -1.0']),
+    (['--arch-lr', 'inf'], ['--arch-lr must be a finite number > 0, got inf']),
+    (['--epochs', '0'], ['--epochs must be an integer >= 1, got 0']),
+    (['--clip', '-0.5'], ['--clip must be a finite number >= 0']),
+    (['--bs', '0'], ['--bs must be an integer >= 1, got 0']),
+    (['--eval-bs', '-2'], ['--eval-bs must be an integer >= 1']),
+    (['--bptt', '1'], ['--bptt must be an integer >= 2, got 1']),
+    (['--seed', '-1'], ['--seed must be an integer >= 0']),
+    (['--nhid', '0', '--emsize', '0'], ['must be an integer >= 1, got 0']),
+    (['--emsize', '16'], ['--emsize (16) must equal --nhid (8)']),
+    (['--dropout', '1.0'], ['--dropout is a dropout probability and must be in [0, 1), got 1.0']),
+    (['--dropoute', '-0.1'], ['--dropoute is a dropout probability']),
+    (['--mode', 'third'], ["--mode must be one of second, first, exact; got 'third'"]),
+    (['--on-nan', 'never'], ["--on-nan must be one of rollback, stop, skip; got 'never'"]),
+    (['--relax', 'foo'], ["--relax must be one of softmax, sigmoid; got 'foo'"]),
+    (['--device', 'gpu'], ['--device gpu: not a device name; use cpu, cuda or cuda:N']),
+    (['--epochs', 'abc'], ['search: argument --epochs: invalid int value', '(see rnn-darts search -h)']),
+    (['--compile', 'maybe'], ['argument --compile']),
+    (['--nhidd', '8'], ['unrecognized arguments: --nhidd 8']),
+    (['--threads', '0'], ['--threads must be an integer >= 1, got 0']),
+    (['--op-decay', '-1'], ['--op-decay must be a finite number >= 0']),
+    (['--unk', '<unk>'], ['--unk applies to a corpus folder, not --data numbers']),
+    (['--resume', '--overwrite'], ['give one of them']),
+    (['--settings', 'x.ini'], ['--settings names the file to read --preset from']),
+])
+def test_bad_search_flags(capsys, tmp_path, argv, parts):
+    fails(capsys, ['search', *NUM, '--out', str(tmp_path/'o'), *argv], 2, *parts)
+    assert not (tmp_path/'o').exists()   # nothing was started
+
+def test_bad_train_flags(capsys, tmp_path):
+    fails(capsys, ['train', *NUM, '--lr', '0'], 2, '--lr must be a finite number > 0, got 0.0')
+    fails(capsys, ['train', *NUM, '--nonmono', '0'], 2, '--nonmono must be an integer >= 1')
+    fails(capsys, ['train', *NUM, '--genotype', str(tmp_path/'nope.json')], 1, 'nope.json does not exist')
+
+@pytest.mark.skipif(__import__('torch').cuda.is_available(), reason='needs a machine without CUDA')
+def test_cuda_without_gpu(capsys):
+    fails(capsys, ['search', *NUM[:-2], '--device', 'cuda'], 2, '--device cuda: CUDA was asked for')
+
+def test_batch_sizes_fit_their_splits_before_training(capsys, tmp_path):
+    data = small_corpus(tmp_path/'c')
+    fails(capsys, ['train', '--data', data, *TINY, '--test-bs', '1000', '--out', str(tmp_path/'o')], 2,
+          '--test-bs 1000 is too large for', 'test.txt (400 tokens)', 'use at most 200')
+    fails(capsys, ['search', '--data', data, *TINY, '--bs', '2000', '--out', str(tmp_path/'o')], 2, '--bs 2000 is too large for', 'train.txt')
+    fails(capsys, ['search', '--data', data, *TINY, '--eval-bs', '300', '--out', str(tmp_path/'o')], 2, '--eval-bs 300', 'valid.txt')
+    fails(capsys, ['search', '--data', data, *TINY, '--bs', '40', '--out', str(tmp_path/'o')], 2,   # valid: 400 tokens < 40 rows x 11
+          '--bs 40 is too large for', 'valid.txt', 'slices of --bptt 10 + 1')
+    assert not (tmp_path/'o').exists()
+
+def test_model_too_large_for_memory(capsys, tmp_path):
+    fails(capsys, ['search', *NUM, '--emsize', '300000', '--nhid', '300000', '--out', str(tmp_path/'o')], 1,
+          'the model is too large for memory', 'GiB')
+
+# --- presets and settings files ----------------------------------------------------------------------------------------
+def test_settings_file_errors(capsys, tmp_path):
+    ini = tmp_path/'my.ini'
+    fails(capsys, ['search', *NUM, '--preset', 'x', '--settings', str(tmp_path)], 2, f'--settings {tmp_path} is a folder')
+    fails(capsys, ['search', *NUM, '--preset', 'x', '--settings', str(ini)], 1, f'settings file {ini} does not exist')
+    ini.write_text('lr = 3\n[x]\nnhid = 8\n')
+    fails(capsys, ['search', *NUM, '--preset', 'x', '--settings', str(ini)], 1, f"{ini}: line 1: 'lr = 3' comes before any [section]")
+    ini.write_text('[x]\nnhid 8\n')
+    fails(capsys, ['search', *NUM, '--preset', 'x', '--settings', str(ini)], 1, f"{ini}: line 2: 'nhid 8' is not a 'key = value' line")
+    ini.write_text('[x]\nlrr = 3\n')
+    fails(capsys, ['search', *NUM, '--preset', 'x', '--settings', str(ini)], 1, "preset [x] has key 'lrr', which no option knows")
+    ini.write_text('[x]\nnhid = sixteen\n')
+    fails(capsys, ['search', *NUM, '--preset', 'x', '--settings', str(ini)], 2, "[x] nhid: expected int, got 'sixteen'")
+    fails(capsys, ['search', *NUM, '--preset', 'nope', '--settings', str(ini)], 1, 'no preset [nope]; presets there: x')
+    ini.write_text('[x]\nlr = nan\n')   # a bad value from a preset names the file, the preset and the key
+    fails(capsys, ['search', '--preset', 'x', '--settings', str(ini), '--out', str(tmp_path/'o')], 2,
+          f'{ini}: [x] lr must be a finite number > 0, got nan')
+
+def test_presets_ship_with_the_package(tmp_path, monkeypatch):
+    "From a folder without settings.ini the packaged presets are read; a local settings.ini that has the preset wins"
+    monkeypatch.chdir(tmp_path)
+    s, src = cli.settings_and_sources('search', 'quick')
+    assert s['nhid'] == 64 and src['nhid'].endswith("settings.ini: [quick] nhid") and str(tmp_path) not in src['nhid']
+    (tmp_path/'settings.ini').write_text('[quick]\nnhid = 24\nemsize = 24\n')
+    s, src = cli.settings_and_sources('search', 'quick')
+    assert s['nhid'] == 24 and src['nhid'] == f"{tmp_path/'settings.ini'}: [quick] nhid" and s['bs'] == 256
+    (tmp_path/'settings.ini').write_text('[other]\nnhid = 24\n')   # a local file without the preset does not hide the packaged one
+    assert cli.resolve_settings('search', 'quick')['nhid'] == 64
+    assert (ROOT/'rnn_darts'/'settings.ini').read_text() == (ROOT/'settings.ini').read_text()
+
+def test_quick_preset_from_any_folder_by_subprocess(tmp_path):
+    env = {**os.environ, 'PYTHONPATH': str(ROOT), 'OMP_NUM_THREADS': '1'}
+    r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', 'search', '--preset', 'quick', *NUM, '--out', 'q'],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((tmp_path/'q'/'run.json').read_text())['settings']['dropout'] == 0.2   # from [quick]
+
+# --- corpus files ------------------------------------------------------------------------------------------------------
+def test_corpus_file_errors(capsys, tmp_path):
+    fails(capsys, ['search', '--data', str(tmp_path/'nope'), *TINY], 1, f'corpus folder {tmp_path/"nope"} does not exist')
+    (tmp_path/'loop').symlink_to(tmp_path/'loop')
+    fails(capsys, ['search', '--data', str(tmp_path/'loop'), *TINY], 1, 'loop is a broken symbolic link or a symbolic link loop')
+    c = Path(small_corpus(tmp_path/'c1'))
+    (c/'train.txt').unlink(); (c/'train.txt').symlink_to(c/'train.txt')
+    fails(capsys, ['search', '--data', str(c), *TINY], 1, 'train.txt is a broken symbolic link or a symbolic link loop')
+    c = small_corpus(tmp_path/'c2', valid=b' one two \n one \x00 two \n' * 40)
+    fails(capsys, ['search', '--data', c, *TINY], 1, 'valid.txt: line 2: a NUL byte at byte offset')
+    c = small_corpus(tmp_path/'c3', test=' one zebra \n' * 40)
+    fails(capsys, ['search', '--data', c, *TINY], 1, "test.txt: line 1: word 'zebra' is not in the vocabulary")
+    fails(capsys, ['search', '--data', c, *TINY, '--files', 'train.txt,valid.txt'], 2, '--files must name 3 files')
+
+def test_byte_order_mark_never_reaches_the_vocabulary(tmp_path):
+    c = Path(small_corpus(tmp_path/'c'))
+    (c/'train.txt').write_text('\ufeff' + (c/'train.txt').read_text(), encoding='utf-8')   # as some editors save
+    learn = cli.run_command(['search', '--data', str(c), *TINY, '--out', str(tmp_path/'o')])
+    assert learn.dls.vocab[0] == 'one' and not any('\ufeff' in w for w in learn.dls.vocab)
+
+# --- run folders -------------------------------------------------------------------------------------------------------
+def test_fresh_run_into_a_run_folder_is_refused(capsys, run_dir):
+    run, data = run_dir
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.name != '.lock'}
+    fails(capsys, ['search', '--data', data, *TINY, '--out', str(run)], 2, f'{run} already holds a run (run.json, log.csv',
+          'pass --resume to continue it, --overwrite to replace it')
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.name != '.lock'} == before
+
+def test_overwrite_clears_the_old_run(capsys, run_dir, tmp_path):
+    run, data = run_dir
+    shutil.copytree(run, tmp_path/'r')
+    (tmp_path/'r'/'checkpoints'/'epoch_0007.pth').write_bytes(b'old')
+    cli.run_command(['search', '--data', data, *TINY, '--out', str(tmp_path/'r'), '--overwrite'])
+    assert '--overwrite: deleted run.json, log.csv, history.json, genotype.json, checkpoints' in capsys.readouterr().out
+    assert not (tmp_path/'r'/'checkpoints'/'epoch_0007.pth').exists()
+    assert len((tmp_path/'r'/'log.csv').read_text().splitlines()) == 2   # header + the new epoch
+
+def test_a_locked_run_folder_is_refused(capsys, tmp_path):
+    data = small_corpus(tmp_path/'c')
+    with cli.RunLock(_mk(tmp_path/'o')):
+        fails(capsys, ['search', '--data', data, *TINY, '--out', str(tmp_path/'o')], 1,
+              f'run folder {tmp_path/"o"} is in use by pid {os.getpid()} on ')
+    assert (tmp_path/'o'/'.lock').read_text() == ''   # released
+
+def _mk(p): p.mkdir(parents=True, exist_ok=True); return p
+
+def test_resume_with_other_settings(capsys, run_dir, tmp_path):
+    run, data = run_dir
+    shutil.copytree(run, tmp_path/'r')
+    fails(capsys, ['search', '--data', data, *TINY, '--out', str(tmp_path/'r'), '--resume', '--lr', '3', '--nhid', '16', '--emsize', '16'], 2,
+          '--resume: these settings differ from', 'emsize: 8 -> 16; lr: 20.0 -> 3.0; nhid: 8 -> 16', '--override true')
+    argv = ['search', '--data', data, *TINY, '--out', str(tmp_path/'r'), '--resume', '--lr', '3', '--epochs', '2', '--override', 'true']
+    cli.run_command(argv)
+    assert '--override: continuing' in capsys.readouterr().out
+    info = json.loads((tmp_path/'r'/'run.json').read_text())
+    assert info['overrides'] == [dict(epoch=1, changes=dict(lr=dict(old=20.0, new=3.0)))]
+    assert info['settings']['lr'] == 3.0 and info['settings']['epochs'] == 2 and len(info['epoch_times']) == 2
+
+def test_damaged_run_json(capsys, run_dir, tmp_path):
+    run, data = run_dir
+    shutil.copytree(run, tmp_path/'r')
+    p = tmp_path/'r'/'run.json'
+    p.write_text(p.read_text()[:40])
+    fails(capsys, ['search', '--data', data, *TINY, '--out', str(tmp_path/'r'), '--resume'], 1, f'{p} is not valid JSON (line')
+    fails(capsys, ['evaluate', str(tmp_path/'r'), '--device', 'cpu'], 1, f'{p} is not valid JSON')
+    p.write_text('[1, 2]')
+    fails(capsys, ['evaluate', str(tmp_path/'r'), '--device', 'cpu'], 1, f'{p} is not a run record')
+
+def test_evaluate_errors(capsys, run_dir, tmp_path):
+    run, data = run_dir
+    fails(capsys, ['evaluate', str(run), '--split', 'train'], 2, "--split must be one of test, valid; got 'train'")
+    fails(capsys, ['evaluate', str(tmp_path/'nope')], 1, f'run folder {tmp_path/"nope"} does not exist')
+    fails(capsys, ['evaluate', str(tmp_path)], 1, f'{tmp_path/"run.json"} does not exist: is {tmp_path} a run folder?')
+    fails(capsys, ['evaluate', str(run), '--checkpoint', str(tmp_path/'x.pth'), '--device', 'cpu'], 1, 'x.pth does not exist')
+    (tmp_path/'junk.pth').write_text('junk')
+    fails(capsys, ['evaluate', str(run), '--checkpoint', str(tmp_path/'junk.pth'), '--device', 'cpu'], 1, 'junk.pth cannot be read')
+    other = tmp_path/'other'
+    cli.run_command(['search', '--data', data, *TINY[:-6], '--emsize', '16', '--nhid', '16', '--device', 'cpu', '--out', str(other)])
+    capsys.readouterr()
+    fails(capsys, ['evaluate', str(run), '--checkpoint', str(other/'checkpoints'/'best.pth'), '--device', 'cpu'], 1,
+          'best.pth does not fit this model (', 'nhid: checkpoint 16, model 8')
+    res = cli.run_command(['evaluate', str(run), '--split', 'valid', '--device', 'cpu'])
+    assert res['ppl'] > 1
+
+def test_full_disk_while_checkpointing(capsys, tmp_path, monkeypatch):
+    import callbacks.checkpoint as ck
+    def no_space(*a, **k): raise OSError(errno.ENOSPC, 'No space left on device')
+    monkeypatch.setattr(ck.torch, 'save', no_space)
+    fails(capsys, ['search', '--data', small_corpus(tmp_path/'c'), *TINY, '--out', str(tmp_path/'o')], 1,
+          'no space left on device while writing checkpoint', 'the previous checkpoints are intact')
+
+def test_nan_with_on_nan_stop(capsys, tmp_path):
+    fails(capsys, ['search', '--data', small_corpus(tmp_path/'c'), *TINY, '--lr', '1e38', '--clip', '1e38', '--on-nan', 'stop',
+                   '--out', str(tmp_path/'o')], 1, 'had a non-finite loss or gradient and were not applied; stopping')
+
+# --- what is a user error, and --debug -----------------------------------------------------------------------------------
+def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
+    def buggy(*a, **k): return {}['missing']   # a KeyError from a lookup, not one of our messages
+    monkeypatch.setattr(cli, 'check_fits', buggy)
+    with pytest.raises(KeyError, match='missing'): cli.run_command(['search', *NUM, '--out', str(tmp_path/'o')])
+
+def test_debug_shows_the_traceback(monkeypatch, tmp_path):
+    with pytest.raises(UsageError, match='--lr must be'): cli.run_command(['--debug', 'search', *NUM, '--lr', '0'])
+    with pytest.raises(UsageError, match='--lr must be'): cli.run_command(['search', *NUM, '--lr', '0', '--debug'])
+    monkeypatch.setenv('RNN_DARTS_DEBUG', '1')
+    with pytest.raises(UsageError): cli.run_command(['search', *NUM, '--lr', '0'])
+
+def test_commands(capsys):
+    fails(capsys, ['serach'], 2, "unknown command 'serach' (did you mean search?); commands: search, train, evaluate, bench, report")
+    fails(capsys, ['--preset', 'quick'], 2, '--preset: give the command first')
+    fails(capsys, ['report', 'x', '--fmt', 'pdf'], 2, "--fmt must be one of md, html; got 'pdf'")
+    fails(capsys, ['bench', '--iters', '0'], 2, '--iters must be an integer >= 1')
+
+def test_one_line_by_subprocess(tmp_path):
+    "As a user sees it: one line on stderr and exit 2; with --debug the traceback"
+    env = {**os.environ, 'PYTHONPATH': str(ROOT)}
+    env.pop('RNN_DARTS_DEBUG', None)
+    r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', 'search', '--lr', 'nan', '--out', str(tmp_path/'o')],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert (r.returncode, r.stderr, r.stdout) == (2, 'rnn-darts: error: --lr must be a finite number > 0, got nan\n', '')
+    r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', '--debug', 'search', '--lr', 'nan'], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and 'Traceback' in r.stderr and 'UsageError: --lr must be' in r.stderr
+
+# --- help ------------------------------------------------------------------------------------------------------------------
+def test_help_is_fast_and_does_not_import_torch():
+    env = {**os.environ, 'PYTHONPATH': str(ROOT)}
+    code = ("import sys; from rnn_darts.cli import run_command\n"
+            "for a in (['--help'], ['search', '-h'], ['train', '-h'], ['evaluate', '-h']):\n"
+            "    try: run_command(a)\n    except SystemExit as e: assert e.code == 0\n"
+            "assert 'torch' not in sys.modules and 'fastai' not in sys.modules, 'help imported torch'")
+    t0 = time.time()
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', '-h'], capture_output=True, text=True, env=env, timeout=60)
+    assert time.time() - t0 < 10
+    for cmd, fn in cli.COMMANDS.items():   # every command, with its one-line description
+        assert re.search(rf'^  {cmd} +{re.escape(fn.__doc__.splitlines()[0])}$', r.stdout, re.M), cmd
+    r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli'], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and 'commands:' in r.stdout
+
+@pytest.mark.parametrize('cmd', list(cli.COMMANDS))
+def test_every_flag_has_help_and_its_default(cmd):
+    p = cli.command_parser(cmd)
+    defaults = cli.code_defaults(cmd) if cmd in ('search', 'train') else {}
+    for a in p._actions:
+        if a.dest == 'help': continue
+        assert a.help, (cmd, a.dest)
+        d = a.default if a.default is not None else defaults.get(a.dest)
+        if a.option_strings and d not in (None, '', False) and a.dest not in ('out', 'device', 'threads', 'op_decay', 'unk'):
+            shown = str(d).lower() if isinstance(d, bool) else str(d)
+            assert f'(default: {shown}' in a.help, (cmd, a.dest, a.help)
