@@ -21,8 +21,8 @@ __all__ = ['DATA_DEFAULTS', 'TRAIN_DEFAULTS', 'CHOICES', 'RUN_FILES', 'RESUME_FR
 
 # %% ../nbs/08_cli.ipynb #09131284
 DATA_DEFAULTS = dict(data='numbers', files='', unk='', n_train=200_000, epochs=50, bs=256, bptt=35, eval_bs=10,
-                     test_bs=1, max_delta=20, seed=3, genotype='DARTS_V2', out='')
-TRAIN_DEFAULTS = dict(bs=64, seed=1267)   # the paper's derived-cell training
+                     max_delta=20, seed=3, out='')
+TRAIN_DEFAULTS = dict(bs=64, seed=1267, test_bs=1, genotype='DARTS_V2')   # the paper's derived-cell training; only `train` has these
 _NOT_SETTINGS = ('cbs', 'device', 'path', 'ntoken', 'resume')
 
 def _learner_fn(command):
@@ -33,7 +33,7 @@ def known_options() -> dict:
     "Every option a preset may set, with its type"
     from rnn_darts.core import options_of
     opts = {k: v for k, v in options_of(_learner_fn('search'), _learner_fn('train')).items() if k not in _NOT_SETTINGS}
-    return {**opts, **{k: type(v) for k, v in DATA_DEFAULTS.items()}}
+    return {**opts, **{k: type(v) for k, v in {**DATA_DEFAULTS, **TRAIN_DEFAULTS}.items()}}
 
 def options_of_defaults(fn) -> dict:
     return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty}
@@ -454,7 +454,7 @@ def evaluate_run(
     run = Path(run)
     if not run.is_dir(): raise FileNotFoundError(f"run folder {run} does not exist" if not run.exists() else f"{run} is not a run folder")
     info = read_run_json(run/'run.json')
-    s = {**DATA_DEFAULTS, **info['settings']}
+    s = {**DATA_DEFAULTS, 'test_bs': TRAIN_DEFAULTS['test_bs'], **info['settings']}
     check_settings({k: v for k, v in s.items() if k not in ('threads',)}, {k: f"{run/'run.json'}: settings.{k}" for k in s})
     dev = get_device(device)
     from callbacks.checkpoint import load_checkpoint, latest_checkpoint, restore

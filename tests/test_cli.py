@@ -13,6 +13,8 @@ def test_search_with_bf16_flags(tmp_path):
     assert any(isinstance(cb, FusedDecoderLoss) for cb in learn.cbs) and learn.model.fused_loss
     assert json.loads((tmp_path/'s'/'run.json').read_text())['settings']['bf16'] is True
     assert (tmp_path/'s'/'genotype.json').exists() and learn.model.flat.data.dtype == torch.float32
+    settings = json.loads((tmp_path/'s'/'run.json').read_text())['settings']   # a search records its own settings only
+    assert 'genotype' not in settings and 'test_bs' not in settings and settings['op_decay'] == 0
 
 def test_train_with_plain_loss_from_a_preset(tmp_path):
     ini = tmp_path/'settings.ini'
@@ -21,6 +23,8 @@ def test_train_with_plain_loss_from_a_preset(tmp_path):
     assert not learn.model.fused_loss and not any(isinstance(cb, FusedDecoderLoss) for cb in learn.cbs)
     assert not any(isinstance(cb, BF16Autocast) for cb in learn.cbs)
     assert (tmp_path/'t'/'log.csv').exists()
+    info = json.loads((tmp_path/'t'/'run.json').read_text())
+    assert info['settings']['genotype'] == 'DARTS_V2' and info['settings']['test_bs'] == 1 and info['test_ppl'] > 1
 
 def test_unknown_command_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e: cli.run_command(['serach'])
