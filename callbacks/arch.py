@@ -9,6 +9,7 @@ from functools import partial
 import torch, torch.nn.functional as F
 from fastai.callback.core import Callback
 from rnn_darts.genotypes import PRIMITIVES
+from callbacks.training import check_flat_opt
 
 # %% auto #0
 __all__ = ['train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first', 'fd_hvp', 'exact_hvp', 'hypergrad_second',
@@ -160,6 +161,7 @@ class ArchParamUpdate(Callback):
         a = self.model.alpha
         check_zero_one(self.zero_one, self.model.relax)
         a.requires_grad_(False)                    # the weight step never touches α
+        check_flat_opt(self.learn)                 # nor does the weight optimizer (not in model.parameters())
         if self.arch_opt is None: self.arch_opt = arch_adam(a, self.arch_lr, self.arch_betas, self.arch_wd)
         if hasattr(self.search_dl, 'to'): self.search_dl.to(a.device)
         if self.n_skipped is None: self.n_skipped = torch.zeros((), dtype=torch.long, device=a.device)
