@@ -106,7 +106,7 @@ def _adam_state(opt, a):
     return st
 
 def guarded_adam_step(opt, a, g, decay=None):
-    "Adam step of `a` with gradient `g`, then `a −= lr·decay`; if `g` is not finite nothing moves. Returns the flag (on the device)"
+    "Adam step of `a` with gradient `g`, then `a −= lr·decay`; if `g`, or α or Adam's state after it, is not finite nothing moves. Returns the flag (on the device)"
     ok = torch.isfinite(g).all()
     keep = [a.detach()] + list(_adam_state(opt, a).values())
     old = torch._foreach_mul(keep, 1.)                   # one copy of α and Adam's state (x·1 is exact)
@@ -115,6 +115,8 @@ def guarded_adam_step(opt, a, g, decay=None):
     a.grad = None
     with torch.no_grad():
         if decay is not None: a.sub_(opt.param_groups[0]['lr'] * decay)
+        # a finite but huge `g` (|g| > 1.8e19 in fp32) overflows `exp_avg_sq`: a step that leaves anything non-finite is not one
+        ok = ok & torch.stack([torch.isfinite(t).all() for t in keep if t.is_floating_point() and t.device == a.device]).all()
         for t, o in zip(keep, old): t.copy_(torch.where(ok, t, o))
     return ok
 
