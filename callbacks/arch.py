@@ -115,7 +115,7 @@ def guarded_adam_step(opt, a, g, decay=None):
     a.grad = None
     with torch.no_grad():
         if decay is not None: a.sub_(opt.param_groups[0]['lr'] * decay)
-        # a finite but huge `g` (|g| > 1.8e19 in fp32) overflows `exp_avg_sq`: a step that leaves anything non-finite is not one
+        # a finite but huge `g` ((1 − β2)·g² > 3.4e38 in fp32: |g| > 6e20) overflows `exp_avg_sq`: a step that leaves anything non-finite is not one
         ok = ok & torch.stack([torch.isfinite(t).all() for t in keep if t.is_floating_point() and t.device == a.device]).all()
         for t, o in zip(keep, old): t.copy_(torch.where(ok, t, o))
     return ok
