@@ -9,6 +9,7 @@ from functools import partial
 import torch, torch.nn.functional as F
 from fastai.callback.core import Callback
 from rnn_darts.genotypes import PRIMITIVES
+from callbacks.training import check_flat_opt
 
 # %% auto #0
 __all__ = ['train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first', 'fd_hvp', 'exact_hvp', 'hypergrad_second',
@@ -105,7 +106,7 @@ def _adam_state(opt, a):
     return st
 
 def guarded_adam_step(opt, a, g, decay=None):
-    "Adam step of `a` with gradient `g`, then `a −= lr·decay`; if `g` is not finite nothing moves. Returns the flag (on the device)"
+    "Adam step of `a` with gradient `g`, then `a −= lr·decay`; if `g`, or α or Adam's state after it, is not finite nothing moves. Returns the flag (on the device)"
     ok = torch.isfinite(g).all()
     keep = [a.detach()] + list(_adam_state(opt, a).values())
     old = torch._foreach_mul(keep, 1.)                   # one copy of α and Adam's state (x·1 is exact)
@@ -114,6 +115,8 @@ def guarded_adam_step(opt, a, g, decay=None):
     a.grad = None
     with torch.no_grad():
         if decay is not None: a.sub_(opt.param_groups[0]['lr'] * decay)
+        # a finite but huge `g` ((1 − β2)·g² > 3.4e38 in fp32: |g| > 6e20) overflows `exp_avg_sq`: a step that leaves anything non-finite is not one
+        ok = ok & torch.stack([torch.isfinite(t).all() for t in keep if t.is_floating_point() and t.device == a.device]).all()
         for t, o in zip(keep, old): t.copy_(torch.where(ok, t, o))
     return ok
 
@@ -160,6 +163,7 @@ class ArchParamUpdate(Callback):
         a = self.model.alpha
         check_zero_one(self.zero_one, self.model.relax)
         a.requires_grad_(False)                    # the weight step never touches α
+        check_flat_opt(self.learn)                 # nor does the weight optimizer (not in model.parameters())
         if self.arch_opt is None: self.arch_opt = arch_adam(a, self.arch_lr, self.arch_betas, self.arch_wd)
         if hasattr(self.search_dl, 'to'): self.search_dl.to(a.device)
         if self.n_skipped is None: self.n_skipped = torch.zeros((), dtype=torch.long, device=a.device)

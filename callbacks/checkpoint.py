@@ -11,7 +11,7 @@ from fastai.callback.core import Callback
 from fastai.torch_core import rank_distrib
 from rnn_darts.core import rng_states, set_rng_states
 from rnn_darts.genotypes import genotype_to_dict
-from callbacks.training import TrainEpochEnd, valid_loss_of
+from callbacks.training import TrainEpochEnd, valid_loss_of, in_lr_find
 
 # %% auto #0
 __all__ = ['KEPT', 'model_meta', 'check_meta', 'stateful_cbs', 'learner_state', 'named_floats', 'nonfinite', 'kept_nonfinite',
@@ -170,7 +170,7 @@ class Checkpoint(TrainEpochEnd):
         if rank_distrib() == 0:
             gone = remove_stale_tmp(self.folder) + remove_stale_tmp(Path(self.path), r'[^/]+\.json|[^/]+\.csv')
             if gone: print(f"removed temporary files left by a killed run: {', '.join(gone)}")
-        if self.resume is None or self.resume is False: return
+        if self.resume is None or self.resume is False or in_lr_find(self.learn): return   # lr_find leaves the resume to the fit
         p = latest_checkpoint(self.folder) if self.resume is True else Path(self.resume)
         if p is None: print(f"no checkpoint in {self.folder}: starting from scratch"); return
         state = load_checkpoint(p)
@@ -256,6 +256,7 @@ class DivergenceGuard(Callback):
         self.n_skipped += (~self.ok).long()
 
     def after_train(self):
+        if in_lr_find(self.learn): return   # lr_find's throw-away steps: skipped as usual, never a stop or a rollback
         counters = [(self.skip_name, self.n_skipped)] + [c for c in skip_counters(self.learn) if c[1] is not self.n_skipped]
         named = list(named_floats(dict(model=self.model.state_dict(), opt=self.opt.state_dict(), cbs=cb_optimizers(self.learn))))
         dev = self.n_skipped.device

@@ -75,15 +75,18 @@ class FusedDecoderLoss(Callback):
 
 # %% ../nbs/05_training.ipynb #de03d7fd
 def check_flat_opt(learn):
-    "Raise, saying what to pass, unless `learn.opt` steps the model's flat weight parameter (and none of its views)"
-    flat, opt = learn.model.flat, learn.opt
+    "Raise, saying what to pass, unless `learn.opt` steps the model's flat weight parameter, none of its views, and not α"
+    m, opt = learn.model, getattr(learn, 'opt', None)
     if opt is None: return
-    views = {id(p) for p in flat.params}
+    views, arch = {id(p) for p in m.flat.params}, {id(a) for a in m.arch_parameters()}
     ps = [p for p, *_ in opt.all_params()]
-    if any(id(p) in views for p in ps) or not any(p is flat.param for p in ps):
-        raise ValueError("the model keeps its weights in one flat buffer, and the optimizer must step that buffer, not "
-                         "the per-layer views fastai's default splitter gives it: pass splitter=flat_splitter to Learner "
-                         "(from rnn_darts.learner import flat_splitter), or build the learner with search_learner / train_learner")
+    what = ("its per-layer views (weight_parameters())" if any(id(p) in views for p in ps) else
+            "α (arch_parameters(), which ArchParamUpdate steps with its own Adam)" if any(id(p) in arch for p in ps) else
+            None if any(p is m.flat.param for p in ps) else "no flat buffer at all")
+    if what: raise ValueError(f"the model keeps its weights in one flat buffer, model.parameters(), and the weight optimizer "
+                              f"must step that buffer alone; the learner's splitter gave it {what}: leave splitter= out "
+                              "(fastai's default gives it model.parameters()) or pass splitter=flat_splitter "
+                              "(from rnn_darts.learner import flat_splitter)")
 
 class FlatGradClip(GradientClip):
     "Clip the norm of the weights' flat gradient to `max_norm` (α excluded)"

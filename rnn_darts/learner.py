@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_learner.ipynb #3b6c7827
 from __future__ import annotations
-import time, json, inspect
+import time, json, inspect, math
 from contextlib import contextmanager, nullcontext, ExitStack
 from pathlib import Path
 import torch
@@ -47,7 +47,7 @@ class DartsLearner(Learner):
             self._with_events(self._do_epoch, 'epoch', CancelEpochException)
 
 def flat_splitter(model):
-    "One parameter group holding the flat weight store: `learn.opt` never sees α"
+    "One parameter group holding the flat weight store, `model.parameters()` (as fastai's default splitter): `learn.opt` never sees α"
     return [[model.flat.param]]
 
 # %% ../nbs/07_learner.ipynb #62f13612
@@ -70,7 +70,7 @@ class RunInfo(TrainEpochEnd):
         i = self.info
         i['epoch_times'] = i['epoch_times'][:self.epoch] + [time.time() - self.t0]
         v = valid_loss_of(self.learn)
-        if v == v and (i['best_valid_loss'] is None or v < i['best_valid_loss']): i['best_valid_loss'] = v
+        if math.isfinite(v) and (i['best_valid_loss'] is None or v < i['best_valid_loss']): i['best_valid_loss'] = v
         sw = getattr(self.learn, 'asgd_switch', None)
         if sw is not None and sw.active: i['asgd_epoch'] = sw.switch_epoch
         g = self.model.genotype() if hasattr(self.model, 'alpha') else self.model.genotype

@@ -153,3 +153,18 @@ def test_a_non_finite_hypergradient_moves_nothing_even_at_the_first_step():
     assert not torch.equal(b1['alpha'], a1['alpha'])       # the next one did
     assert int(arch.n_skipped) == 1
     assert arch.arch_opt.state[learn.model.alpha]['step'].item() == 1   # Adam counted only the finite step
+
+def test_a_hypergradient_that_overflows_adams_second_moment_moves_nothing():
+    "A finite but huge hypergradient overflows exp_avg_sq (then α would stall for good): the step is skipped, the next one moves α"
+    learn = learner(mode='first')
+    rec, calls = Around(stop_after=3), []
+    class Huge(Callback):
+        order = ArchParamUpdate.order - 0.5
+        def before_fit(self):
+            self.learn.arch_param_update.reduce = lambda g: (calls.append(1), g / g.abs().max() * 1e25 if len(calls) == 2 else g)[1]
+    fit(learn, Huge(), *rec.cbs())
+    arch = learn.arch_param_update
+    st = arch.arch_opt.state[learn.model.alpha]
+    (b0, a0), (b1, a1), (b2, a2) = rec.snaps
+    assert torch.equal(b1['alpha'], a1['alpha']) and not torch.equal(b2['alpha'], a2['alpha'])
+    assert int(arch.n_skipped) == 1 and st['step'].item() == 2 and all(torch.isfinite(v).all() for v in st.values())

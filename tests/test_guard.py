@@ -198,3 +198,31 @@ def test_runlogger_in_process(tmp_path, capsys):
     learn = tiny_train(tmp_path, cbs=[RunLogger('log.csv', append=True)], resume=True)
     with pytest.raises(ValueError, match=r"log\.csv: its columns \(epoch,loss,time\) are not this run's \(epoch,train_loss,valid_loss,"):
         fit(learn, 4)
+
+# ---------------------------------------------------------------- lr_find and run.json
+def test_guard_neither_stops_nor_rolls_back_inside_lr_find(tmp_path, capsys):
+    "lr_find's rates diverge by design: a non-finite step there is skipped, and the epoch's check neither stops nor logs"
+    learn = tiny_train(tmp_path, on_nan='stop')
+    inj = Inject((0, 3), loss=True); learn.add_cb(inj)
+    with learn.no_bar(): learn.lr_find(num_it=30, show_plot=False)   # 30 batches: crosses the end of an epoch (after_train)
+    learn.remove_cb(inj)
+    assert 'w_before' in inj.seen and learn.divergence_guard.events == []
+    assert 'non-finite' not in capsys.readouterr().out
+    fit(learn, 1)
+    assert learn.divergence_guard.events == []
+
+def test_lr_find_leaves_the_resume_to_the_fit(tmp_path, capsys):
+    learn = tiny_train(tmp_path); fit(learn, 1)
+    learn = tiny_train(tmp_path, resume=True)
+    with learn.no_bar(): learn.lr_find(num_it=5, show_plot=False)
+    assert learn.checkpoint.resume is True and 'resumed from' not in capsys.readouterr().out
+    fit(learn, 2)
+    assert 'resumed from' in capsys.readouterr().out and len(learn.recorder.values) == 1   # epoch 1 only: it resumed
+
+def test_run_info_never_takes_a_non_finite_valid_loss_as_best(tmp_path):
+    import json
+    from rnn_darts.learner import RunInfo
+    sv = SetValid(0, INF); sv.order = RunInfo.order - 0.5   # after the Recorder, before RunInfo reads the loss
+    learn = tiny_train(tmp_path, cbs=[sv, RunInfo('train')]); fit(learn, 1)
+    text = (tmp_path/'run.json').read_text()
+    assert json.loads(text)['best_valid_loss'] is None and 'Infinity' not in text   # `v == v` let inf in (and wrote `Infinity`)
