@@ -163,7 +163,7 @@ class ArchParamUpdate(Callback):
         a = self.model.alpha
         check_zero_one(self.zero_one, self.model.relax)
         a.requires_grad_(False)                    # the weight step never touches α
-        check_flat_opt(self.learn)                 # nor does the weight optimizer (not in model.parameters())
+        check_flat_opt(self.learn)                 # nor does the weight optimizer (a hand-built Learner needs flat_splitter)
         if self.arch_opt is None: self.arch_opt = arch_adam(a, self.arch_lr, self.arch_betas, self.arch_wd)
         if hasattr(self.search_dl, 'to'): self.search_dl.to(a.device)
         if self.n_skipped is None: self.n_skipped = torch.zeros((), dtype=torch.long, device=a.device)

@@ -83,10 +83,10 @@ def check_flat_opt(learn):
     what = ("its per-layer views (weight_parameters())" if any(id(p) in views for p in ps) else
             "α (arch_parameters(), which ArchParamUpdate steps with its own Adam)" if any(id(p) in arch for p in ps) else
             None if any(p is m.flat.param for p in ps) else "no flat buffer at all")
-    if what: raise ValueError(f"the model keeps its weights in one flat buffer, model.parameters(), and the weight optimizer "
-                              f"must step that buffer alone; the learner's splitter gave it {what}: leave splitter= out "
-                              "(fastai's default gives it model.parameters()) or pass splitter=flat_splitter "
-                              "(from rnn_darts.learner import flat_splitter)")
+    if what: raise ValueError(f"the model keeps its weights in one flat buffer, model.flat.param, and the weight optimizer "
+                              f"must step that buffer alone; the learner's splitter gave it {what}: pass splitter=flat_splitter "
+                              "to Learner (from rnn_darts.learner import flat_splitter), or build the learner with "
+                              "search_learner / train_learner")
 
 class FlatGradClip(GradientClip):
     "Clip the norm of the weights' flat gradient to `max_norm` (α excluded)"

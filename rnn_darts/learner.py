@@ -47,7 +47,7 @@ class DartsLearner(Learner):
             self._with_events(self._do_epoch, 'epoch', CancelEpochException)
 
 def flat_splitter(model):
-    "One parameter group holding the flat weight store, `model.parameters()` (as fastai's default splitter): `learn.opt` never sees α"
+    "One parameter group holding the flat weight store: `learn.opt` never sees α or the per-layer views"
     return [[model.flat.param]]
 
 # %% ../nbs/07_learner.ipynb #62f13612

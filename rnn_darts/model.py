@@ -57,23 +57,11 @@ class FlatParams:
 
 # %% ../nbs/03_model.ipynb #3e99c1db
 class FlatModule(nn.Module):
-    "A module whose weight parameters live in a `FlatParams` store; `parameters()` is the store's flat buffer"
+    "A module whose weight parameters live in a `FlatParams` store"
     def arch_parameters(self): return []
-    def named_weight_parameters(self):
-        "(name, parameter) of every weight, as `state_dict` names them: once packed, views of the flat buffer"
+    def weight_parameters(self):
         arch = {id(a) for a in self.arch_parameters()}
-        return [(n, p) for n, p in nn.Module.named_parameters(self) if id(p) not in arch]
-    def weight_parameters(self): return [p for _, p in self.named_weight_parameters()]
-
-    def named_parameters(self, prefix='', recurse=True, remove_duplicate=True):
-        """What an optimizer steps (fastai's default splitter too): the flat weight buffer, named `flat_weights`, and any
-        parameter neither in the store nor architectural. The per-layer views: `weight_parameters()`; α: `arch_parameters()`"""
-        flat = self.__dict__.get('flat')
-        if flat is None: yield from super().named_parameters(prefix, recurse, remove_duplicate); return
-        yield prefix + ('.' if prefix else '') + 'flat_weights', flat.param
-        skip = {id(p) for p in flat.params} | {id(a) for a in self.arch_parameters()}
-        for n, p in super().named_parameters(prefix, recurse, remove_duplicate):
-            if id(p) not in skip: yield n, p
+        return [p for p in self.parameters() if id(p) not in arch]
 
     def flatten_(self):
         "Pack the weight parameters; call at the end of `__init__`"

@@ -34,7 +34,7 @@ def test_first_order_is_grad_of_val_loss():
 
 def plain_second_order(model, trn, val, eta, wd, clip, r=0.01):
     "The paper's eq. 7-8 the straightforward way: model copies, per-parameter loops, a state_dict copy"
-    params = lambda mm: mm.weight_parameters()   # the per-layer views
+    params = lambda mm: [p for n, p in mm.named_parameters() if n != 'alpha']
     def clipped(gs):
         norm = torch.sqrt(sum((g ** 2).sum() for g in gs)); c = min(1., clip / (norm.item() + 1e-6))
         return [g * c for g in gs], c

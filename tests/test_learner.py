@@ -8,7 +8,7 @@ from rnn_darts.core import set_seed
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream, test_dl as split_dl   # not collected as a test
 from rnn_darts.genotypes import DARTS_V2
 from rnn_darts.model import DartsRnnSearch
-from rnn_darts.learner import search_learner, train_learner, SeqCrossEntropy, load_preset, learner_kwargs
+from rnn_darts.learner import search_learner, train_learner, SeqCrossEntropy, load_preset, learner_kwargs, flat_splitter
 from callbacks.arch import ArchParamUpdate
 from callbacks.training import FlatGradClip, FusedDecoderLoss
 
@@ -122,11 +122,11 @@ def hand_built(corpus, path, loss_func, cbs=(), clip=True, **kw):
     cbs = [ModelResetter(), RNNCallback(), ArchParamUpdate(search_stream(corpus, 8), mode='first')] + [FlatGradClip(0.25)] * clip + list(cbs)
     return Learner(dls, DartsRnnSearch(len(corpus.vocab), **TINY), loss_func=loss_func, path=path, cbs=cbs, **kw)
 
-def test_hand_built_learner_with_fastai_defaults_trains(corpus, tmp_path):
-    "fastai's default splitter and Adam step the flat weights, never α; the fused loss and CrossEntropyLossFlat on the logits give the same run"
+def test_hand_built_learner_with_flat_splitter_trains(corpus, tmp_path):
+    "With `splitter=flat_splitter` and fastai's Adam the flat weights are stepped, never α; the fused loss and CrossEntropyLossFlat on the logits give the same run"
     runs = {}
     for name, loss_func, cbs in [('fused', SeqCrossEntropy(), [FusedDecoderLoss()]), ('logits', CrossEntropyLossFlat(), [])]:
-        learn = hand_built(corpus, tmp_path, loss_func, cbs)
+        learn = hand_built(corpus, tmp_path, loss_func, cbs, splitter=flat_splitter)
         w0 = runs['w0'] = state(learn)
         with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-2)
         assert [p for p, *_ in learn.opt.all_params()] == [learn.model.flat.param]   # the flat buffer alone: no view, no α
@@ -139,14 +139,16 @@ def test_hand_built_learner_with_fastai_defaults_trains(corpus, tmp_path):
         f, l = runs['fused'][k], runs['logits'][k]
         assert (f - l).norm() < (0.05 if k == 'alpha' else 0.01) * (f - runs['w0'][k]).norm(), k   # measured: 0.022, 0.002, 0.004
 
-@pytest.mark.parametrize('what', ['views', 'alpha'])
-def test_hand_built_learner_with_a_wrong_splitter_fails_at_once_saying_what_to_pass(what, corpus, tmp_path):
-    "A splitter that hands the weight optimizer the per-layer views (fastai cannot zero their grads) or α: an error before any step"
-    split = (lambda m: [m.weight_parameters()]) if what == 'views' else (lambda m: [list(m.parameters()) + m.arch_parameters()])
-    learn = hand_built(corpus, tmp_path, SeqCrossEntropy(), clip=what == 'views', splitter=split)   # α: ArchParamUpdate checks
+@pytest.mark.parametrize('what', ['default', 'views', 'alpha'])
+@pytest.mark.parametrize('clip', [True, False])
+def test_hand_built_learner_with_another_splitter_fails_at_once_saying_what_to_pass(what, clip, corpus, tmp_path):
+    "fastai's default splitter (the per-layer views and α), a splitter of the views, or one with α: an error before any step"
+    split = dict(default={}, views=dict(splitter=lambda m: [m.weight_parameters()]),
+                 alpha=dict(splitter=lambda m: [[m.flat.param] + m.arch_parameters()]))[what]
+    learn = hand_built(corpus, tmp_path, SeqCrossEntropy(), clip=clip, **split)   # without FlatGradClip, ArchParamUpdate checks
     w0 = state(learn)
-    msg = 'its per-layer views' if what == 'views' else 'α'
-    with learn.no_bar(), pytest.raises(ValueError, match=f'gave it {msg}.*leave splitter= out'): learn.fit(1)
+    msg = 'α' if what == 'alpha' else 'its per-layer views'
+    with learn.no_bar(), pytest.raises(ValueError, match=f'gave it {msg}.*pass splitter=flat_splitter'): learn.fit(1)
     assert_same(state(learn), w0)   # nothing moved: the error came before the first step
 
 def test_readme_python_example_with_a_preset(tmp_path):
