@@ -9,7 +9,7 @@ from functools import partial
 import torch, torch.nn.functional as F
 from fastai.callback.core import Callback
 from rnn_darts.genotypes import PRIMITIVES
-from callbacks.training import check_flat_opt
+from callbacks.training import SeqLenLR, check_flat_opt
 
 # %% auto #0
 __all__ = ['train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first', 'fd_hvp', 'exact_hvp', 'hypergrad_second',
@@ -146,7 +146,7 @@ def arch_step(model, opt, trn, val, mode='second', lr=20., wd=0., clip=None, sam
 # %% ../nbs/04_arch.ipynb #0a2ffa92
 class ArchParamUpdate(Callback):
     "One DARTS architecture step (α) per training batch, before the weight step"
-    order = 66  # after SeqLenLR (65) has set the batch's learning rate
+    order = SeqLenLR.order + 1   # after SeqLenLR has set the batch's learning rate (the virtual step uses it)
     def __init__(self, search_dl, mode='second', arch_lr=3e-3, arch_betas=(0.9, 0.999), arch_wd=1e-3,
                  same_masks=True, clip='learn', zero_one=0., op_decay=0., arch_bf16=False):
         if mode not in ('first', 'second', 'exact'): raise ValueError(f"mode must be 'first', 'second' or 'exact', got {mode!r}")

@@ -11,7 +11,7 @@ from fastai.callback.core import Callback
 from fastai.torch_core import rank_distrib
 from rnn_darts.core import rng_states, set_rng_states
 from rnn_darts.genotypes import genotype_to_dict
-from callbacks.training import TrainEpochEnd, valid_loss_of, in_lr_find
+from callbacks.training import FlatGradClip, TrainEpochEnd, valid_loss_of, in_lr_find
 
 # %% auto #0
 __all__ = ['KEPT', 'model_meta', 'check_meta', 'stateful_cbs', 'learner_state', 'named_floats', 'nonfinite', 'kept_nonfinite',
@@ -225,7 +225,7 @@ def cb_optimizers(learn) -> dict:
 
 class DivergenceGuard(Callback):
     "Skip non-finite steps on the device; once per epoch check the state, log, and roll back or stop"
-    order = 12  # before_step after FlatGradClip (11) has clipped; after_step it restores
+    order = FlatGradClip.order + 1   # before_step after the gradient is clipped; after_step it restores
     skip_name = 'weight'
     def __init__(self, on_nan='rollback'):
         if on_nan not in ('rollback', 'stop', 'skip'): raise ValueError(f"on_nan must be 'rollback', 'stop' or 'skip', got {on_nan!r}")
