@@ -224,7 +224,7 @@ def test_full_disk_while_checkpointing(capsys, tmp_path, monkeypatch):
 
 def test_nan_with_on_nan_stop(capsys, tmp_path):
     fails(capsys, ['search', '--data', small_corpus(tmp_path/'c'), *TINY, '--lr', '1e38', '--clip', '1e38', '--on-nan', 'stop',
-                   '--out', str(tmp_path/'o')], 1, 'had a non-finite loss or gradient and were not applied; stopping')
+                   '--out', str(tmp_path/'o')], 1, 'had a non-finite loss or gradient and were not applied', "stopping (on_nan='stop')")
 
 # --- what is a user error, and --debug -----------------------------------------------------------------------------------
 def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
