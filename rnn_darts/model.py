@@ -287,9 +287,11 @@ class LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, x.shape[0], rows):
             xc, yc = x[s:s + rows], y[s:s + rows, None]
             logits = _chunk_logits(xc, W, b)
-            lse = logits.logsumexp(-1, keepdim=True)
-            total += (lse - logits.gather(1, yc)).sum()
-            p = logits.sub_(lse).exp_().scatter_add_(1, yc, logits.new_full(yc.shape, -1.))   # softmax − onehot
+            m, ly = logits.amax(-1, keepdim=True), logits.gather(1, yc)
+            e = logits.sub_(m).exp_()                          # one max, one exp, one sum: the softmax and the loss
+            z = e.sum(-1, keepdim=True)
+            total += (z.log() + m - ly).sum()                  # logsumexp − logit of the target
+            p = e.div_(z).scatter_add_(1, yc, e.new_full(yc.shape, -1.))   # softmax − onehot
             if need_x: gx[s:s + rows] = p.to(x.dtype) @ W.to(x.dtype)
             if need_W: gW.addmm_(p.t().to(W.dtype), xc.to(W.dtype))
             if need_b: gb += p.sum(0)
