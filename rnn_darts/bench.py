@@ -5,7 +5,8 @@
 # %% ../nbs/10_bench.ipynb #54700977
 from __future__ import annotations
 import copy, gc, json, os, platform, resource, time
-from functools import partial
+from contextlib import contextmanager
+from functools import partial, lru_cache
 from pathlib import Path
 from types import SimpleNamespace
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -17,9 +18,9 @@ from callbacks.arch import ArchParamUpdate, arch_grad, hypergrad
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'STEP_NAMES', 'mem_kind', 'time_fn',
            'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'arch_hypergrad', 'search_step',
-           'in_bf16', 'PlainSearchRnn', 'plain_from', 'plain_clip', 'plain_unrolled', 'plain_hvp',
-           'plain_hypergrad_first', 'plain_hypergrad_second', 'PlainSearchStep', 'bf16_agreement', 'write_json',
-           'run_bench', 'print_table']
+           'in_bf16', 'kernel_profile', 'launch_count', 'PlainSearchRnn', 'plain_from', 'plain_clip', 'plain_unrolled',
+           'plain_hvp', 'plain_hypergrad_first', 'plain_hypergrad_second', 'PlainSearchStep', 'bf16_agreement',
+           'write_json', 'run_bench', 'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 FULL_SHAPES = dict(search=dict(bs=256, bptt=35, nhid=300, ntoken=10000),
@@ -129,6 +130,45 @@ def in_bf16(fn, device):
     def run():
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16): return fn()
     return run
+
+# %% ../nbs/10_bench.ipynb #8a84594c
+@contextmanager
+def kernel_profile():
+    "Graphs compiled inside record each generated CPU kernel for the profiler (Inductor's `cpp.enable_kernel_profile`), as `launch_count` needs"
+    import torch._inductor.config as ic
+    with ic.patch({'cpp.enable_kernel_profile': True}): yield
+
+@lru_cache(None)
+def _is_view(name):
+    pk = getattr(torch.ops.aten, name, None)
+    ovs = [getattr(pk, o) for o in pk.overloads()] if pk is not None else []
+    return bool(ovs) and all(o.is_view for o in ovs)
+
+def _nested(e):
+    p = e.cpu_parent
+    while p is not None:
+        if p.name.startswith('aten::') or '_cpp_fused' in p.name: return True
+        p = p.cpu_parent
+    return False
+
+def launch_count(fn) -> dict:
+    "Kernels one run of `fn` launches (run it once first, so compilation is done): `generated` (compiled kernels), `library` (aten/BLAS calls outside them), `total`"
+    cuda = torch.cuda.is_available()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof: fn()
+    _sync('cuda' if cuda else 'cpu')
+    ev = prof.events()
+    dev = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
+    if dev:   # on a GPU the device kernels are the launches; Triton's are the generated ones
+        gen = sum(1 for e in dev if e.name.startswith('triton_'))
+        return dict(generated=gen, library=len(dev) - gen, total=len(dev))
+    graphs = sum(1 for e in ev if e.name.startswith('## Call CompiledFxGraph'))
+    gen = sum(1 for e in ev if '_cpp_fused' in e.name)
+    if graphs and not gen: raise ValueError("launch_count: compiled graphs ran but no kernel was recorded; compile them "
+                                            "inside `with kernel_profile():` (run `fn` once there first)")
+    lib = sum(1 for e in ev if e.name.startswith('aten::') and e.name[6:] not in NO_KERNEL_OPS
+              and not _is_view(e.name[6:]) and not _nested(e))
+    return dict(generated=gen, library=lib, total=gen + lib)
 
 # %% ../nbs/10_bench.ipynb #815923c5
 _ACT = dict(tanh=torch.tanh, relu=torch.relu, sigmoid=torch.sigmoid, identity=lambda x: x)
