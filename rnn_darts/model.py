@@ -112,7 +112,7 @@ class PackedCell(nn.Module):
         self._compiled = None
 
     def compile_step(self, **kwargs):
-        "Fuse the time step with `torch.compile` (fixed shapes); eager stays the default"
+        "Fuse the time step with `torch.compile` (fixed shapes); the learners call it by default on a GPU"
         self._compiled = torch.compile(self.step, dynamic=False, **kwargs)
         return self
 
