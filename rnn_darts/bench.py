@@ -138,6 +138,10 @@ def kernel_profile():
     import torch._inductor.config as ic
     with ic.patch({'cpp.enable_kernel_profile': True}): yield
 
+def _kernels_recorded():
+    import torch._inductor.config as ic
+    return ic.cpp.enable_kernel_profile
+
 @lru_cache(None)
 def _is_view(name):
     pk = getattr(torch.ops.aten, name, None)
@@ -381,6 +385,8 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
               evaluate:bool=True, shape:dict|None=None, train_shape:dict|None=None, eval_bs:int|None=None,
               seed:int=0, threads:int|None=None, compile:bool=False, bf16:bool=False, verbose:bool=False) -> dict:
     "Time the search steps, the derived model's training step and evaluation; optionally the plain implementation"
+    if compile and not _kernels_recorded():   # compile with recorded kernels, so `launch_count` counts the rows' launches
+        with kernel_profile(): return run_bench(**locals())
     if threads: torch.set_num_threads(threads)
     bad = set(modes) - set(STEP_NAMES)
     if bad: raise ValueError(f"unknown modes {sorted(bad)}; modes are {list(STEP_NAMES)}")
@@ -395,12 +401,13 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     res = dict(device=dev, device_name=_device_name(dev), torch=torch.__version__, threads=torch.get_num_threads(),
                small=small, iters=iters, warmup=warmup, compile=compile, bf16=bf16, mem_kind=mem_kind(dev),
                shapes=dict(search=S, train=dict(TS, genotype='DARTS_V2'), eval_bs=ebs), step=dict(STEP), rows=[],
-               ratios={}, ratios_min={})
+               ratios={}, ratios_min={},
+               ops_kind='kernel launches per step (launch_count)' if compile else 'operators per step (op_count)')
     def ours(m):
         if compile: m.cell.compile_step()
         return m
     amp = (lambda f: in_bf16(f, dev)) if bf16 else (lambda f: f)
-    count = (lambda fn: None) if compile else op_count   # a dispatch mode and compiled graphs do not mix
+    count = (lambda fn: launch_count(fn)['total']) if compile else op_count   # a dispatch mode cannot see into compiled graphs
     def measure(fn): return dict(time_fn(fn, iters, warmup, dev), ops=count(fn))
     def log(r):
         res['rows'].append(r)
@@ -464,7 +471,7 @@ def print_table(results: dict, file=None):
     r = results
     out = [f"device: {r['device']} ({r['device_name']}), torch {r['torch']}, {r['threads']} threads; "
            f"{r['warmup']} warm-up + {r['iters']} timed iterations per row",
-           f"memory: {r['mem_kind']}",
+           f"memory: {r['mem_kind']}; ops: {r.get('ops_kind', 'operators per step (op_count)')}",
            f"{'what':<34} {'impl':<6} {'bs':>4} {'bptt':>4} {'nhid':>5} {'ntoken':>6} {'ms/batch':>10} {'min ms':>9} {'tok/s':>10} {'mem MiB':>9} {'ops':>8}"]
     for x in r['rows']:
         out.append(f"{x['name']:<34} {x['impl']:<6} {x['bs']:>4} {x['bptt']:>4} {x['nhid']:>5} {x['ntoken']:>6} "

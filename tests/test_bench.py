@@ -92,9 +92,10 @@ def test_run_bench_bf16_times_and_measures_agreement(capsys):
     assert res['bf16'] and set(res['bf16_agreement']) == {'first', 'second'}
     ag = res['bf16_agreement']
     for v in ag.values(): assert -1 - 1e-6 <= v['min'] <= v['mean'] <= 1 + 1e-6
-    # the known bf16 picture at initialisation: first order keeps its direction (measured 0.9995), second order
-    # loses it (measured mean -0.08)
-    assert ag['first']['min'] > 0.99 and ag['second']['mean'] < 0.9
+    # the bf16 picture at initialisation, at this tiny shape: first order keeps its direction (measured 0.9995); so
+    # does second order since the decoder takes its bias as one more matmul column (measured mean 0.993, min 0.986;
+    # with the separate bias add it was -0.08: bf16 lost it)
+    assert ag['first']['min'] > 0.99 and ag['second']['mean'] > 0.95
     print_table(res)
     assert 'bf16 vs fp32 hypergradient' in capsys.readouterr().out
 
