@@ -348,7 +348,9 @@ def bf16_agreement(model, batches, modes=('first', 'second', 'exact')) -> dict:
     "Per mode: cosine between the all-bf16 and all-fp32 hypergradients at `model`'s state, mean and min over `batches` ((trn, val) pairs)"
     def grad(trn, val, mode, dtype):
         model.reset(); torch.manual_seed(0)   # same stream states and masks for both precisions
-        with torch.autocast(model.alpha.device.type, dtype=torch.bfloat16, enabled=dtype == 'bf16'):
+        # no cast cache: the passes move the weights in place inside one autocast region, and a cached bf16 copy of
+        # a weight (the tied decoder is a leaf parameter) would go stale
+        with torch.autocast(model.alpha.device.type, dtype=torch.bfloat16, enabled=dtype == 'bf16', cache_enabled=False):
             return arch_hypergrad(model, trn, val, mode).float().flatten()
     res = {}
     for mode in modes:
