@@ -5,7 +5,8 @@
 # %% ../nbs/10_bench.ipynb #54700977
 from __future__ import annotations
 import copy, gc, json, os, platform, resource, time
-from functools import partial
+from contextlib import contextmanager
+from functools import partial, lru_cache
 from pathlib import Path
 from types import SimpleNamespace
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -17,9 +18,9 @@ from callbacks.arch import ArchParamUpdate, arch_grad, hypergrad
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'STEP_NAMES', 'mem_kind', 'time_fn',
            'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'arch_hypergrad', 'search_step',
-           'in_bf16', 'PlainSearchRnn', 'plain_from', 'plain_clip', 'plain_unrolled', 'plain_hvp',
-           'plain_hypergrad_first', 'plain_hypergrad_second', 'PlainSearchStep', 'bf16_agreement', 'write_json',
-           'run_bench', 'print_table']
+           'in_bf16', 'kernel_profile', 'launch_count', 'PlainSearchRnn', 'plain_from', 'plain_clip', 'plain_unrolled',
+           'plain_hvp', 'plain_hypergrad_first', 'plain_hypergrad_second', 'PlainSearchStep', 'bf16_agreement',
+           'write_json', 'run_bench', 'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 FULL_SHAPES = dict(search=dict(bs=256, bptt=35, nhid=300, ntoken=10000),
@@ -129,6 +130,49 @@ def in_bf16(fn, device):
     def run():
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16): return fn()
     return run
+
+# %% ../nbs/10_bench.ipynb #8a84594c
+@contextmanager
+def kernel_profile():
+    "Graphs compiled inside record each generated CPU kernel for the profiler (Inductor's `cpp.enable_kernel_profile`), as `launch_count` needs"
+    import torch._inductor.config as ic
+    with ic.patch({'cpp.enable_kernel_profile': True}): yield
+
+def _kernels_recorded():
+    import torch._inductor.config as ic
+    return ic.cpp.enable_kernel_profile
+
+@lru_cache(None)
+def _is_view(name):
+    pk = getattr(torch.ops.aten, name, None)
+    ovs = [getattr(pk, o) for o in pk.overloads()] if pk is not None else []
+    return bool(ovs) and all(o.is_view for o in ovs)
+
+def _nested(e):
+    p = e.cpu_parent
+    while p is not None:
+        if p.name.startswith('aten::') or '_cpp_fused' in p.name: return True
+        p = p.cpu_parent
+    return False
+
+def launch_count(fn) -> dict:
+    "Kernels one run of `fn` launches (run it once first, so compilation is done): `generated` (compiled kernels), `library` (aten/BLAS calls outside them), `total`"
+    cuda = torch.cuda.is_available()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof: fn()
+    _sync('cuda' if cuda else 'cpu')
+    ev = prof.events()
+    dev = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
+    if dev:   # on a GPU the device kernels are the launches; Triton's are the generated ones
+        gen = sum(1 for e in dev if e.name.startswith('triton_'))
+        return dict(generated=gen, library=len(dev) - gen, total=len(dev))
+    graphs = sum(1 for e in ev if e.name.startswith('## Call CompiledFxGraph'))
+    gen = sum(1 for e in ev if '_cpp_fused' in e.name)
+    if graphs and not gen: raise ValueError("launch_count: compiled graphs ran but no kernel was recorded; compile them "
+                                            "inside `with kernel_profile():` (run `fn` once there first)")
+    lib = sum(1 for e in ev if e.name.startswith('aten::') and e.name[6:] not in NO_KERNEL_OPS
+              and not _is_view(e.name[6:]) and not _nested(e))
+    return dict(generated=gen, library=lib, total=gen + lib)
 
 # %% ../nbs/10_bench.ipynb #815923c5
 _ACT = dict(tanh=torch.tanh, relu=torch.relu, sigmoid=torch.sigmoid, identity=lambda x: x)
@@ -304,7 +348,9 @@ def bf16_agreement(model, batches, modes=('first', 'second', 'exact')) -> dict:
     "Per mode: cosine between the all-bf16 and all-fp32 hypergradients at `model`'s state, mean and min over `batches` ((trn, val) pairs)"
     def grad(trn, val, mode, dtype):
         model.reset(); torch.manual_seed(0)   # same stream states and masks for both precisions
-        with torch.autocast(model.alpha.device.type, dtype=torch.bfloat16, enabled=dtype == 'bf16'):
+        # no cast cache: the passes move the weights in place inside one autocast region, and a cached bf16 copy of
+        # a weight (the tied decoder is a leaf parameter) would go stale
+        with torch.autocast(model.alpha.device.type, dtype=torch.bfloat16, enabled=dtype == 'bf16', cache_enabled=False):
             return arch_hypergrad(model, trn, val, mode).float().flatten()
     res = {}
     for mode in modes:
@@ -341,6 +387,8 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
               evaluate:bool=True, shape:dict|None=None, train_shape:dict|None=None, eval_bs:int|None=None,
               seed:int=0, threads:int|None=None, compile:bool=False, bf16:bool=False, verbose:bool=False) -> dict:
     "Time the search steps, the derived model's training step and evaluation; optionally the plain implementation"
+    if compile and not _kernels_recorded():   # compile with recorded kernels, so `launch_count` counts the rows' launches
+        with kernel_profile(): return run_bench(**locals())
     if threads: torch.set_num_threads(threads)
     bad = set(modes) - set(STEP_NAMES)
     if bad: raise ValueError(f"unknown modes {sorted(bad)}; modes are {list(STEP_NAMES)}")
@@ -355,12 +403,13 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     res = dict(device=dev, device_name=_device_name(dev), torch=torch.__version__, threads=torch.get_num_threads(),
                small=small, iters=iters, warmup=warmup, compile=compile, bf16=bf16, mem_kind=mem_kind(dev),
                shapes=dict(search=S, train=dict(TS, genotype='DARTS_V2'), eval_bs=ebs), step=dict(STEP), rows=[],
-               ratios={}, ratios_min={})
+               ratios={}, ratios_min={},
+               ops_kind='kernel launches per step (launch_count)' if compile else 'operators per step (op_count)')
     def ours(m):
         if compile: m.cell.compile_step()
         return m
     amp = (lambda f: in_bf16(f, dev)) if bf16 else (lambda f: f)
-    count = (lambda fn: None) if compile else op_count   # a dispatch mode and compiled graphs do not mix
+    count = (lambda fn: launch_count(fn)['total']) if compile else op_count   # a dispatch mode cannot see into compiled graphs
     def measure(fn): return dict(time_fn(fn, iters, warmup, dev), ops=count(fn))
     def log(r):
         res['rows'].append(r)
@@ -424,7 +473,7 @@ def print_table(results: dict, file=None):
     r = results
     out = [f"device: {r['device']} ({r['device_name']}), torch {r['torch']}, {r['threads']} threads; "
            f"{r['warmup']} warm-up + {r['iters']} timed iterations per row",
-           f"memory: {r['mem_kind']}",
+           f"memory: {r['mem_kind']}; ops: {r.get('ops_kind', 'operators per step (op_count)')}",
            f"{'what':<34} {'impl':<6} {'bs':>4} {'bptt':>4} {'nhid':>5} {'ntoken':>6} {'ms/batch':>10} {'min ms':>9} {'tok/s':>10} {'mem MiB':>9} {'ops':>8}"]
     for x in r['rows']:
         out.append(f"{x['name']:<34} {x['impl']:<6} {x['bs']:>4} {x['bptt']:>4} {x['nhid']:>5} {x['ntoken']:>6} "

@@ -101,10 +101,11 @@ def _common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss)
     elif resume: raise ValueError("resume needs checkpoint=True")
     return cbs
 
-def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=False, bf16=False, fused_loss=True):
+def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=None, bf16=False, fused_loss=True):
     dev = torch.device(device) if device is not None else getattr(dls, 'device', None) or torch.device('cpu')
     model.to(dev)
     model.fused_loss = fused_loss
+    if compile is None: compile = dev.type == 'cuda'   # auto: compile on GPUs; on a CPU the warm-up outweighs the gain (see below)
     if compile: model.cell.compile_step()
     return DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=lr, splitter=flat_splitter, wd=wd,
                         wd_bn_bias=True, metrics=metrics, path=path, cbs=list(L(cbs)) + ([BF16Autocast()] if bf16 else []))
@@ -112,7 +113,7 @@ def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=False, bf16
 def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
                    dropoute=0., lr=20., wd=5e-7, clip=0.25, alpha=0., beta=1e-3, mode='second', arch_lr=3e-3,
                    arch_wd=1e-3, relax='softmax', same_masks=True, zero_one=0., op_decay=0., on_nan='rollback', path='.',
-                   checkpoint=True, keep=2, resume=None, cbs=None, device=None, ntoken=None, compile=False, bf16=False,
+                   checkpoint=True, keep=2, resume=None, cbs=None, device=None, ntoken=None, compile=None, bf16=False,
                    arch_bf16=False, fused_loss=True) -> DartsLearner:
     "A `Learner` for the DARTS search phase, with the paper's defaults"
     model = DartsRnnSearch(_ntoken(dls, ntoken), emsize, nhid, dropout, dropouth, dropoutx, dropouti, dropoute, relax=relax)
@@ -126,7 +127,7 @@ def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=
 def train_learner(dls, genotype, emsize=850, nhid=850, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
                   dropoute=0.1, lr=20., wd=8e-7, clip=0.25, alpha=0., beta=1e-3, nonmono=5, asgd=False,
                   on_nan='rollback', path='.', checkpoint=True, keep=2, resume=None, cbs=None, device=None,
-                  ntoken=None, compile=False, bf16=False, fused_loss=True) -> DartsLearner:
+                  ntoken=None, compile=None, bf16=False, fused_loss=True) -> DartsLearner:
     "A `Learner` that trains a derived genotype from scratch with NT-ASGD, with the paper's defaults"
     model = DartsRnn(_ntoken(dls, ntoken), load_genotype(genotype), emsize, nhid, dropout, dropouth, dropoutx, dropouti, dropoute)
     learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16, fused_loss)

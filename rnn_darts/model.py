@@ -112,7 +112,7 @@ class PackedCell(nn.Module):
         self._compiled = None
 
     def compile_step(self, **kwargs):
-        "Fuse the time step with `torch.compile` (fixed shapes); eager stays the default"
+        "Fuse the time step with `torch.compile` (fixed shapes); the learners call it by default on a GPU"
         self._compiled = torch.compile(self.step, dynamic=False, **kwargs)
         return self
 
@@ -263,8 +263,8 @@ class DartsCellSearch(PackedCell):
 
 # %% ../nbs/03_model.ipynb #63748dbd
 def ce_chunk_rows(n_rows, ntoken, device) -> int:
-    "Rows per chunk of `linear_cross_entropy`: about 8 MB of logits on a CPU (cache-sized), 128 MB on a GPU"
-    budget = 2**25 if torch.device(device).type == 'cuda' else 2**21
+    "Rows per chunk of `linear_cross_entropy`: about 4 MB of float32 logits on a CPU (passes over a chunk stay in cache), 128 MB on a GPU"
+    budget = 2**25 if torch.device(device).type == 'cuda' else 2**20
     return max(1, min(n_rows, budget // ntoken))
 
 def _chunk_logits(xc, W, b):
@@ -280,19 +280,25 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, W, b, y, rows):
         need_x, need_W, need_b = ctx.needs_input_grad[:3]
-        total = x.new_zeros((), dtype=torch.promote_types(x.dtype, torch.float32))
+        dt, acc = x.dtype, torch.promote_types(x.dtype, torch.float32)
+        total = x.new_zeros((), dtype=acc)
+        Wb = torch.cat([W, b[:, None]], 1).to(dt)          # the bias as one more input column: no per-chunk bias copy
+        ones = x.new_ones(min(rows, x.shape[0]), 1)
         gx = torch.empty_like(x) if need_x else None
-        gW = torch.zeros_like(W) if need_W else None
-        gb = torch.zeros_like(b) if need_b else None
+        gWb = W.new_zeros(Wb.shape) if need_W or need_b else None   # ∂/∂W and ∂/∂b in one product
         for s in range(0, x.shape[0], rows):
             xc, yc = x[s:s + rows], y[s:s + rows, None]
-            logits = _chunk_logits(xc, W, b)
-            lse = logits.logsumexp(-1, keepdim=True)
-            total += (lse - logits.gather(1, yc)).sum()
-            p = logits.sub_(lse).exp_().scatter_add_(1, yc, logits.new_full(yc.shape, -1.))   # softmax − onehot
-            if need_x: gx[s:s + rows] = p.to(x.dtype) @ W.to(x.dtype)
-            if need_W: gW.addmm_(p.t().to(W.dtype), xc.to(W.dtype))
-            if need_b: gb += p.sum(0)
+            xc1 = torch.cat([xc, ones[:xc.shape[0]]], 1)
+            logits = (xc1 @ Wb.t()).to(acc)
+            m, ly = logits.amax(-1, keepdim=True), logits.gather(1, yc)
+            e = logits.sub_(m).exp_()                          # one max, one exp, one sum: the softmax and the loss
+            z = e.sum(-1, keepdim=True)
+            total += (z.log() + m - ly).sum()                  # logsumexp − logit of the target
+            p = e.div_(z).scatter_add_(1, yc, e.new_full(yc.shape, -1.))   # softmax − onehot
+            if need_x: gx[s:s + rows] = p.to(dt) @ Wb[:, :-1]
+            if gWb is not None: gWb.addmm_(p.t().to(W.dtype), xc1.to(W.dtype))
+        gW = gWb[:, :-1] if need_W else None
+        gb = gWb[:, -1] if need_b else None
         ctx.save_for_backward(gx, gW, gb)
         ctx.n = x.shape[0]
         return total / x.shape[0]

@@ -92,9 +92,10 @@ def test_run_bench_bf16_times_and_measures_agreement(capsys):
     assert res['bf16'] and set(res['bf16_agreement']) == {'first', 'second'}
     ag = res['bf16_agreement']
     for v in ag.values(): assert -1 - 1e-6 <= v['min'] <= v['mean'] <= 1 + 1e-6
-    # the known bf16 picture at initialisation: first order keeps its direction (measured 0.9995), second order
-    # loses it (measured mean -0.08)
-    assert ag['first']['min'] > 0.99 and ag['second']['mean'] < 0.9
+    # the bf16 picture at initialisation, at this tiny shape: first order keeps its direction (measured 0.9995), so
+    # does second order (measured mean 0.993, min 0.986). It read -0.08 while the autocast cast cache kept a stale bf16
+    # copy of the tied decoder weight across the in-place weight moves: bf16_agreement turns the cache off
+    assert ag['first']['min'] > 0.99 and ag['second']['mean'] > 0.95
     print_table(res)
     assert 'bf16 vs fp32 hypergradient' in capsys.readouterr().out
 
@@ -116,3 +117,33 @@ def test_bf16_agreement_is_one_when_both_sides_are_fp32(monkeypatch):
     monkeypatch.setattr(bench.torch, 'autocast', lambda *a, **k: real(*a, **{**k, 'enabled': False}))
     for v in bench.bf16_agreement(m, batches, ('first', 'second')).values():
         assert abs(v['min'] - 1) < 1e-6 and abs(v['mean'] - 1) < 1e-6
+
+def test_launch_count_agrees_with_op_count_on_eager_code():
+    "The profiler-based counter (the one that can see into compiled graphs) counts an eager step as op_count does"
+    from rnn_darts.bench import op_count, launch_count, weight_step, SEARCH_DROPOUTS
+    x = torch.randn(4, 3, requires_grad=True)
+    assert launch_count(lambda: x.view(12).t().detach()) == dict(generated=0, library=0, total=0)
+    assert launch_count(lambda: torch.sigmoid(x.view(3, 4) * 2).sum())['total'] == 3      # nested calls count once
+    torch.manual_seed(0)
+    m = DartsRnnSearch(30, 8, 8, **SEARCH_DROPOUTS).train()
+    trn = _batches(30, 4, 5, 1, 'cpu', 0)[0]
+    f = lambda: weight_step(m, *trn)
+    f()
+    n, lc = op_count(f), launch_count(f)
+    assert lc['generated'] == 0 and abs(lc['total'] - n) <= 0.05 * n, (lc, n)
+
+@pytest.mark.slow
+def test_launch_count_of_a_compiled_step():
+    "Compiled under kernel_profile(), a weight step launches generated kernels plus library calls (matmuls), far fewer than eager"
+    from rnn_darts.bench import op_count, launch_count, kernel_profile, weight_step, SEARCH_DROPOUTS
+    torch.manual_seed(0)
+    m = DartsRnnSearch(30, 8, 8, **SEARCH_DROPOUTS).train()
+    trn = _batches(30, 4, 5, 1, 'cpu', 0)[0]
+    f = lambda: weight_step(m, *trn)
+    f()
+    eager = op_count(f)
+    m.cell.compile_step()
+    with kernel_profile(): f(); f()        # compiled here: the kernels are recorded
+    lc = launch_count(f)
+    assert lc['generated'] >= 2 * 5 and lc['library'] >= 2 * 5 * 5, lc   # ≥ 2 kernels and 5 matmuls per step, fwd + bwd
+    assert lc['total'] < eager / 2, (lc, eager)
