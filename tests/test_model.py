@@ -375,6 +375,9 @@ def test_eval_validation_measures_the_supernet():
     rm, rv = cell.bn.running_mean.mean(0), cell.bn.running_var.mean(0)
     cell.norm = lambda s, i: F.batch_norm(s, rm, rv, training=False, eps=1e-5)
     blended = float(learn.validate()[0])
-    del cell.norm                               # measured: 2.48 (running), 2.61 (batch), 3.29 (blended)
-    assert abs(running - batch) < 0.08 * batch, (running, batch)
-    assert abs(blended - batch) > 3 * abs(running - batch), (blended, running, batch)
+    del cell.norm
+    # measured over seeds 0-3 (running, batch, blended): 2.53 2.72 3.08 | 2.54 3.42 3.26 | 2.51 2.63 3.46 | 2.47 2.60 3.22;
+    # batch statistics of one 16-row eval batch are themselves noisy, so: running is no worse than batch statistics,
+    # and the blended set (the old shared BatchNorm) is far worse than both
+    assert running < 1.03 * batch, (running, batch)
+    assert blended > running + 0.3, (blended, running)
