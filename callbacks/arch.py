@@ -203,11 +203,6 @@ class ArchParamUpdate(Callback):
         trn = (self.xb[0], self.yb[0])
         self.arch_step(trn, self.search_dl.next(trn[0].shape[1]))
 
-    def step(self, g):
-        "Apply `g` to α with Adam (and the op decay), unless it is not finite (checked on the device)"
-        m = self.model
-        self.n_skipped += (~guarded_adam_step(self.arch_opt, m.alpha, g, op_decay_grad(m, self.op_decay) if self.op_decay else None)).long()
-
     def search_loss(self):
         "Mean search-stream loss of this epoch's architecture steps (one host sync, at epoch end)"
         return float('nan') if not self.n_steps else (self.loss_sum / self.n_steps).item()
@@ -217,19 +212,22 @@ class ArchParamUpdate(Callback):
                     search_dl=self.search_dl.state_dict() if hasattr(self.search_dl, 'state_dict') else None,
                     n_skipped=None if self.n_skipped is None else self.n_skipped.item())
 
-    def load_ckpt_state(self, d):
+    def load_arch_opt(self, sd):
+        "Load α's Adam state `sd` (saved on any device: capturable, with its step on the GPU, only on CUDA)"
         if self.arch_opt is None: self.before_fit()
-        if d['arch_opt'] is not None:
-            self.arch_opt.load_state_dict(d['arch_opt'])
-            a = self.model.alpha                    # saved on another device: capturable only on CUDA
-            for g in self.arch_opt.param_groups: g['capturable'] = a.is_cuda
-            st = self.arch_opt.state.get(a)
-            if st and 'step' in st: st['step'] = st['step'].to(a.device if a.is_cuda else 'cpu')
+        if sd is None: return
+        self.arch_opt.load_state_dict(sd)
+        a = self.model.alpha
+        for g in self.arch_opt.param_groups: g['capturable'] = a.is_cuda
+        st = self.arch_opt.state.get(a)
+        if st and 'step' in st: st['step'] = st['step'].to(a.device if a.is_cuda else 'cpu')
+
+    def load_ckpt_state(self, d):
+        self.load_arch_opt(d['arch_opt'])
         if d['search_dl'] is not None: self.search_dl.load_state_dict(d['search_dl'])
         if d['n_skipped'] is not None: self.n_skipped.fill_(d['n_skipped'])
 
     skip_name = 'architecture'   # how DivergenceGuard names the steps counted in `n_skipped`
     def rollback_state(self, d):
         "What a rollback restores: α's Adam state (α itself is in the model's state); the search stream and `n_skipped` go on"
-        if self.arch_opt is None: self.before_fit()
-        if d['arch_opt'] is not None: self.arch_opt.load_state_dict(d['arch_opt'])
+        self.load_arch_opt(d['arch_opt'])

@@ -21,8 +21,8 @@ from rnn_darts.genotypes import genotype_to_dict
 
 # %% auto #0
 __all__ = ['in_lr_find', 'TrainEpochEnd', 'SeqLenLR', 'RNNRegularizer', 'FusedDecoderLoss', 'check_flat_opt', 'FlatGradClip',
-           'BF16Autocast', 'average_step', 'ASGD', 'valid_loss_of', 'ASGDSwitch', 'write_json_atomic', 'GenotypeLogger',
-           'RunLogger']
+           'BF16Autocast', 'average_step', 'ASGD', 'valid_loss_of', 'ASGDSwitch', 'write_text_atomic',
+           'write_json_atomic', 'GenotypeLogger', 'RunLogger']
 
 # %% ../nbs/05_training.ipynb #043e6bd3
 def in_lr_find(learn) -> bool:
@@ -179,15 +179,19 @@ class ASGDSwitch(TrainEpochEnd):
     def load_ckpt_state(self, d): self.history, self.active, self.switch_epoch = list(d['history']), d['active'], d['switch_epoch']
 
 # %% ../nbs/05_training.ipynb #3e94558e
-def write_json_atomic(obj, path):
-    "Write JSON to `path` via a temporary file and a rename: a crash never leaves a half-written file"
+def write_text_atomic(text:str, path):
+    "Write `text` to `path` via a temporary file, fsync and a rename: a crash never leaves a half-written file"
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f'.{path.name}.tmp{os.getpid()}')
     try:
-        with open(tmp, 'w') as f: f.write(json.dumps(obj, indent=1)); f.flush(); os.fsync(f.fileno())
+        with open(tmp, 'w') as f: f.write(text); f.flush(); os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True); raise
+
+def write_json_atomic(obj, path):
+    "Write JSON to `path` atomically (`write_text_atomic`)"
+    write_text_atomic(json.dumps(obj, indent=1), path)
 
 class GenotypeLogger(TrainEpochEnd):
     "Each epoch: the current genotype and mixing weights, to the console and to `history.json`"
@@ -211,16 +215,13 @@ class RunLogger(CSVLogger):
         self.file = None   # opened at the first training epoch: by then a resuming `Checkpoint` has set the epoch
 
     def before_train(self):
-        if self.file is not None or hasattr(self.learn, 'lr_finder') or hasattr(self, 'gather_preds'): return
+        if self.file is not None or in_lr_find(self.learn) or hasattr(self, 'gather_preds'): return
         p, header = self.path/self.fname, ','.join(self.recorder.metric_names)
         rows = self.earlier_rows(p, header) if self.append and p.is_file() else {}
         keep = [rows[e] for e in sorted(rows) if e < self.epoch]
         if len(keep) < len(rows): print(f"{p}: dropped the rows of epochs {sorted(e for e in rows if e >= self.epoch)}, "
                                         f"which the run it resumes from had not checkpointed")
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f'.{p.name}.tmp{os.getpid()}')
-        with open(tmp, 'w') as f: f.write(''.join(l + '\n' for l in [header] + keep)); f.flush(); os.fsync(f.fileno())
-        os.replace(tmp, p)
+        write_text_atomic(''.join(l + '\n' for l in [header] + keep), p)
         self.file = p.open('a')
         self.old_logger, self.learn.logger = self.logger, self._write_line
 
