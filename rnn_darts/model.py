@@ -4,16 +4,17 @@
 
 # %% ../nbs/03_model.ipynb #8dbd81eb
 from __future__ import annotations
-import warnings
+import os, warnings
 from contextlib import contextmanager
+from functools import lru_cache
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
 
 # %% auto #0
-__all__ = ['ACTS', 'FlatParams', 'FlatModule', 'MaskBank', 'PackedCell', 'DartsCell', 'NodeNorm', 'DartsCellSearch',
-           'ce_chunk_rows', 'LinearCrossEntropy', 'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch',
-           'n_weights']
+__all__ = ['ONEDNN', 'ONEDNN_MIN_MACS', 'ACTS', 'FlatParams', 'FlatModule', 'MaskBank', 'mm_t', 'onednn_mm_t', 'linear',
+           'PackedCell', 'DartsCell', 'NodeNorm', 'DartsCellSearch', 'ce_chunk_rows', 'LinearCrossEntropy',
+           'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch', 'n_weights']
 
 # %% ../nbs/03_model.ipynb #3bef24ac
 class FlatParams:
@@ -98,6 +99,45 @@ class MaskBank:
         try: yield self
         finally: self.frozen, self.cache = False, {}
 
+# %% ../nbs/03_model.ipynb #68cc1122
+def _onednn_fp32() -> bool:
+    "Whether oneDNN's fp32 inner product runs here (and `RNN_DARTS_ONEDNN` is not `0`)"
+    if os.environ.get('RNN_DARTS_ONEDNN', '1') == '0' or not torch.backends.mkldnn.is_available(): return False
+    try: return torch.ops.mkldnn._linear_pointwise(torch.ones(2, 3), torch.ones(4, 3), None, 'none', [], '').shape == (2, 4)
+    except (AttributeError, RuntimeError): return False
+
+ONEDNN = _onednn_fp32()   # set to False to compare with aten's products
+ONEDNN_MIN_MACS = 2**21   # `linear` sends products at least this big to oneDNN
+
+def _on_onednn(a, b):
+    return ONEDNN and a.dtype == b.dtype == torch.float32 and a.device.type == 'cpu'
+
+def mm_t(a, b, bias=None):
+    "`a @ b.T (+ bias)` for 2-d `a`, `b` (any strides); float32 on a CPU through oneDNN, else `F.linear`"
+    if _on_onednn(a, b): return torch.ops.mkldnn._linear_pointwise(a, b, bias, 'none', [], '')
+    return F.linear(a, b, bias)
+
+@torch.library.custom_op('rnn_darts::mm_t', mutates_args=())
+def onednn_mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    "`a @ b.T` through oneDNN, an operator `torch.compile` keeps opaque"
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, 'none', [], '')
+
+@onednn_mm_t.register_fake
+def _(a, b): return a.new_empty(a.shape[0], b.shape[0])
+
+def _mm_t_setup(ctx, inputs, output): ctx.save_for_backward(*inputs)
+def _mm_t_backward(ctx, g):
+    a, b = ctx.saved_tensors
+    return (onednn_mm_t(g, b.t()) if ctx.needs_input_grad[0] else None,
+            onednn_mm_t(g.t(), a.t()) if ctx.needs_input_grad[1] else None)
+onednn_mm_t.register_autograd(_mm_t_backward, setup_context=_mm_t_setup)
+
+def linear(a, W):
+    "`a @ W.T` with autograd, `a` of any leading shape; large float32 CPU products (forward and backward) through oneDNN"
+    if _on_onednn(a, W) and a.numel() * W.shape[0] >= ONEDNN_MIN_MACS:
+        return onednn_mm_t(a.reshape(-1, a.shape[-1]), W).view(*a.shape[:-1], W.shape[0])
+    return F.linear(a, W)
+
 # %% ../nbs/03_model.ipynb #b5c901dc
 ACTS = dict(tanh=torch.tanh, relu=torch.relu, sigmoid=torch.sigmoid, identity=lambda x: x)
 
@@ -145,14 +185,14 @@ class PackedCell(nn.Module):
 
     def init_state(self, xw_t, h, mh, W0h):
         "s0 from the precomputed input part `xw_t = x_t W0[:ninp]`; `W0h = W0[ninp:]`"
-        ch = xw_t + (h if mh is None else h * mh) @ W0h
+        ch = xw_t + linear(h if mh is None else h * mh, W0h.t())
         c, hh = ch.chunk(2, dim=-1)
         return h + c.sigmoid() * (hh.tanh() - h)
 
     def forward(self, x, h, bank, key='train'):
         "Run the cell over `x` (T, bs, ninp) from state `h` (bs, nhid); returns all outputs (T, bs, nhid) and the last"
         mx, mh = self.masks(bank, key, x.shape[1], x)
-        xw = (x if mx is None else x * mx) @ self.W0[:self.ninp]
+        xw = linear(x if mx is None else x * mx, self.W0[:self.ninp].t())
         ctx, step = self.per_sequence(), self._compiled or self.step
         outs = []
         for xw_t in xw.unbind(0):
@@ -185,7 +225,7 @@ class DartsCell(PackedCell):
         parents = [(p, kids) for p, kids in self.kids.items() if kids]   # a predecessor comes before its children
         for (p, kids), W in zip(parents, blocks):
             s = states[p]
-            chs = F.linear(s if mh is None else s * mh, W).split(n2, dim=-1)
+            chs = linear(s if mh is None else s * mh, W).split(n2, dim=-1)
             for i, ch in zip(kids, chs):
                 c, hh = ch.chunk(2, dim=-1)
                 states[i] = s + c.sigmoid() * (ACTS[self.genotype.recurrent[i - 1][0]](hh) - s)
@@ -250,7 +290,7 @@ class DartsCellSearch(PackedCell):
         s = self.norm(self.init_state(xw_t, h, mh, W0h), 0)
         rest, total = None, 0
         for j in range(steps):
-            c, hh = F.linear(s if mh is None else s * mh, Wsuf[j]).view(s.shape[0], steps - j, 2 * n).split(n, dim=-1)
+            c, hh = linear(s if mh is None else s * mh, Wsuf[j]).view(s.shape[0], steps - j, 2 * n).split(n, dim=-1)
             p_tanh, p_relu, p_sig, p_id = edge_w[j]
             mix = torch.addcmul(torch.addcmul(torch.addcmul(hh * p_id, hh.tanh(), p_tanh), hh.relu(), p_relu), hh.sigmoid(), p_sig)
             ps = edge_sum[j] * s[:, None]
@@ -269,7 +309,7 @@ def ce_chunk_rows(n_rows, ntoken, device) -> int:
 
 def _chunk_logits(xc, W, b):
     "Logits of one chunk in at least float32, the matmul in `xc`'s dtype"
-    return torch.addmm(b.to(xc.dtype), xc, W.to(xc.dtype).t()).to(torch.promote_types(xc.dtype, torch.float32))
+    return mm_t(xc, W.to(xc.dtype), b.to(xc.dtype)).to(torch.promote_types(xc.dtype, torch.float32))
 
 def _chunk_ce(xc, W, b, yc):
     logits = _chunk_logits(xc, W, b)
@@ -282,23 +322,25 @@ class LinearCrossEntropy(torch.autograd.Function):
         need_x, need_W, need_b = ctx.needs_input_grad[:3]
         dt, acc = x.dtype, torch.promote_types(x.dtype, torch.float32)
         total = x.new_zeros((), dtype=acc)
-        Wb = torch.cat([W, b[:, None]], 1).to(dt)          # the bias as one more input column: no per-chunk bias copy
-        ones = x.new_ones(min(rows, x.shape[0]), 1)
+        Wd, bd = W.to(dt), b.to(dt)
+        WT = Wd.t().contiguous() if need_x else None       # ∂/∂x = p W as an inner product with Wᵀ's rows
         gx = torch.empty_like(x) if need_x else None
-        gWb = W.new_zeros(Wb.shape) if need_W or need_b else None   # ∂/∂W and ∂/∂b in one product
+        gWbT = W.new_zeros(W.shape[1] + 1, W.shape[0]) if need_W or need_b else None   # (∂/∂[W|b])ᵀ: one product per chunk
+        ones = x.new_ones(1, min(rows, x.shape[0]), dtype=W.dtype)
         for s in range(0, x.shape[0], rows):
             xc, yc = x[s:s + rows], y[s:s + rows, None]
-            xc1 = torch.cat([xc, ones[:xc.shape[0]]], 1)
-            logits = (xc1 @ Wb.t()).to(acc)
+            logits = mm_t(xc, Wd, bd).to(acc)
             m, ly = logits.amax(-1, keepdim=True), logits.gather(1, yc)
             e = logits.sub_(m).exp_()                          # one max, one exp, one sum: the softmax and the loss
             z = e.sum(-1, keepdim=True)
             total += (z.log() + m - ly).sum()                  # logsumexp − logit of the target
             p = e.div_(z).scatter_add_(1, yc, e.new_full(yc.shape, -1.))   # softmax − onehot
-            if need_x: gx[s:s + rows] = p.to(dt) @ Wb[:, :-1]
-            if gWb is not None: gWb.addmm_(p.t().to(W.dtype), xc1.to(W.dtype))
-        gW = gWb[:, :-1] if need_W else None
-        gb = gWb[:, -1] if need_b else None
+            if need_x: gx[s:s + rows] = mm_t(p.to(dt), WT)
+            if gWbT is not None:                               # [xc | 1]ᵀ p: the bias's gradient is the last row
+                xc1T = torch.cat([xc.t().to(W.dtype), ones[:, :xc.shape[0]]])
+                gWbT += mm_t(xc1T, p.t().to(W.dtype))
+        gW = gWbT[:-1].t().contiguous() if need_W else None
+        gb = gWbT[-1] if need_b else None
         ctx.save_for_backward(gx, gW, gb)
         ctx.n = x.shape[0]
         return total / x.shape[0]
