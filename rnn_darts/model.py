@@ -12,8 +12,8 @@ from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
 
 # %% auto #0
-__all__ = ['ONEDNN', 'ONEDNN_MIN_MACS', 'ACTS', 'FlatParams', 'FlatModule', 'MaskBank', 'mm_t', 'onednn_mm_t', 'linear',
-           'PackedCell', 'DartsCell', 'NodeNorm', 'DartsCellSearch', 'ce_chunk_rows', 'LinearCrossEntropy',
+__all__ = ['ONEDNN', 'ONEDNN_MIN_MACS', 'ACTS', 'FlatParams', 'FlatModule', 'MaskBank', 'mm_t', 'onednn_mm_t', 'DeferredWeight',
+           'linear', 'PackedCell', 'DartsCell', 'NodeNorm', 'DartsCellSearch', 'ce_chunk_rows', 'LinearCrossEntropy',
            'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch', 'n_weights']
 
 # %% ../nbs/03_model.ipynb #3bef24ac
@@ -132,9 +132,53 @@ def _mm_t_backward(ctx, g):
             onednn_mm_t(g.t(), a.t()) if ctx.needs_input_grad[1] else None)
 onednn_mm_t.register_autograd(_mm_t_backward, setup_context=_mm_t_setup)
 
+def _big(a, W): return a.numel() * W.shape[0] >= ONEDNN_MIN_MACS
+
+class _SummedGrad(torch.autograd.Function):
+    "A token that depends on `W`; its backward (after every step's) returns the gradient summed from the stashed products"
+    @staticmethod
+    def forward(ctx, W, dw):
+        ctx.dw = dw
+        return W.new_zeros(())
+    @staticmethod
+    def backward(ctx, _): return ctx.dw.flush(), None
+
+class _StashedLinear(torch.autograd.Function):
+    "`a @ W.T` whose backward returns ∂/∂a and stashes `(a, g)` for `_SummedGrad` instead of making a per-step ∂/∂W"
+    @staticmethod
+    def forward(ctx, a, W, token, dw):
+        ctx.save_for_backward(a, W); ctx.dw = dw
+        return mm_t(a, W) if _big(a, W) else F.linear(a, W)
+    @staticmethod
+    def backward(ctx, g):
+        a, W = ctx.saved_tensors
+        ctx.dw.add(a, g)
+        ga = (mm_t(g, W.t()) if _big(g, W.t()) else g @ W) if ctx.needs_input_grad[0] else None
+        return ga, None, g.new_zeros(()), None
+
+class DeferredWeight:
+    "A weight every time step multiplies by, whose gradient is a few products over many time steps (eager, once differentiable)"
+    steps_per_product = 8   # time steps stashed per product: inner dimension 8·bs, while the stash stays small
+    def __init__(self, W):
+        self.W, self.stash, self.grad = W.detach(), [], None
+        self.token = _SummedGrad.apply(W, self)
+    def __call__(self, a): return _StashedLinear.apply(a, self.W, self.token, self)
+    def add(self, a, g):
+        self.stash.append((a, g))
+        if len(self.stash) == self.steps_per_product: self.flush()
+    def flush(self):
+        "Add Σ g_tᵀ a_t over the stash to the gradient; returns the gradient so far"
+        if self.stash:
+            A, G = (torch.cat(t) for t in zip(*self.stash))
+            self.stash = []
+            gW = mm_t(G.t(), A.t())
+            self.grad = gW if self.grad is None else self.grad.add_(gW)
+        return self.grad
+
 def linear(a, W):
     "`a @ W.T` with autograd, `a` of any leading shape; large float32 CPU products (forward and backward) through oneDNN"
-    if _on_onednn(a, W) and a.numel() * W.shape[0] >= ONEDNN_MIN_MACS:
+    if isinstance(W, DeferredWeight): return W(a)
+    if _on_onednn(a, W) and _big(a, W):
         return onednn_mm_t(a.reshape(-1, a.shape[-1]), W).view(*a.shape[:-1], W.shape[0])
     return F.linear(a, W)
 
@@ -150,6 +194,7 @@ class PackedCell(nn.Module):
         # row-block position of each node's W_i inside WhT (derived cells order nodes by predecessor)
         self.col = list(order) if order is not None else list(range(n_nodes))
         self._compiled = None
+        self.defer = True   # eager forwards with gradients: one weight-gradient product per sequence (`DeferredWeight`)
 
     def compile_step(self, **kwargs):
         "Fuse the time step with `torch.compile` (fixed shapes); the learners call it by default on a GPU"
@@ -158,10 +203,10 @@ class PackedCell(nn.Module):
 
     @contextmanager
     def eager(self):
-        "Run the step uncompiled inside (double backward, `create_graph=True`, cannot go through a compiled graph)"
-        compiled, self._compiled = self._compiled, None
+        "Run the step uncompiled, with autograd's own weight gradients, inside (double backward, `create_graph=True`, cannot go through a compiled graph or a stash)"
+        compiled, defer, self._compiled, self.defer = self._compiled, self.defer, None, False
         try: yield self
-        finally: self._compiled = compiled
+        finally: self._compiled, self.defer = compiled, defer
 
     def __getstate__(self):   # a compiled function does not pickle: copies run eager until compiled again
         return {**self.__dict__, '_compiled': None}
@@ -174,18 +219,21 @@ class PackedCell(nn.Module):
         "The matrix of node `i` (1-based), `nhid × 2·nhid`, a view of the block"
         k = self.col[i - 1]; n2 = 2 * self.nhid
         return self.WhT[k * n2:(k + 1) * n2].t()
+    def step_weight(self, W):
+        "`W` (out × in) as the time steps of this forward multiply by it: a `DeferredWeight` in an eager forward with gradients"
+        return DeferredWeight(W) if self._compiled is None and self.defer and torch.is_grad_enabled() and W.requires_grad else W
     def per_sequence(self):
         "Tensors every time step uses, sliced once per sequence (slicing inside the loop costs a backward copy per step)"
-        return (self.W0[self.ninp:],)
+        return (self.step_weight(self.W0[self.ninp:].t()),)
 
     def masks(self, bank, key, bs, like):
         if not self.training: return None, None
         return (bank((key, 'x'), (bs, self.ninp), self.dropoutx, like) if self.dropoutx else None,
                 bank((key, 'h'), (bs, self.nhid), self.dropouth, like) if self.dropouth else None)
 
-    def init_state(self, xw_t, h, mh, W0h):
-        "s0 from the precomputed input part `xw_t = x_t W0[:ninp]`; `W0h = W0[ninp:]`"
-        ch = xw_t + linear(h if mh is None else h * mh, W0h.t())
+    def init_state(self, xw_t, h, mh, W0hT):
+        "s0 from the precomputed input part `xw_t = x_t W0[:ninp]`; `W0hT = W0[ninp:]ᵀ` (or its `DeferredWeight`)"
+        ch = xw_t + linear(h if mh is None else h * mh, W0hT)
         c, hh = ch.chunk(2, dim=-1)
         return h + c.sigmoid() * (hh.tanh() - h)
 
@@ -216,11 +264,11 @@ class DartsCell(PackedCell):
         "`W0[ninp:]` and, per predecessor with children, the rows of all its children's matrices"
         n2 = 2 * self.nhid
         blocks = tuple(self.WhT[self.col[k[0] - 1] * n2:(self.col[k[0] - 1] + len(k)) * n2] for k in self.kids.values() if k)
-        return (self.W0[self.ninp:], blocks)
+        return (self.step_weight(self.W0[self.ninp:].t()), tuple(self.step_weight(W) for W in blocks))
 
     def step(self, xw_t, h, mh, ctx):
-        W0h, blocks = ctx
-        states = [self.init_state(xw_t, h, mh, W0h)] + [None] * self.n_nodes
+        W0hT, blocks = ctx
+        states = [self.init_state(xw_t, h, mh, W0hT)] + [None] * self.n_nodes
         n2 = 2 * self.nhid
         parents = [(p, kids) for p, kids in self.kids.items() if kids]   # a predecessor comes before its children
         for (p, kids), W in zip(parents, blocks):
@@ -282,12 +330,12 @@ class DartsCellSearch(PackedCell):
         n2, steps = 2 * self.nhid, self.n_nodes
         Wsuf = tuple(self.WhT[j * n2:] for j in range(steps))
         w = [self.probs[getattr(self, f'rows{j}')].t()[1:, :, None] for j in range(steps)]
-        return self.W0[self.ninp:], Wsuf, tuple(tuple(p.unbind(0)) for p in w), tuple(p.sum(0) for p in w)
+        return (self.step_weight(self.W0[self.ninp:].t()), tuple(self.step_weight(W) for W in Wsuf), tuple(tuple(p.unbind(0)) for p in w), tuple(p.sum(0) for p in w))
 
     def step(self, xw_t, h, mh, ctx):
-        W0h, Wsuf, edge_w, edge_sum = ctx
+        W0hT, Wsuf, edge_w, edge_sum = ctx
         n, steps = self.nhid, self.n_nodes
-        s = self.norm(self.init_state(xw_t, h, mh, W0h), 0)
+        s = self.norm(self.init_state(xw_t, h, mh, W0hT), 0)
         rest, total = None, 0
         for j in range(steps):
             c, hh = linear(s if mh is None else s * mh, Wsuf[j]).view(s.shape[0], steps - j, 2 * n).split(n, dim=-1)

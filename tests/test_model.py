@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.genotypes import PRIMITIVES, DARTS_V1, DARTS_V2, ENAS
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsCell, DartsCellSearch, FlatParams, FlatModule
+import rnn_darts.model as model_mod
 
 ACT = dict(tanh=torch.tanh, relu=torch.relu, sigmoid=torch.sigmoid, identity=lambda x: x)
 
@@ -381,3 +382,80 @@ def test_eval_validation_measures_the_supernet():
     # and the blended set (the old shared BatchNorm) is far worse than both
     assert running < 1.03 * batch, (running, batch)
     assert blended > running + 0.3, (blended, running)
+
+def onednn_search(nhid=128, bs=16, T=6, ntoken=300):
+    "A search model whose node products (bs·nhid·8·2·nhid multiply-adds) are large enough for oneDNN"
+    torch.manual_seed(0)
+    m = DartsRnnSearch(ntoken, nhid, nhid, dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1).train()
+    g = torch.Generator().manual_seed(1)
+    batch = lambda: (torch.randint(0, ntoken, (bs, T), generator=g), torch.randint(0, ntoken, (bs, T), generator=g))
+    return m, batch(), batch()
+
+def ops_seen(fn):
+    "Names of the operators `fn` dispatches (forward and backward)"
+    from torch.utils._python_dispatch import TorchDispatchMode
+    class Seen(TorchDispatchMode):
+        names = set()
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(str(func.overloadpacket)); return func(*args, **(kwargs or {}))
+    with Seen() as s: fn()
+    return s.names
+
+@pytest.mark.skipif(not model_mod.ONEDNN, reason="oneDNN's fp32 inner product is not available here")
+@pytest.mark.parametrize('mode', ['first', 'second', 'exact'])
+def test_onednn_products_give_aten_hypergradients(mode, monkeypatch):
+    "Every hypergradient and the weight gradient with oneDNN's products equal aten's (float32 rounding); the products did go to oneDNN"
+    from rnn_darts.bench import arch_hypergrad
+    m, trn, val = onednn_search()
+    def run():
+        m.reset(); torch.manual_seed(2)
+        g = arch_hypergrad(m, trn, val, mode)
+        m.reset(); loss = m.loss(*trn)
+        return [g, loss.detach(), torch.autograd.grad(loss, m.flat.params[0])[0]]   # the tied encoder/decoder
+    names = ops_seen(run)
+    assert {'rnn_darts.mm_t', 'mkldnn._linear_pointwise'} <= names, names
+    fast = run()
+    monkeypatch.setattr(model_mod, 'ONEDNN', False)
+    assert 'rnn_darts.mm_t' not in ops_seen(run)
+    for a, b in zip(fast, run()): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+@pytest.mark.slow
+@pytest.mark.skipif(not model_mod.ONEDNN, reason="oneDNN's fp32 inner product is not available here")
+def test_compiled_step_with_onednn_products_equals_eager(monkeypatch):
+    "The compiled step keeps the oneDNN product as one opaque operator and gives aten's eager numbers"
+    m, trn, val = onednn_search(T=4)
+    def grads():
+        m.reset(); m.alpha.requires_grad_(True)
+        loss = m.loss(*trn, advance=False)
+        return [loss.detach()] + list(torch.autograd.grad(loss, [m.alpha, m.cell.block]))
+    with m.frozen_masks():
+        monkeypatch.setattr(model_mod, 'ONEDNN', False)
+        eager = grads()
+        monkeypatch.setattr(model_mod, 'ONEDNN', True)
+        m.cell.compile_step()
+        compiled = grads()
+    for a, b in zip(eager, compiled): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+@pytest.mark.parametrize('nhid', [8, 128])   # aten's products, oneDNN's
+@pytest.mark.parametrize('derived', [False, True])
+def test_deferred_weight_gradients_equal_autograds_per_step_ones(nhid, derived):
+    "Eager forwards with gradients stash the products and sum the weight gradient every 8 steps; it equals autograd's per-step sum"
+    from rnn_darts.model import DeferredWeight
+    torch.manual_seed(0)
+    drop = dict(dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1)
+    m = (DartsRnn(50, DARTS_V2, nhid, nhid, **drop) if derived else DartsRnnSearch(50, nhid, nhid, **drop)).train()
+    x, y = torch.randint(0, 50, (16, 19)), torch.randint(0, 50, (16, 19))   # 19 steps: two full stashes and a rest
+    def grads():
+        m.reset(); m.prepare()
+        ctx = m.cell.per_sequence()
+        m.release()
+        loss = m.loss(x, y, advance=False)
+        return ctx, [loss.detach(), *torch.autograd.grad(loss, m.flat.params)]
+    with m.frozen_masks():
+        ctx, deferred = grads()
+        assert isinstance(ctx[0], DeferredWeight)
+        with m.cell.eager(): ctx, per_step = grads()
+        assert not isinstance(ctx[0], DeferredWeight)
+    with torch.no_grad():
+        m.prepare(); assert not isinstance(m.cell.per_sequence()[0], DeferredWeight); m.release()
+    for a, b in zip(deferred, per_step): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
