@@ -220,8 +220,9 @@ class PackedCell(nn.Module):
         k = self.col[i - 1]; n2 = 2 * self.nhid
         return self.WhT[k * n2:(k + 1) * n2].t()
     def step_weight(self, W):
-        "`W` (out × in) as the time steps of this forward multiply by it: a `DeferredWeight` in an eager forward with gradients"
-        return DeferredWeight(W) if self._compiled is None and self.defer and torch.is_grad_enabled() and W.requires_grad else W
+        "`W` (out × in) as the time steps of this forward multiply by it: a `DeferredWeight` in an eager forward with gradients, outside autocast"
+        defer = self._compiled is None and self.defer and torch.is_grad_enabled() and W.requires_grad
+        return DeferredWeight(W) if defer and not torch.is_autocast_enabled(W.device.type) else W
     def per_sequence(self):
         "Tensors every time step uses, sliced once per sequence (slicing inside the loop costs a backward copy per step)"
         return (self.step_weight(self.W0[self.ninp:].t()),)
