@@ -136,7 +136,8 @@ def in_bf16(fn, device):
 def kernel_profile():
     "Graphs compiled inside record each generated CPU kernel for the profiler (Inductor's `cpp.enable_kernel_profile`), as `launch_count` needs"
     import torch._inductor.config as ic
-    with ic.patch({'cpp.enable_kernel_profile': True}): yield
+    torch._dynamo.reset()   # no code compiled earlier without the records is reused, from memory or from disk
+    with ic.patch({'cpp.enable_kernel_profile': True, 'force_disable_caches': True}): yield
 
 def _kernels_recorded():
     import torch._inductor.config as ic

@@ -6,7 +6,6 @@
 from __future__ import annotations
 import os, warnings
 from contextlib import contextmanager
-from functools import lru_cache
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
@@ -133,6 +132,9 @@ def _mm_t_backward(ctx, g):
 onednn_mm_t.register_autograd(_mm_t_backward, setup_context=_mm_t_setup)
 
 def _big(a, W): return a.numel() * W.shape[0] >= ONEDNN_MIN_MACS
+def _mm(a, W):
+    "`a @ W.T` without autograd: oneDNN for large float32 CPU products"
+    return mm_t(a, W) if _big(a, W) else F.linear(a, W)
 
 class _SummedGrad(torch.autograd.Function):
     "A token that depends on `W`; its backward (after every step's) returns the gradient summed from the stashed products"
@@ -148,12 +150,12 @@ class _StashedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, W, token, dw):
         ctx.save_for_backward(a, W); ctx.dw = dw
-        return mm_t(a, W) if _big(a, W) else F.linear(a, W)
+        return _mm(a, W)
     @staticmethod
     def backward(ctx, g):
         a, W = ctx.saved_tensors
         ctx.dw.add(a, g)
-        ga = (mm_t(g, W.t()) if _big(g, W.t()) else g @ W) if ctx.needs_input_grad[0] else None
+        ga = _mm(g, W.t()) if ctx.needs_input_grad[0] else None
         return ga, None, g.new_zeros(()), None
 
 class DeferredWeight:
@@ -194,7 +196,7 @@ class PackedCell(nn.Module):
         # row-block position of each node's W_i inside WhT (derived cells order nodes by predecessor)
         self.col = list(order) if order is not None else list(range(n_nodes))
         self._compiled = None
-        self.defer = True   # eager forwards with gradients: one weight-gradient product per sequence (`DeferredWeight`)
+        self.defer = True   # eager forwards with gradients: weight gradients over several time steps per product (`DeferredWeight`)
 
     def compile_step(self, **kwargs):
         "Fuse the time step with `torch.compile` (fixed shapes); the learners call it by default on a GPU"
@@ -265,7 +267,7 @@ class DartsCell(PackedCell):
         "`W0[ninp:]` and, per predecessor with children, the rows of all its children's matrices"
         n2 = 2 * self.nhid
         blocks = tuple(self.WhT[self.col[k[0] - 1] * n2:(self.col[k[0] - 1] + len(k)) * n2] for k in self.kids.values() if k)
-        return (self.step_weight(self.W0[self.ninp:].t()), tuple(self.step_weight(W) for W in blocks))
+        return (*super().per_sequence(), tuple(self.step_weight(W) for W in blocks))
 
     def step(self, xw_t, h, mh, ctx):
         W0hT, blocks = ctx
@@ -331,7 +333,7 @@ class DartsCellSearch(PackedCell):
         n2, steps = 2 * self.nhid, self.n_nodes
         Wsuf = tuple(self.WhT[j * n2:] for j in range(steps))
         w = [self.probs[getattr(self, f'rows{j}')].t()[1:, :, None] for j in range(steps)]
-        return (self.step_weight(self.W0[self.ninp:].t()), tuple(self.step_weight(W) for W in Wsuf), tuple(tuple(p.unbind(0)) for p in w), tuple(p.sum(0) for p in w))
+        return (*super().per_sequence(), tuple(self.step_weight(W) for W in Wsuf), tuple(tuple(p.unbind(0)) for p in w), tuple(p.sum(0) for p in w))
 
     def step(self, xw_t, h, mh, ctx):
         W0hT, Wsuf, edge_w, edge_sum = ctx
