@@ -48,28 +48,32 @@ def mem_kind(device) -> str:
     if torch.device(device).type == 'cuda': return 'CUDA max_memory_allocated per row (MiB)'
     return 'CPU peak RSS of the whole process so far (MiB, getrusage)'
 
+def _timed(fn, device):
+    "Seconds one call of `fn` takes, up to a device sync"
+    t0 = time.perf_counter(); fn(); _sync(device)
+    return time.perf_counter() - t0
+
+def _stats(ts, first, mem):
+    "ms (mean), ms_min, the first warm-up call's ms (it includes compiling, for a compiled step; None without warm-up) and memory"
+    return dict(ms=1e3 * sum(ts) / len(ts), ms_min=1e3 * min(ts), first_ms=None if first is None else 1e3 * first, mem_mb=mem)
+
 def time_fn(fn, iters:int, warmup:int, device='cpu') -> dict:
-    "Run `fn` `warmup` times untimed, then `iters` timed times (each followed by a device sync); ms and peak memory"
+    "Run `fn` `warmup` times untimed, then `iters` timed times (each followed by a device sync); ms, the first call's ms and peak memory"
     _reset_peak(device)
-    for _ in range(warmup): fn()
-    _sync(device)
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter(); fn(); _sync(device); ts.append(time.perf_counter() - t0)
-    return dict(ms=1e3 * sum(ts) / len(ts), ms_min=1e3 * min(ts), mem_mb=_peak_mb(device))
+    first = [_timed(fn, device) for _ in range(warmup)][:1]
+    ts = [_timed(fn, device) for _ in range(iters)]
+    return _stats(ts, (first or [None])[0], _peak_mb(device))
 
 # %% ../nbs/10_bench.ipynb #86fc61a4
 def time_pair(fa, fb, iters:int, warmup:int, device='cpu'):
     "Time `fa` and `fb` interleaved; two `time_fn`-like dicts (the memory is the peak over both)"
     _reset_peak(device)
-    for _ in range(warmup): fa(); fb()
-    _sync(device)
+    firsts = [(_timed(fa, device), _timed(fb, device)) for _ in range(warmup)][:1] or [(None, None)]
     ts = ([], [])
     for _ in range(iters):
-        for f, t in zip((fa, fb), ts):
-            t0 = time.perf_counter(); f(); _sync(device); t.append(time.perf_counter() - t0)
+        for f, t in zip((fa, fb), ts): t.append(_timed(f, device))
     mem = _peak_mb(device)
-    return tuple(dict(ms=1e3 * sum(t) / len(t), ms_min=1e3 * min(t), mem_mb=mem) for t in ts)
+    return tuple(_stats(t, first, mem) for t, first in zip(ts, firsts[0]))
 
 # %% ../nbs/10_bench.ipynb #d46143ca
 NO_KERNEL_OPS = {'empty', 'empty_strided', 'empty_like', 'new_empty', 'detach', 'lift_fresh', 'is_same_size', '_local_scalar_dense'}
@@ -372,7 +376,7 @@ def _device_name(device):
 def _row(name, impl, shape, t):
     tok = shape['bs'] * shape['bptt']
     return dict(name=name, impl=impl, **{k: shape[k] for k in ('bs', 'bptt', 'nhid', 'ntoken')},
-                ms=t['ms'], ms_min=t['ms_min'], tok_s=tok / (t['ms'] / 1e3), mem_mb=t['mem_mb'], ops=t['ops'])
+                ms=t['ms'], ms_min=t['ms_min'], first_ms=t['first_ms'], tok_s=tok / (t['ms'] / 1e3), mem_mb=t['mem_mb'], ops=t['ops'])
 
 def write_json(results: dict, path):
     "Write `results` (from `run_bench`) to `path` as JSON"
@@ -475,10 +479,12 @@ def print_table(results: dict, file=None):
     out = [f"device: {r['device']} ({r['device_name']}), torch {r['torch']}, {r['threads']} threads; "
            f"{r['warmup']} warm-up + {r['iters']} timed iterations per row",
            f"memory: {r['mem_kind']}; ops: {r.get('ops_kind', 'operators per step (op_count)')}",
-           f"{'what':<34} {'impl':<6} {'bs':>4} {'bptt':>4} {'nhid':>5} {'ntoken':>6} {'ms/batch':>10} {'min ms':>9} {'tok/s':>10} {'mem MiB':>9} {'ops':>8}"]
+           "first ms: the first (warm-up) call; with --compile it includes compiling that row's graphs not compiled before",
+           f"{'what':<34} {'impl':<6} {'bs':>4} {'bptt':>4} {'nhid':>5} {'ntoken':>6} {'ms/batch':>10} {'min ms':>9} {'first ms':>9} {'tok/s':>10} {'mem MiB':>9} {'ops':>8}"]
     for x in r['rows']:
+        first = '-' if x.get('first_ms') is None else f"{x['first_ms']:.0f}"
         out.append(f"{x['name']:<34} {x['impl']:<6} {x['bs']:>4} {x['bptt']:>4} {x['nhid']:>5} {x['ntoken']:>6} "
-                   f"{x['ms']:>10.1f} {x['ms_min']:>9.1f} {x['tok_s']:>10.0f} {x['mem_mb']:>9.0f} {x['ops'] or '-':>8}")
+                   f"{x['ms']:>10.1f} {x['ms_min']:>9.1f} {first:>9} {x['tok_s']:>10.0f} {x['mem_mb']:>9.0f} {x['ops'] or '-':>8}")
     for k, v in r['ratios'].items():
         out.append(f"plain / ours, {STEP_NAMES[k]}: {v:.2f}x (mean), {r.get('ratios_min', {}).get(k, float('nan')):.2f}x (fastest)")
     for k, v in r.get('bf16_agreement', {}).items():

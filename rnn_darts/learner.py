@@ -25,7 +25,7 @@ from rnn_darts.core import rng_states, set_rng_states, read_preset
 from rnn_darts.model import DartsRnn, DartsRnnSearch
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
 from callbacks.arch import ArchParamUpdate
-from callbacks.training import SeqLenLR, FlatGradClip, ASGDSwitch, GenotypeLogger, TrainEpochEnd, RNNRegularizer, write_json_atomic, valid_loss_of, BF16Autocast, FusedDecoderLoss
+from callbacks.training import SeqLenLR, FlatGradClip, ASGDSwitch, GenotypeLogger, TrainEpochEnd, RNNRegularizer, write_json_atomic, valid_loss_of, BF16Autocast, FusedDecoderLoss, AutoCompile
 from callbacks.checkpoint import Checkpoint, DivergenceGuard
 
 # %% auto #0
@@ -101,14 +101,16 @@ def _common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss)
     elif resume: raise ValueError("resume needs checkpoint=True")
     return cbs
 
-def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=None, bf16=False, fused_loss=True):
+def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=None, bf16=False, fused_loss=True, auto_compile=False):
+    "`compile=None`: compiled on CUDA; on a CPU, `AutoCompile` if `auto_compile` (long fits), else eager (see below)"
     dev = torch.device(device) if device is not None else getattr(dls, 'device', None) or torch.device('cpu')
     model.to(dev)
     model.fused_loss = fused_loss
-    if compile is None: compile = dev.type == 'cuda'   # auto: compile on GPUs; on a CPU the warm-up outweighs the gain (see below)
+    if compile is None and dev.type == 'cuda': compile = True
     if compile: model.cell.compile_step()
+    auto = [AutoCompile()] if compile is None and auto_compile else []
     return DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=lr, splitter=flat_splitter, wd=wd,
-                        wd_bn_bias=True, metrics=metrics, path=path, cbs=list(L(cbs)) + ([BF16Autocast()] if bf16 else []))
+                        wd_bn_bias=True, metrics=metrics, path=path, cbs=list(L(cbs)) + auto + ([BF16Autocast()] if bf16 else []))
 
 def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
                    dropoute=0., lr=20., wd=5e-7, clip=0.25, alpha=0., beta=1e-3, mode='second', arch_lr=3e-3,
@@ -119,7 +121,7 @@ def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=
     model = DartsRnnSearch(_ntoken(dls, ntoken), emsize, nhid, dropout, dropouth, dropoutx, dropouti, dropoute, relax=relax)
     arch = ArchParamUpdate(search_dl, mode, arch_lr, arch_wd=arch_wd, same_masks=same_masks, zero_one=zero_one, op_decay=op_decay,
                            arch_bf16=arch_bf16)
-    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16, fused_loss)
+    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16, fused_loss, auto_compile=True)
     learn.metrics.append(ValueMetric(arch.search_loss, 'search_loss'))
     learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss) + [arch, GenotypeLogger()] + list(L(cbs)))
     return learn

@@ -245,6 +245,8 @@ class PackedCell(nn.Module):
         mx, mh = self.masks(bank, key, x.shape[1], x)
         xw = linear(x if mx is None else x * mx, self.W0[:self.ninp].t())
         ctx, step = self.per_sequence(), self._compiled or self.step
+        if self._compiled is not None and torch.is_grad_enabled() and not h.requires_grad:
+            h = h.detach().requires_grad_()   # the first step's state needs a gradient like the later ones': one graph, not two
         outs = []
         for xw_t in xw.unbind(0):
             h = step(xw_t, h, mh, ctx)

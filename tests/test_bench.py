@@ -70,6 +70,7 @@ def test_run_bench_tiny(tmp_path, capsys):
     for r in res['rows']:
         assert {'name', 'impl', 'bs', 'bptt', 'nhid', 'ntoken', 'ms', 'ms_min', 'tok_s', 'mem_mb', 'ops'} <= set(r)
         assert r['ms'] > 0 and r['ms_min'] > 0 and r['tok_s'] > 0 and r['mem_mb'] > 0 and r['ops'] > 0
+        assert r['first_ms'] is None   # no warm-up call
     ops = {(r['name'], r['impl']): r['ops'] for r in res['rows']}
     for mode in ('second', 'first'):   # the plain code asks the device for over 5x as many operators (launches on a GPU)
         assert ops[STEP_NAMES[mode], 'plain'] > 5 * ops[STEP_NAMES[mode], 'ours']
@@ -147,3 +148,19 @@ def test_launch_count_of_a_compiled_step():
     lc = launch_count(f)
     assert lc['generated'] >= 2 * 5 and lc['library'] >= 2 * 5 * 5, lc   # ≥ 2 kernels and 5 matmuls per step, fwd + bwd
     assert lc['total'] < eager / 2, (lc, eager)
+
+def test_time_fn_and_time_pair_report_the_first_call_apart():
+    "The warm-up's first call (where a compiled step compiles) is reported as `first_ms`, and kept out of the timed mean"
+    import time
+    from rnn_darts.bench import time_fn, time_pair
+    def slow_once():
+        calls = []
+        def f():
+            if not calls: time.sleep(0.2)
+            calls.append(1)
+        return f
+    t = time_fn(slow_once(), iters=3, warmup=2)
+    assert t['first_ms'] >= 200 and t['ms'] < 100
+    ta, tb = time_pair(slow_once(), lambda: None, iters=2, warmup=1)
+    assert ta['first_ms'] >= 200 and ta['ms'] < 100 and tb['first_ms'] < 100
+    assert time_fn(slow_once(), iters=1, warmup=0)['first_ms'] is None

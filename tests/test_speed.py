@@ -1,21 +1,41 @@
-"The fast path users get by default: compiled steps on GPUs, eager on CPUs (where the warm-up outweighs the gain)."
+"The fast path users get by default: compiled steps on GPUs; on CPUs, compiled for a search long enough to pay back the warm-up."
 import pytest, torch
+from torch._dynamo.utils import counters
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.genotypes import DARTS_V2
 from rnn_darts.learner import search_learner, train_learner
+from callbacks.training import AutoCompile, COMPILE_MIN_STEPS
 
 TINY = dict(emsize=8, nhid=8, checkpoint=False)
 
 @pytest.fixture(scope='module')
 def corpus(): return numbers_corpus(n_train=1_500, n_valid=600, n_test=400)
 
-def test_compile_default_is_eager_on_cpu_and_follows_the_flag(corpus, tmp_path):
+def test_compile_default_on_cpu_and_the_flag(corpus, tmp_path):
+    "On a CPU the search learner decides per fit (`AutoCompile`), the training learner runs eager; the flag decides outright"
     dls = lm_dls(corpus, 4, 6, device='cpu')
-    for make in (lambda **k: search_learner(dls, search_stream(corpus, 4), path=tmp_path, **TINY, **k),
-                 lambda **k: train_learner(dls, DARTS_V2, path=tmp_path, **TINY, **k)):
-        assert make().model.cell._compiled is None                     # auto on a CPU: eager
+    search = lambda **k: search_learner(dls, search_stream(corpus, 4), path=tmp_path, **TINY, **k)
+    train = lambda **k: train_learner(dls, DARTS_V2, path=tmp_path, **TINY, **k)
+    learn = search()
+    assert learn.model.cell._compiled is None and learn.auto_compile.min_steps == COMPILE_MIN_STEPS
+    assert not any(isinstance(cb, AutoCompile) for cb in train().cbs) and train().model.cell._compiled is None
+    for make in (search, train):
         assert make(compile=True).model.cell._compiled is not None     # asked for: compiled (lazily, at the first batch)
-        assert make(compile=False).model.cell._compiled is None
+        f = make(compile=False)
+        assert f.model.cell._compiled is None and not any(isinstance(cb, AutoCompile) for cb in f.cbs)
+
+def test_auto_compile_compiles_a_long_search_fit_only(corpus, tmp_path):
+    "A fit shorter than `min_steps` batches runs eager; a longer one runs the compiled step (graphs are compiled)"
+    dls = lm_dls(corpus, 4, 6, device='cpu')
+    learn = search_learner(dls, search_stream(corpus, 4), path=tmp_path, mode='first', **TINY)
+    n = len(dls.train)
+    learn.auto_compile.min_steps = n + 1
+    learn.fit(1)
+    assert learn.model.cell._compiled is None
+    graphs = counters['stats']['unique_graphs']
+    learn.fit(2)
+    assert learn.model.cell._compiled is not None and counters['stats']['unique_graphs'] > graphs
+    assert all(torch.isfinite(torch.tensor(v)) for v in learn.recorder.values[-1])
 
 def test_compile_default_is_on_for_cuda(corpus, tmp_path, monkeypatch):
     "The auto rule looks at the learner's device: a CUDA device gets the compiled step (checked without a GPU)"
@@ -24,7 +44,7 @@ def test_compile_default_is_on_for_cuda(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(L.torch.nn.Module, 'to', lambda self, *a, **k: self)      # no GPU here: moving is a no-op
     monkeypatch.setattr(L, 'DartsLearner', lambda dls, model, **k: seen.append(model) or model)
     m = L.DartsRnnSearch(20, 8, 8)
-    L._learner(None, m, 1., 0., None, [], '.', 'cuda')
+    L._learner(None, m, 1., 0., None, [], '.', 'cuda', auto_compile=True)
     assert m.cell._compiled is not None
     m = L.DartsRnnSearch(20, 8, 8)
     L._learner(None, m, 1., 0., None, [], '.', 'cpu')
