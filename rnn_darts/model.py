@@ -4,16 +4,17 @@
 
 # %% ../nbs/03_model.ipynb #8dbd81eb
 from __future__ import annotations
-import os, warnings
+import math, os, warnings
 from contextlib import contextmanager
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
 
 # %% auto #0
-__all__ = ['ONEDNN', 'ONEDNN_MIN_MACS', 'ACTS', 'FlatParams', 'FlatModule', 'MaskBank', 'mm_t', 'onednn_mm_t', 'DeferredWeight',
-           'linear', 'PackedCell', 'DartsCell', 'NodeNorm', 'DartsCellSearch', 'ce_chunk_rows', 'LinearCrossEntropy',
-           'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch', 'n_weights']
+__all__ = ['ONEDNN', 'ONEDNN_MIN_MACS', 'ACTS', 'LOG2E', 'FlatParams', 'FlatModule', 'MaskBank', 'mm_t', 'onednn_mm_t',
+           'DeferredWeight', 'linear', 'tanh', 'PackedCell', 'DartsCell', 'NodeNorm', 'DartsCellSearch',
+           'ce_chunk_rows', 'LinearCrossEntropy', 'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch',
+           'n_weights']
 
 # %% ../nbs/03_model.ipynb #3bef24ac
 class FlatParams:
@@ -185,7 +186,36 @@ def linear(a, W):
     return F.linear(a, W)
 
 # %% ../nbs/03_model.ipynb #b5c901dc
-ACTS = dict(tanh=torch.tanh, relu=torch.relu, sigmoid=torch.sigmoid, identity=lambda x: x)
+# Eigen's rational approximation of float32 tanh on |x| ≤ 7.905 (odd numerator, even denominator, in x²): within 3e-7 relative
+_TANH_P = (4.89352455891786e-03, 6.37261928875436e-04, 1.48572235717979e-05, 5.12229709037114e-08,
+           -8.60467152213735e-11, 2.00018790482477e-13, -2.76076847742355e-16)
+_TANH_Q = (4.89352518554385e-03, 2.26843463243900e-03, 1.18534705686654e-04, 1.19825839466702e-06)
+
+def _poly(x, cs):
+    "Σ cs[k] xᵏ by Horner's rule"
+    out = cs[-1]
+    for c in reversed(cs[:-1]): out = out * x + c
+    return out
+
+class _RationalTanh(torch.autograd.Function):
+    "tanh as `_TANH_P`/`_TANH_Q`, with torch's backward `g (1 − y²)` from the output"
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clamp(-7.90531110763549805, 7.90531110763549805)
+        x2 = x * x
+        y = x * _poly(x2, _TANH_P) / _poly(x2, _TANH_Q)
+        ctx.save_for_backward(y)
+        return y
+    @staticmethod
+    def backward(ctx, g):
+        y, = ctx.saved_tensors
+        return g * (1 - y * y)
+
+def tanh(x):
+    "tanh; in a graph compiled for a CPU `_RationalTanh`: forward and backward 3× faster than Inductor's CPU tanh (0.77 vs 2.4 ns per float)"
+    return _RationalTanh.apply(x) if torch.compiler.is_compiling() and x.device.type == 'cpu' else torch.tanh(x)
+
+ACTS = dict(tanh=tanh, relu=torch.relu, sigmoid=torch.sigmoid, identity=lambda x: x)
 
 class PackedCell(nn.Module):
     "Shared machinery: the packed weight `block`, its views, masks and the time loop"
@@ -238,7 +268,7 @@ class PackedCell(nn.Module):
         "s0 from the precomputed input part `xw_t = x_t W0[:ninp]`; `W0hT = W0[ninp:]ᵀ` (or its `DeferredWeight`)"
         ch = xw_t + linear(h if mh is None else h * mh, W0hT)
         c, hh = ch.chunk(2, dim=-1)
-        return h + c.sigmoid() * (hh.tanh() - h)
+        return h + c.sigmoid() * (tanh(hh) - h)
 
     def forward(self, x, h, bank, key='train'):
         "Run the cell over `x` (T, bs, ninp) from state `h` (bs, nhid); returns all outputs (T, bs, nhid) and the last"
@@ -345,7 +375,7 @@ class DartsCellSearch(PackedCell):
         for j in range(steps):
             c, hh = linear(s if mh is None else s * mh, Wsuf[j]).view(s.shape[0], steps - j, 2 * n).split(n, dim=-1)
             p_tanh, p_relu, p_sig, p_id = edge_w[j]
-            mix = torch.addcmul(torch.addcmul(torch.addcmul(hh * p_id, hh.tanh(), p_tanh), hh.relu(), p_relu), hh.sigmoid(), p_sig)
+            mix = torch.addcmul(torch.addcmul(torch.addcmul(hh * p_id, tanh(hh), p_tanh), hh.relu(), p_relu), hh.sigmoid(), p_sig)
             ps = edge_sum[j] * s[:, None]
             term = torch.addcmul(ps, c.sigmoid(), mix - ps)
             acc = term if rest is None else rest + term
@@ -364,9 +394,16 @@ def _chunk_logits(xc, W, b):
     "Logits of one chunk in at least float32, the matmul in `xc`'s dtype"
     return mm_t(xc, W.to(xc.dtype), b.to(xc.dtype)).to(torch.promote_types(xc.dtype, torch.float32))
 
-def _chunk_ce(xc, W, b, yc):
-    logits = _chunk_logits(xc, W, b)
-    return (logits.logsumexp(-1) - logits.gather(1, yc[:, None]).squeeze(1)).sum()
+LOG2E = 1 / math.log(2)
+
+def _softmax_parts_(logits, yc):
+    "Overwrites `logits` (rows) with exp(logits − row max); returns it, its row sums `z` and Σ (logsumexp − logit of target `yc`). exp as exp2: torch's CPU exp ran 4× slower here"
+    m, ly = logits.amax(-1, keepdim=True), logits.gather(1, yc)
+    e = logits.sub_(m).mul_(LOG2E).exp2_()
+    z = e.sum(-1, keepdim=True)
+    return e, z, (z.log() + m - ly).sum()
+
+def _chunk_ce(xc, W, b, yc): return _softmax_parts_(_chunk_logits(xc, W, b), yc[:, None])[2]
 
 class LinearCrossEntropy(torch.autograd.Function):
     "Mean cross-entropy of `x Wᵀ + b` against `y`, in row chunks: gradients made in the forward, logits never kept"
@@ -383,10 +420,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, x.shape[0], rows):
             xc, yc = x[s:s + rows], y[s:s + rows, None]
             logits = mm_t(xc, Wd, bd).to(acc)
-            m, ly = logits.amax(-1, keepdim=True), logits.gather(1, yc)
-            e = logits.sub_(m).exp_()                          # one max, one exp, one sum: the softmax and the loss
-            z = e.sum(-1, keepdim=True)
-            total += (z.log() + m - ly).sum()                  # logsumexp − logit of the target
+            e, z, loss = _softmax_parts_(logits, yc)           # one max, one exp, one sum: the softmax and the loss
+            total += loss
             p = e.div_(z).scatter_add_(1, yc, e.new_full(yc.shape, -1.))   # softmax − onehot
             if need_x: gx[s:s + rows] = mm_t(p.to(dt), WT)
             if gWbT is not None:                               # [xc | 1]ᵀ p: the bias's gradient is the last row

@@ -459,3 +459,16 @@ def test_deferred_weight_gradients_equal_autograds_per_step_ones(nhid, derived):
     with torch.no_grad():
         m.prepare(); assert not isinstance(m.cell.per_sequence()[0], DeferredWeight); m.release()
     for a, b in zip(deferred, per_step): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+@pytest.mark.slow
+def test_compiled_cpu_tanh_matches_float64():
+    "The cells' tanh inside a compiled CPU graph (a rational function, not Inductor's tanh): values and derivative against float64"
+    from rnn_darts.model import tanh
+    x = torch.cat([torch.linspace(-30, 30, 20_001), torch.logspace(-30, 1, 3_001), -torch.logspace(-30, 1, 3_001), torch.tensor([0., 7.9, -7.91, 3e38, -float("inf")])])
+    xc = x.clone().requires_grad_()
+    y = torch.compile(tanh)(xc)
+    g, = torch.autograd.grad(y.sum(), xc)
+    ref = torch.tanh(x.double())
+    torch.testing.assert_close(y.double(), ref, rtol=4e-7, atol=1e-37)
+    torch.testing.assert_close(g.double(), 1 - ref ** 2, rtol=0, atol=1e-6)
+    assert torch.equal(tanh(x), torch.tanh(x))   # eager: torch's own
