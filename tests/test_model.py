@@ -438,13 +438,19 @@ def test_compiled_step_with_onednn_products_equals_eager(monkeypatch):
 
 @pytest.mark.parametrize('nhid', [8, 128])   # aten's products, oneDNN's
 @pytest.mark.parametrize('derived', [False, True])
-def test_deferred_weight_gradients_equal_autograds_per_step_ones(nhid, derived):
-    "Eager forwards with gradients stash the products and sum the weight gradient every 8 steps; it equals autograd's per-step sum"
+@pytest.mark.parametrize('compiled', [False, True])
+def test_deferred_weight_gradients_equal_autograds_per_step_ones(nhid, derived, compiled, monkeypatch):
+    "Forwards with gradients stash the products and sum the weight gradient every 8 steps (compiled: through taps); it equals autograd's per-step sum"
     from rnn_darts.model import DeferredWeight
+    monkeypatch.setattr(model_mod, 'TAP_MIN_NUMEL', 0)   # compiled: every weight tapped, at both sizes
     torch.manual_seed(0)
     drop = dict(dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1)
     m = (DartsRnn(50, DARTS_V2, nhid, nhid, **drop) if derived else DartsRnnSearch(50, nhid, nhid, **drop)).train()
     x, y = torch.randint(0, 50, (16, 19)), torch.randint(0, 50, (16, 19))   # 19 steps: two full stashes and a rest
+    calls = []
+    if compiled:
+        tapped = m.cell.compile_step()._compiled_tapped
+        m.cell._compiled_tapped = lambda *a: calls.append(1) or tapped(*a)
     def grads():
         m.reset(); m.prepare()
         ctx = m.cell.per_sequence()
@@ -454,8 +460,9 @@ def test_deferred_weight_gradients_equal_autograds_per_step_ones(nhid, derived):
     with m.frozen_masks():
         ctx, deferred = grads()
         assert isinstance(ctx[0], DeferredWeight)
+        assert len(calls) == (19 if compiled else 0)   # every time step ran the compiled step with taps
         with m.cell.eager(): ctx, per_step = grads()
-        assert not isinstance(ctx[0], DeferredWeight)
+        assert not isinstance(ctx[0], DeferredWeight) and len(calls) == (19 if compiled else 0)
     with torch.no_grad():
         m.prepare(); assert not isinstance(m.cell.per_sequence()[0], DeferredWeight); m.release()
     for a, b in zip(deferred, per_step): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
@@ -472,3 +479,23 @@ def test_compiled_cpu_tanh_matches_float64():
     torch.testing.assert_close(y.double(), ref, rtol=4e-7, atol=1e-37)
     torch.testing.assert_close(g.double(), 1 - ref ** 2, rtol=0, atol=1e-6)
     assert torch.equal(tanh(x), torch.tanh(x))   # eager: torch's own
+
+def test_deferred_weight_gradients_again_with_retain_graph():
+    "A second backward through the same graph (retain_graph) gives the same weight gradients, not their running sum"
+    torch.manual_seed(0)
+    m = DartsRnn(50, DARTS_V2, 8, 8).train()
+    loss = m.loss(torch.randint(0, 50, (12, 4)), torch.randint(0, 50, (12, 4)), advance=False)
+    first = torch.autograd.grad(loss, m.flat.params, retain_graph=True)
+    for a, b in zip(first, torch.autograd.grad(loss, m.flat.params)): torch.testing.assert_close(a, b)
+
+def test_compiled_steps_tap_only_large_weights():
+    "Compiled forwards defer the gradients of weights of at least TAP_MIN_NUMEL elements only; eager ones of all"
+    from rnn_darts.model import DeferredWeight, TAP_MIN_NUMEL
+    m = DartsRnnSearch(50, 128, 128)   # W0ₕᵀ: 256 × 128; the successors of node j: (8 − j)·256 × 128
+    def deferred():
+        m.prepare(); W0hT, Wsuf = m.cell.per_sequence()[:2]; m.release()
+        return [isinstance(w, DeferredWeight) for w in (W0hT, *Wsuf)]
+    assert all(deferred())
+    m.cell.compile_step()
+    big = [w.numel() >= TAP_MIN_NUMEL for w in (m.cell.W0[128:].t(), *(m.cell.WhT[j * 256:] for j in range(8)))]
+    assert deferred() == big and any(big) and not all(big)
