@@ -270,7 +270,7 @@ class PackedCell(nn.Module):
         self.defer = True   # forwards with weight gradients: each weight's gradient over several time steps per product (`DeferredWeight`)
 
     def compile_step(self, **kwargs):
-        "Fuse the time step with `torch.compile` (fixed shapes); the learners call it by default on a GPU"
+        "Fuse the time step with `torch.compile` (fixed shapes); the learners call it by default on a GPU, `AutoCompile` for long CPU searches"
         self._compiled = torch.compile(self.step, dynamic=False, **kwargs)
         self._compiled_tapped = torch.compile(self._tapped_step, dynamic=False, **kwargs)   # with `DeferredWeight`s
         return self
