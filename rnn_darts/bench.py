@@ -60,20 +60,20 @@ def _stats(ts, first, mem):
 def time_fn(fn, iters:int, warmup:int, device='cpu') -> dict:
     "Run `fn` `warmup` times untimed, then `iters` timed times (each followed by a device sync); ms, the first call's ms and peak memory"
     _reset_peak(device)
-    first = [_timed(fn, device) for _ in range(warmup)][:1]
+    warm = [_timed(fn, device) for _ in range(warmup)]
     ts = [_timed(fn, device) for _ in range(iters)]
-    return _stats(ts, (first or [None])[0], _peak_mb(device))
+    return _stats(ts, warm[0] if warm else None, _peak_mb(device))
 
 # %% ../nbs/10_bench.ipynb #86fc61a4
 def time_pair(fa, fb, iters:int, warmup:int, device='cpu'):
     "Time `fa` and `fb` interleaved; two `time_fn`-like dicts (the memory is the peak over both)"
     _reset_peak(device)
-    firsts = [(_timed(fa, device), _timed(fb, device)) for _ in range(warmup)][:1] or [(None, None)]
+    warm = [(_timed(fa, device), _timed(fb, device)) for _ in range(warmup)]
     ts = ([], [])
     for _ in range(iters):
         for f, t in zip((fa, fb), ts): t.append(_timed(f, device))
     mem = _peak_mb(device)
-    return tuple(_stats(t, first, mem) for t, first in zip(ts, firsts[0]))
+    return tuple(_stats(t, first, mem) for t, first in zip(ts, warm[0] if warm else (None, None)))
 
 # %% ../nbs/10_bench.ipynb #d46143ca
 NO_KERNEL_OPS = {'empty', 'empty_strided', 'empty_like', 'new_empty', 'detach', 'lift_fresh', 'is_same_size', '_local_scalar_dense'}

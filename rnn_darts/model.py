@@ -478,7 +478,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         ones = x.new_ones(1, min(rows, x.shape[0]), dtype=W.dtype)
         for s in range(0, x.shape[0], rows):
             xc, yc = x[s:s + rows], y[s:s + rows, None]
-            logits = mm_t(xc, Wd, bd).to(acc)
+            logits = _chunk_logits(xc, Wd, bd)
             e, z, loss = _softmax_parts_(logits, yc)           # one max, one exp, one sum: the softmax and the loss
             total += loss
             p = e.div_(z).scatter_add_(1, yc, e.new_full(yc.shape, -1.))   # softmax − onehot
