@@ -457,8 +457,8 @@ class DartsCellSearch(PackedCell):
 
 # %% ../nbs/03_model.ipynb #63748dbd
 def ce_chunk_rows(n_rows, ntoken, device) -> int:
-    "Rows per chunk of `linear_cross_entropy`: about 4 MB of float32 logits on a CPU (passes over a chunk stay in cache), 128 MB on a GPU"
-    budget = 2**25 if torch.device(device).type == 'cuda' else 2**20
+    "Rows per chunk of `linear_cross_entropy`: about 10 MB of float32 logits on a CPU (3% faster search steps than 4 MB at bs 32 and nhid 300), 128 MB on a GPU"
+    budget = 2**25 if torch.device(device).type == 'cuda' else 5 * 2**19
     return max(1, min(n_rows, budget // ntoken))
 
 def _chunk_logits(xc, W, b):
