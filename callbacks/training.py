@@ -107,7 +107,7 @@ class BF16Autocast(MixedPrecision):
         self.learn.scaler, self.scales = torch.amp.GradScaler(dev.type, enabled=False), []   # bf16 needs no loss scaling
 
 # %% ../nbs/05_training.ipynb #2a2a5bc5
-COMPILE_MIN_STEPS = 150   # CPU training batches from which compiling pays (quick search: ~40 s warm-up, ~0.27 s saved per batch)
+COMPILE_MIN_STEPS = 150   # CPU training batches from which compiling pays (quick search: 40–57 s warm-up, ~0.28 s saved per batch)
 
 class AutoCompile(Callback):
     "Compile the model's recurrent step (`cell.compile_step()`) once the fit has `min_steps` training batches left"

@@ -352,7 +352,7 @@ def search(
     relax:str=None,       # softmax (DARTS) | sigmoid (Fair DARTS)
     op_decay:float=None,  # α decay per weight: each op's α decays by op_decay × its weight count (`none` has none); default: off
     on_nan:str=None,      # on a non-finite loss: rollback (to the last checkpoint) | stop | skip
-    compile:bool_arg=None,# fuse the recurrent step with torch.compile (default: on for CUDA; on a CPU for runs of 150 training batches or more, where its ~40 s warm-up pays)
+    compile:bool_arg=None,# fuse the recurrent step with torch.compile (default: on for CUDA; on a CPU for runs of 150 training batches or more, where its 40–60 s warm-up pays)
     bf16:bool_arg=None,   # bf16 autocast (fp32 weights and α)
     arch_bf16:bool_arg=None, # with --bf16, run the architecture passes in bf16 too (loses the hypergradient: see README)
 ):
