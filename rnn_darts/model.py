@@ -12,10 +12,10 @@ from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
 
 # %% auto #0
-__all__ = ['ONEDNN', 'ONEDNN_MIN_MACS', 'M_TRIM_THRESHOLD', 'M_MMAP_THRESHOLD', 'KEEP_FREED_MEMORY', 'ACTS', 'TAP_MIN_NUMEL',
-           'LOG2E', 'FlatParams', 'FlatModule', 'MaskBank', 'mm_t', 'onednn_mm_t', 'WeightTap', 'DeferredWeight',
-           'linear', 'tanh', 'PackedCell', 'DartsCell', 'NodeNorm', 'DartsCellSearch', 'ce_chunk_rows',
-           'LinearCrossEntropy', 'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch', 'n_weights']
+__all__ = ['ONEDNN', 'ONEDNN_MIN_MACS', 'KEEP_FREED_MEMORY', 'ACTS', 'TAP_MIN_NUMEL', 'LOG2E', 'FlatParams', 'FlatModule',
+           'MaskBank', 'mm_t', 'onednn_mm_t', 'WeightTap', 'DeferredWeight', 'linear', 'tanh', 'PackedCell',
+           'DartsCell', 'NodeNorm', 'DartsCellSearch', 'ce_chunk_rows', 'LinearCrossEntropy', 'linear_cross_entropy',
+           'LanguageModel', 'DartsRnn', 'DartsRnnSearch', 'n_weights']
 
 # %% ../nbs/03_model.ipynb #3bef24ac
 class FlatParams:
@@ -215,14 +215,14 @@ def linear(a, W):
     return F.linear(a, W)
 
 # %% ../nbs/03_model.ipynb #ad001d2f
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # glibc's mallopt parameters (malloc.h)
 
 def _keep_freed_memory() -> bool:
     "On glibc: blocks under 32 MB from the heap, which is never trimmed (`RNN_DARTS_MALLOC=0`: malloc's defaults)"
     if os.environ.get('RNN_DARTS_MALLOC', '1') == '0': return False
     try: libc = ctypes.CDLL(None); libc.gnu_get_libc_version
     except (OSError, AttributeError, TypeError): return False   # not glibc
-    return libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 and libc.mallopt(M_TRIM_THRESHOLD, -1) == 1
+    return libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, -1) == 1
 
 KEEP_FREED_MEMORY = _keep_freed_memory()
 
