@@ -1,7 +1,9 @@
 "fastai's idioms on the project's learners (lr_find, fit_one_cycle, get_preds, validate, predict, export / load_learner), hand-built Learners, presets in Python and the top-level API"
-import subprocess, sys
+import subprocess, sys, traceback
 import pytest, torch, torch.nn.functional as F
 from fastai.learner import Learner, load_learner
+from fastai.callback.core import Callback
+from torch.utils._python_dispatch import TorchDispatchMode
 from fastai.losses import CrossEntropyLossFlat
 from fastai.callback.rnn import ModelResetter, RNNCallback
 from rnn_darts.core import set_seed
@@ -18,11 +20,11 @@ TINY = dict(emsize=16, nhid=16)
 def corpus(): return numbers_corpus(n_train=1_500, n_valid=600, n_test=400)
 
 def make(kind, corpus, path, seed=0, **kw):
-    "A tiny first-order search learner or a derived-cell learner (19 training batches an epoch)"
+    "A tiny search learner (first order unless `mode` says) or a derived-cell learner (19 training batches an epoch)"
     set_seed(seed)
     if kind == 'search':
         dls = lm_dls(corpus, bs=8, bptt=10, phase='search', eval_bs=4)
-        learn = search_learner(dls, search_stream(corpus, 8), mode='first', path=path, **TINY, **kw)
+        learn = search_learner(dls, search_stream(corpus, 8), path=path, **TINY, **{'mode': 'first', **kw})
     else:
         dls = lm_dls(corpus, bs=8, bptt=10, phase='train', eval_bs=4)
         learn = train_learner(dls, DARTS_V2, path=path, **TINY, **kw)
@@ -149,6 +151,53 @@ def test_hand_built_learner_with_another_splitter_fails_at_once_saying_what_to_p
     msg = 'α' if what == 'alpha' else 'its per-layer views'
     with learn.no_bar(), pytest.raises(ValueError, match=f'gave it {msg}.*pass splitter=flat_splitter'): learn.fit(1)
     assert_same(state(learn), w0)   # nothing moved: the error came before the first step
+
+class HostReads(TorchDispatchMode):
+    "Records operators that bring a tensor's values to the host (`.item()`, `bool(t)`, `float(t)`, data-dependent shapes): each a sync on CUDA"
+    OPS = {'_local_scalar_dense', 'is_nonzero', 'equal', 'nonzero', 'masked_select', 'unique', '_unique2', 'repeat_interleave'}
+    def __init__(self, reads): super().__init__(); self.reads = reads
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.OPS:
+            where = [f'{f.filename.split("/")[-1]}:{f.lineno} {f.name}' for f in traceback.extract_stack() if '/torch/' not in f.filename]
+            self.reads.append((func.overloadpacket.__name__, args[0], where[-3:-1]))
+        return func(*args, **(kwargs or {}))
+
+def host_reads_in_training_batches(learn, n_epoch=1):
+    "Fit `learn` with every training batch (`before_batch` to `after_batch`, all callbacks) inside `HostReads`; returns the reads"
+    reads, one_batch = [], learn.one_batch
+    def watched(i, b):
+        if not learn.training: return one_batch(i, b)
+        with HostReads(reads): return one_batch(i, b)
+    learn.one_batch = watched
+    try:
+        with learn.no_bar(), learn.no_logging(): learn.fit(n_epoch)
+    finally: del learn.one_batch
+    return reads
+
+@pytest.mark.parametrize('kind,kw', [('search', dict(mode='second')), ('search', dict(mode='first', alpha=2., beta=1.)),
+                                     ('train', dict(asgd=True)), ('train', dict(asgd=False))])
+def test_a_training_step_never_reads_a_device_value_on_the_host(kind, kw, corpus, tmp_path):
+    """The learners' whole training step (α's guarded Adam step, the unrolled and finite-difference passes, clipping, NT-ASGD's
+    average, the divergence guard, the regularizer) reads no tensor value on the host, so on CUDA it never waits for the device.
+    The one read is α's Adam step count, and only where it lives on the host: the optimizer is capturable (count on the device) on CUDA"""
+    learn = make(kind, corpus, tmp_path, **kw)
+    reads = host_reads_in_training_batches(learn)
+    assert learn.train_iter >= 15   # every training batch was watched
+    if kind == 'search':
+        count = learn.arch_param_update.arch_opt.state[learn.model.alpha]['step']
+        assert not learn.arch_param_update.arch_opt.param_groups[0]['capturable'] and count.device.type == 'cpu'
+        assert len(reads) >= learn.train_iter and all(r[1] is count for r in reads), [r for r in reads if r[1] is not count][:3]
+    else: assert reads == []
+
+def test_host_reads_are_seen(corpus, tmp_path):
+    "The watch sees a host read that a callback adds to every training batch"
+    class ReadsTheLoss(Callback):
+        def after_batch(self):
+            if self.training: self.seen = float(self.learn.loss)
+    learn = make('train', corpus, tmp_path, cbs=[ReadsTheLoss()])
+    reads = host_reads_in_training_batches(learn)
+    assert len(reads) == learn.train_iter and all(name == '_local_scalar_dense' for name, *_ in reads)
+    assert all(any('after_batch' in w for w in where) for *_, where in reads), reads[0][2]
 
 def test_readme_python_example_with_a_preset(tmp_path):
     "The README's Python example, at tiny sizes: a preset split into data settings and learner keywords"
