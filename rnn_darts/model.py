@@ -12,10 +12,10 @@ from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
 
 # %% auto #0
-__all__ = ['ONEDNN', 'ONEDNN_MIN_MACS', 'KEEP_FREED_MEMORY', 'ACTS', 'TAP_MIN_NUMEL', 'LOG2E', 'FlatParams', 'FlatModule',
-           'MaskBank', 'mm_t', 'onednn_mm_t', 'WeightTap', 'DeferredWeight', 'linear', 'tanh', 'PackedCell',
-           'DartsCell', 'NodeNorm', 'DartsCellSearch', 'ce_chunk_rows', 'LinearCrossEntropy', 'linear_cross_entropy',
-           'LanguageModel', 'DartsRnn', 'DartsRnnSearch', 'n_weights']
+__all__ = ['ONEDNN', 'ONEDNN_MIN_MACS', 'ONEDNN_MIN_WEIGHT_GRAD_MACS', 'KEEP_FREED_MEMORY', 'ACTS', 'TAP_MIN_NUMEL', 'LOG2E',
+           'FlatParams', 'FlatModule', 'MaskBank', 'mm_t', 'onednn_mm_t', 'WeightTap', 'DeferredWeight', 'linear',
+           'tanh', 'PackedCell', 'DartsCell', 'NodeNorm', 'DartsCellSearch', 'ce_chunk_rows', 'LinearCrossEntropy',
+           'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch', 'n_weights']
 
 # %% ../nbs/03_model.ipynb #3bef24ac
 class FlatParams:
@@ -108,7 +108,8 @@ def _onednn_fp32() -> bool:
     except (AttributeError, RuntimeError): return False
 
 ONEDNN = _onednn_fp32()   # set to False to compare with aten's products
-ONEDNN_MIN_MACS = 2**21   # `linear` sends products at least this big to oneDNN
+ONEDNN_MIN_MACS = 5 * 2**18         # `linear` sends products at least this big to oneDNN (a 32-row state against 640 columns)
+ONEDNN_MIN_WEIGHT_GRAD_MACS = 2**21   # ... and their weight gradients `gᵀ a` this big (MKL was faster on 32-row ones here)
 
 def _on_onednn(a, b):
     return ONEDNN and a.dtype == b.dtype == torch.float32 and a.device.type == 'cpu'
@@ -118,20 +119,30 @@ def mm_t(a, b, bias=None):
     if _on_onednn(a, b): return torch.ops.mkldnn._linear_pointwise(a, b, bias, 'none', [], '')
     return F.linear(a, b, bias)
 
-@torch.library.custom_op('rnn_darts::mm_t', mutates_args=())
-def onednn_mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    "`a @ b.T` through oneDNN, an operator `torch.compile` keeps opaque"
-    return torch.ops.mkldnn._linear_pointwise(a, b, None, 'none', [], '')
+# A plain operator, not a `torch.library.custom_op`: a compiled graph calls it with about 1 µs of overhead, a custom_op's Python wrapper cost 7
+if not hasattr(torch.ops.rnn_darts, 'mm_t'):   # defined once per process (the module may be imported after this notebook cell ran)
+    _LIB = torch.library.Library('rnn_darts', 'FRAGMENT')
+    _LIB.define('mm_t(Tensor a, Tensor b) -> Tensor')
+    _LIB.impl('mm_t', lambda a, b: torch.ops.mkldnn._linear_pointwise(a, b, None, 'none', [], ''), 'CPU')
+    torch.library.register_fake('rnn_darts::mm_t')(lambda a, b: a.new_empty(a.shape[0], b.shape[0]))
 
-@onednn_mm_t.register_fake
-def _(a, b): return a.new_empty(a.shape[0], b.shape[0])
+class _OneDnnMmT(torch.autograd.Function):
+    "`a @ b.T` as the operator `rnn_darts::mm_t`, which `torch.compile` keeps opaque; its backward is differentiable again"
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return torch.ops.rnn_darts.mm_t(a, b)
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        ga = onednn_mm_t(g, b.t()) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]: return ga, None
+        big = g.shape[1] * a.numel() >= ONEDNN_MIN_WEIGHT_GRAD_MACS
+        return ga, onednn_mm_t(g.t().contiguous(), a.t()) if big else g.t() @ a   # a strided gᵀ ran up to 1.8× slower in oneDNN
 
-def _mm_t_setup(ctx, inputs, output): ctx.save_for_backward(*inputs)
-def _mm_t_backward(ctx, g):
-    a, b = ctx.saved_tensors
-    return (onednn_mm_t(g, b.t()) if ctx.needs_input_grad[0] else None,
-            onednn_mm_t(g.t().contiguous(), a.t()) if ctx.needs_input_grad[1] else None)   # a strided gᵀ ran up to 1.8× slower
-onednn_mm_t.register_autograd(_mm_t_backward, setup_context=_mm_t_setup)
+def onednn_mm_t(a, b):
+    "`a @ b.T` through oneDNN, with autograd"
+    return _OneDnnMmT.apply(a, b)
 
 def _big(a, W): return a.numel() * W.shape[0] >= ONEDNN_MIN_MACS
 def _mm(a, W):
