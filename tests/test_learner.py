@@ -193,7 +193,7 @@ def test_host_reads_are_seen(corpus, tmp_path):
     "The watch sees a host read that a callback adds to every training batch"
     class ReadsTheLoss(Callback):
         def after_batch(self):
-            if self.training: self.seen = float(self.learn.loss)
+            if self.training: self.seen = float(self.learn.loss.detach())
     learn = make('train', corpus, tmp_path, cbs=[ReadsTheLoss()])
     reads = host_reads_in_training_batches(learn)
     assert len(reads) == learn.train_iter and all(name == '_local_scalar_dense' for name, *_ in reads)
