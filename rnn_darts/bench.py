@@ -153,6 +153,11 @@ def _is_view(name):
     ovs = [getattr(pk, o) for o in pk.overloads()] if pk is not None else []
     return bool(ovs) and all(o.is_view for o in ovs)
 
+def _library_kernel(name) -> bool:
+    "An aten operator that runs a kernel (no view or allocation), or a oneDNN call (`mkldnn::`, the CPU products of `rnn_darts.model.mm_t`)"
+    if name.startswith('mkldnn::'): return True
+    return name.startswith('aten::') and name[6:] not in NO_KERNEL_OPS and not _is_view(name[6:])
+
 def _nested(e):
     p = e.cpu_parent
     while p is not None:
@@ -175,8 +180,7 @@ def launch_count(fn) -> dict:
     gen = sum(1 for e in ev if '_cpp_fused' in e.name)
     if graphs and not gen: raise ValueError("launch_count: compiled graphs ran but no kernel was recorded; compile them "
                                             "inside `with kernel_profile():` (run `fn` once there first)")
-    lib = sum(1 for e in ev if e.name.startswith('aten::') and e.name[6:] not in NO_KERNEL_OPS
-              and not _is_view(e.name[6:]) and not _nested(e))
+    lib = sum(1 for e in ev if (_library_kernel(e.name) and not _nested(e)))
     return dict(generated=gen, library=lib, total=gen + lib)
 
 # %% ../nbs/10_bench.ipynb #815923c5
