@@ -180,7 +180,7 @@ def launch_count(fn) -> dict:
     gen = sum(1 for e in ev if '_cpp_fused' in e.name)
     if graphs and not gen: raise ValueError("launch_count: compiled graphs ran but no kernel was recorded; compile them "
                                             "inside `with kernel_profile():` (run `fn` once there first)")
-    lib = sum(1 for e in ev if (_library_kernel(e.name) and not _nested(e)))
+    lib = sum(1 for e in ev if _library_kernel(e.name) and not _nested(e))
     return dict(generated=gen, library=lib, total=gen + lib)
 
 # %% ../nbs/10_bench.ipynb #815923c5

@@ -137,14 +137,15 @@ class _OneDnnMmT(torch.autograd.Function):
         a, b = ctx.saved_tensors
         ga = onednn_mm_t(g, b.t()) if ctx.needs_input_grad[0] else None
         if not ctx.needs_input_grad[1]: return ga, None
-        big = g.shape[1] * a.numel() >= ONEDNN_MIN_WEIGHT_GRAD_MACS
+        big = _macs(g.t(), a.t()) >= ONEDNN_MIN_WEIGHT_GRAD_MACS
         return ga, onednn_mm_t(g.t().contiguous(), a.t()) if big else g.t() @ a   # a strided gᵀ ran up to 1.8× slower in oneDNN
 
 def onednn_mm_t(a, b):
     "`a @ b.T` through oneDNN, with autograd"
     return _OneDnnMmT.apply(a, b)
 
-def _big(a, W): return a.numel() * W.shape[0] >= ONEDNN_MIN_MACS
+def _macs(a, W): return a.numel() * W.shape[0]   # multiply-adds of `a @ W.T`
+def _big(a, W): return _macs(a, W) >= ONEDNN_MIN_MACS
 def _mm(a, W):
     "`a @ W.T` without autograd: oneDNN for large float32 CPU products"
     return mm_t(a, W) if _big(a, W) else F.linear(a, W)
