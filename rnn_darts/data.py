@@ -84,7 +84,7 @@ def _ids_of(lines, stoi:dict, p, unk_id=None, grow=False) -> torch.Tensor:
                 if grow: j = stoi[w] = len(stoi)
                 elif unk_id is not None: j = unk_id
                 else: raise KeyError(f"{p}: line {i+1}: word {w!r} is not in the vocabulary built from the train split "
-                                     f"(pass unk='<unk>' to map unknown words to a token)")
+                                     f"(map unknown words to a token: --unk '<unk>' on the command line, unk='<unk>' in Python)")
             ids.append(j)
     return torch.from_numpy(np.array(ids, dtype=np.int64))
 
@@ -203,8 +203,9 @@ def _download(url:str, dest:Path, spec:str, split:str, timeout:float):
                 with urllib.request.urlopen(url, timeout=timeout) as r:
                     for chunk in iter(lambda: r.read(1 << 20), b''): h.update(chunk); f.write(chunk)
             except (urllib.error.URLError, OSError) as e:
-                raise ConnectionError(f"get_ptb: could not download {url} to {dest/f'{split}.txt'}: {e}; "
-                                      f"download it by hand and put it there, or pass url= a mirror") from None
+                raise ConnectionError(f"could not download Penn Treebank's {split} split from {url} to {dest/f'{split}.txt'} "
+                                      f"({getattr(e, 'reason', e)}); put ptb.{split}.txt there by hand as {split}.txt, or name a "
+                                      f"mirror: --url on the command line, get_ptb(url=...) in Python") from None
         got = h.hexdigest()
         if got != want:
             raise ValueError(f"get_ptb: {url} has the wrong content ({spec.partition(':')[0]} {got}, expected {want}); "

@@ -8,7 +8,7 @@ import time, json, inspect, math
 from contextlib import contextmanager, nullcontext, ExitStack
 from pathlib import Path
 import torch
-from fastcore.basics import patch
+from fastcore.basics import patch, PrettyString
 from fastcore.meta import delegates
 from fastcore.foundation import L
 from fastai.learner import Learner, ValueMetric, replacing_yield
@@ -25,7 +25,7 @@ from rnn_darts.core import rng_states, set_rng_states, read_preset
 from rnn_darts.model import DartsRnn, DartsRnnSearch
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
 from callbacks.arch import ArchParamUpdate
-from callbacks.training import SeqLenLR, FlatGradClip, ASGDSwitch, GenotypeLogger, TrainEpochEnd, RNNRegularizer, write_json_atomic, valid_loss_of, BF16Autocast, FusedDecoderLoss, AutoCompile
+from callbacks.training import SeqLenLR, FlatGradClip, ASGDSwitch, GenotypeLogger, TrainEpochEnd, RNNRegularizer, write_json_atomic, valid_loss_of, BF16Autocast, FusedDecoderLoss, AutoCompile, CompileNotice
 from callbacks.checkpoint import Checkpoint, DivergenceGuard
 
 # %% auto #0
@@ -108,7 +108,7 @@ def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=None, bf16=
     model.fused_loss = fused_loss
     if compile is None and dev.type == 'cuda': compile = True
     if compile: model.cell.compile_step()
-    auto = [AutoCompile()] if compile is None and auto_compile else []
+    auto = ([AutoCompile()] if compile is None and auto_compile else []) + [CompileNotice()]
     return DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=lr, splitter=flat_splitter, wd=wd,
                         wd_bn_bias=True, metrics=metrics, path=path, cbs=list(L(cbs)) + auto + ([BF16Autocast()] if bf16 else []))
 
@@ -172,9 +172,38 @@ def lr_find(self:DartsLearner, **kwargs):
 
 @patch
 @delegates(Learner.get_preds)
-def get_preds(self:DartsLearner, **kwargs):
+def get_preds(self:DartsLearner, ds_idx=1, dl=None, **kwargs):
     "fastai's `get_preds`, batches concatenated along time (dim 1), as fastai's `LMLearner`"
-    return Learner.get_preds(self, concat_dim=1, **kwargs)
+    if dl is None and len(self.dls.loaders) <= ds_idx:
+        raise ValueError(f"get_preds: this learner has no data loader {ds_idx} (a learner from load_learner keeps no data); "
+                         "pass dl=, for example get_preds(dl=test_dl(corpus, bptt))")
+    return Learner.get_preds(self, ds_idx=ds_idx, dl=dl, concat_dim=1, **kwargs)
+
+def _part_rows(model):
+    "(name, shape, count) of each weight of `model`, the cell's block cut into its matrices, then α"
+    rows = []
+    for name, p in model.named_parameters():
+        if name == 'alpha': continue
+        if name == 'cell.block':
+            c = model.cell
+            rows += [('cell.W0 (input and state, all nodes)', tuple(c.W0.shape), c.W0.numel()),
+                     (f'cell.W1..W{c.n_nodes} (one per node)', (c.n_nodes, c.nhid, 2 * c.nhid), c.WhT.numel())]
+        else: rows.append((name + (' (tied decoder)' if name == 'encoder.weight' else ''), tuple(p.shape), p.numel()))
+    return rows
+
+@patch
+def summary(self:DartsLearner) -> str:
+    "The model's weights by part (they live in one flat buffer, which fastai's hook-based summary does not see), α, optimizer, loss and callbacks"
+    m = self.model
+    rows = _part_rows(m)
+    fmt = lambda n, s, k: f"{n:<40} {' x '.join(map(str, s)):>18} {k:>12,}"
+    lines = [f"{type(m).__name__}: {len(getattr(self.dls, 'vocab', None) or []) or m.ntoken:,} words, emsize {m.emsize}, nhid {m.nhid}",
+         f"{'part':<40} {'shape':>18} {'weights':>12}", *[fmt(*r) for r in rows],
+         f"{'total (one flat buffer)':<40} {'':>18} {sum(r[2] for r in rows):>12,}"]
+    if hasattr(m, 'alpha'): lines.append(fmt('alpha (architecture, own Adam)', tuple(m.alpha.shape), m.alpha.numel()))
+    opt = getattr(self.opt_func, '__name__', str(self.opt_func))
+    lines += ['', f"Optimizer: {opt}, lr {self.lr}", f"Loss: {type(self.loss_func).__name__}", 'Callbacks:', *[f"  - {type(cb).__name__}" for cb in self.cbs]]
+    return PrettyString('\n'.join(lines))
 
 @patch
 def show_results(self:DartsLearner, *args, **kwargs):

@@ -14,8 +14,8 @@ from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, der
 # %% auto #0
 __all__ = ['ONEDNN', 'ONEDNN_MIN_MACS', 'ONEDNN_MIN_WEIGHT_GRAD_MACS', 'KEEP_FREED_MEMORY', 'ACTS', 'TAP_MIN_NUMEL', 'LOG2E',
            'FlatParams', 'FlatModule', 'MaskBank', 'mm_t', 'onednn_mm_t', 'WeightTap', 'DeferredWeight', 'linear',
-           'tanh', 'PackedCell', 'DartsCell', 'NodeNorm', 'DartsCellSearch', 'ce_chunk_rows', 'LinearCrossEntropy',
-           'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch', 'n_weights']
+           'tanh', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm', 'DartsCellSearch', 'ce_chunk_rows',
+           'LinearCrossEntropy', 'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch', 'n_weights']
 
 # %% ../nbs/03_model.ipynb #3bef24ac
 class FlatParams:
@@ -291,11 +291,13 @@ class PackedCell(nn.Module):
         # row-block position of each node's W_i inside WhT (derived cells order nodes by predecessor)
         self.col = list(order) if order is not None else list(range(n_nodes))
         self._compiled = self._compiled_tapped = None
+        self._compile_noticed = False
         self.defer = True   # forwards with weight gradients: each weight's gradient over several time steps per product (`DeferredWeight`)
 
     def compile_step(self, **kwargs):
         "Fuse the time step with `torch.compile` (fixed shapes); the learners call it by default on a GPU, `AutoCompile` for long CPU searches"
         self._compiled = torch.compile(self.step, dynamic=False, **kwargs)
+        self._compile_noticed = False   # `CompileNotice` says once that the first batches compile it
         self._compiled_tapped = torch.compile(self._tapped_step, dynamic=False, **kwargs)   # with `DeferredWeight`s
         return self
 
@@ -398,6 +400,11 @@ class DartsCell(PackedCell):
         return torch.stack([states[i] for i in self.genotype.concat]).mean(0)
 
 # %% ../nbs/03_model.ipynb #08c5a066
+def bounded_norm(s, mean, var, eps=1e-5):
+    "`s` normalised with running statistics `mean`, `var`, scaled down where its mean square over the batch exceeds 1, its value in training"
+    z = F.batch_norm(s, mean, var, training=False, eps=eps)
+    return z / z.pow(2).mean().sqrt().clamp(min=1.)
+
 class NodeNorm(nn.Module):
     "Affine-free batch normalisation of `n` nodes, each with its own running statistics (row `i` of `running_mean`/`running_var`)"
     def __init__(self, n, nhid, eps=1e-5, momentum=0.1):
@@ -408,8 +415,8 @@ class NodeNorm(nn.Module):
         self.register_buffer('num_batches_tracked', torch.zeros(n, dtype=torch.long))
 
     def forward(self, s, i, update=True):
-        "Normalise node `i`'s `s` (bs, nhid): batch statistics in training (updating row `i` if `update`), row `i` in eval"
-        if not self.training: return F.batch_norm(s, self.running_mean[i], self.running_var[i], training=False, eps=self.eps)
+        "Normalise node `i`'s `s` (bs, nhid): batch statistics in training (updating row `i` if `update`), row `i` in eval, bounded"
+        if not self.training: return bounded_norm(s, self.running_mean[i], self.running_var[i], self.eps)
         if not update: return F.batch_norm(s, None, None, training=True, eps=self.eps)
         self.num_batches_tracked[i].add_(1)
         return F.batch_norm(s, self.running_mean[i], self.running_var[i], training=True, momentum=self.momentum, eps=self.eps)

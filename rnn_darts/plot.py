@@ -11,14 +11,15 @@ import matplotlib as mpl
 from matplotlib.figure import Figure
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap
+from matplotlib.ticker import MaxNLocator
 from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch, Rectangle, Patch
 from rnn_darts.genotypes import (Genotype, PRIMITIVES, check_genotype, load_genotype, edge_slices,
                                  derive_genotype, genotype_from_dict)
 
 # %% auto #0
-__all__ = ['OP_COLORS', 'FORMATS', 'ShownFigure', 'dot_path', 'genotype_dot', 'cell_layout', 'plot_genotype', 'load_history',
-           'entry_genotype', 'alpha_matrix', 'edge_names', 'plot_alphas', 'genotype_gif', 'log_frame', 'plot_curves',
-           'run_summary', 'write_report']
+__all__ = ['OP_COLORS', 'FORMATS', 'VALID_BELOW_TRAIN', 'ShownFigure', 'dot_path', 'genotype_dot', 'cell_layout', 'plot_genotype',
+           'load_history', 'entry_genotype', 'alpha_matrix', 'edge_names', 'plot_alphas', 'genotype_gif', 'log_frame',
+           'plot_curves', 'run_summary', 'write_report']
 
 # %% ../nbs/09_plot.ipynb #ccbf2eea
 OP_COLORS = {'none': '#9e9e9e', 'tanh': '#1f77b4', 'relu': '#d62728', 'sigmoid': '#2ca02c', 'identity': '#9467bd'}
@@ -223,8 +224,9 @@ def plot_alphas(history, epoch:int=-1, path=None):
     fig = _figure(4.5 + right + 2, max(6, 0.24 * len(w) + 1.5))
     gs = fig.add_gridspec(1, 2, width_ratios=[4, right], wspace=0.45)
     ax = fig.add_subplot(gs[0])
-    im = ax.imshow(w, aspect='auto', cmap='viridis', vmin=0, vmax=1 if h.get('relax', 'softmax') in ('softmax', 'sigmoid') else None,
-                   interpolation='nearest')
+    lo, hi = float(w.min()), float(w.max())
+    if hi - lo < 1e-6: lo, hi = lo - 0.005, hi + 0.005   # uniform weights (epoch 0): a visible range around them
+    im = ax.imshow(w, aspect='auto', cmap='viridis', vmin=lo, vmax=hi, interpolation='nearest')   # colours span the data, not 0–1
     ax.set_xticks(range(len(ops)), ops, rotation=30); ax.set_yticks(range(len(w)), edge_names(steps), fontsize=7)
     for sl in edge_slices(steps)[:-1]: ax.axhline(sl.stop - 0.5, color='white', lw=1.2)
     g = entry_genotype(h)
@@ -234,8 +236,8 @@ def plot_alphas(history, epoch:int=-1, path=None):
     if len(w) <= 45:
         for r in range(len(w)):
             for c in range(w.shape[1]):
-                ax.text(c, r, f"{w[r, c]:.2f}", ha='center', va='center', fontsize=5.5,
-                        color='black' if w[r, c] > 0.6 else 'white')
+                ax.text(c, r, f"{w[r, c]:.3f}", ha='center', va='center', fontsize=7,
+                        color='black' if w[r, c] > (lo + hi) / 2 else 'white')
     fig.colorbar(im, ax=ax, fraction=0.06, pad=0.02, label=h.get('relax', 'softmax') + '(α)')
     ax.set_title(f"mixing weights, epoch {h.get('epoch', epoch)}\n(red: derived choice)", fontsize=10)
     # winning op per node per epoch
@@ -298,6 +300,8 @@ def log_frame(log) -> pd.DataFrame:
     if 'perplexity' not in df and 'valid_loss' in df: df['perplexity'] = np.exp(df['valid_loss'])
     return df.reset_index(drop=True)
 
+VALID_BELOW_TRAIN = "train: with dropout; valid: without (so it can sit below train)"
+
 def plot_curves(log, asgd_epoch:int|None=None, path=None, title:str|None=None):
     "Loss curves and validation perplexity, with a marker at the NT-ASGD switch; a Figure, or the path written"
     df = log_frame(log)
@@ -307,6 +311,7 @@ def plot_curves(log, asgd_epoch:int|None=None, path=None, title:str|None=None):
     for col, lab, st in [('train_loss', 'train', '-'), ('valid_loss', 'valid', '-'), ('search_loss', 'search (α stream)', '--')]:
         if col in df and df[col].notna().any(): ax.plot(x, df[col].to_numpy(), st, marker='.', label=lab)
     ax.set_xlabel('epoch'); ax.set_ylabel('loss (nats/word)'); ax.set_title('losses'); ax.grid(alpha=0.3)
+    ax.text(0.01, 0.01, VALID_BELOW_TRAIN, transform=ax.transAxes, fontsize=7, color='0.35', va='bottom')
     if 'perplexity' in df and df['perplexity'].notna().any():
         ax2.plot(x, df['perplexity'].to_numpy(), marker='.', color='C1', label='valid perplexity')
         best = df['perplexity'].idxmin()
@@ -318,6 +323,7 @@ def plot_curves(log, asgd_epoch:int|None=None, path=None, title:str|None=None):
         for a in (ax, ax2): a.axvline(asgd_epoch, color='k', ls=':', lw=1.2, label=f'NT-ASGD from epoch {asgd_epoch}')
     for a in (ax, ax2):
         if a.lines: a.legend(fontsize=8)
+    for a in (ax, ax2): a.xaxis.set_major_locator(MaxNLocator(integer=True))   # epochs are whole numbers
     if title: fig.suptitle(title)
     fig.log = df
     return _out(fig, path)
@@ -383,7 +389,9 @@ def write_report(run_dir, fmt:str='md') -> Path:
         plot_alphas(h, -1, out/'alphas.png'); imgs.append(('Architecture weights', 'last epoch', 'alphas.png'))
         genotype_gif(h, out/'search.gif'); imgs.append(('Architecture weights', 'the derived cell, epoch by epoch', 'search.gif'))
     if s['log'] is not None and len(s['log']):
-        plot_curves(s['log'], s['asgd_epoch'], out/'curves.png'); imgs.append(('Learning curves', 'losses and validation perplexity', 'curves.png'))
+        plot_curves(s['log'], s['asgd_epoch'], out/'curves.png')
+        imgs.append(('Learning curves', 'losses and validation perplexity. The training loss is measured with dropout on and the '
+                     'validation loss with it off, so validation can sit below training', 'curves.png'))
     facts = [('command', s['command']), ('device', s['device']),
              ('epochs', s['epochs'] if s['epochs'] is not None else 'n/a'),
              ('best validation loss', f"{s['best_valid_loss']:.4f}" if s['best_valid_loss'] is not None else 'n/a'),

@@ -45,3 +45,33 @@ def test_wheel_ships_the_presets(tmp_path):
     assert r.returncode == 0, r.stderr
     whl, = tmp_path.glob('rnn_darts-*.whl')
     with zipfile.ZipFile(whl) as z: assert z.read('rnn_darts/settings.ini').decode() == (root/'settings.ini').read_text()
+
+def test_threads_default_is_the_idle_cores(monkeypatch, capsys):
+    "On a CPU the default is the cores this process may use less the 1-minute load, at least 1; --threads decides outright"
+    import os, torch
+    from rnn_darts import cli
+    monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: {0, 1, 2, 3})
+    for load, want in ((0.1, 4), (1.4, 3), (2.6, 1), (3.6, 1), (40., 1)):
+        monkeypatch.setattr(os, 'getloadavg', lambda: (load, 0., 0.))
+        assert cli.idle_cores() == want, (load, want)
+    n = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(os, 'getloadavg', lambda: (2.6, 0., 0.))
+        said = cli.set_threads(None, torch.device('cpu'))
+        assert torch.get_num_threads() == 1 and said.startswith('1 thread: the idle cores'), said
+        assert cli.set_threads(2, torch.device('cpu')) == '2 threads' and torch.get_num_threads() == 2
+    finally: torch.set_num_threads(n)
+
+def test_readme_commands_parse():
+    "Every `rnn-darts ...` line in the README's code blocks names a command and flags that exist"
+    import re, shlex
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1]/'README.md').read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    lines = [l for b in blocks for part in b.splitlines() for l in re.split(r'\s*&&\s*', part) if l.strip().startswith('rnn-darts ')]
+    assert len(lines) >= 5, lines
+    for line in lines:
+        argv = shlex.split(line.split('#')[0])[1:]
+        cmd = argv[0]
+        assert cmd in cli.COMMANDS, line
+        cli.command_parser(cmd).parse_args([a for a in argv[1:] if a != '--debug'])

@@ -64,6 +64,7 @@ def run_dir(tmp_path_factory):
     (['--threads', '0'], ['--threads must be an integer >= 1, got 0']),
     (['--op-decay', '-1'], ['--op-decay must be a finite number >= 0']),
     (['--unk', '<unk>'], ['--unk applies to a corpus folder, not --data numbers']),
+    (['--url', 'http://127.0.0.1:9/penn'], ['--url applies to --data ptb', 'not --data numbers']),
     (['--resume', '--overwrite'], ['give one of them']),
     (['--settings', 'x.ini'], ['--settings names the file to read --preset from']),
 ])
@@ -253,6 +254,54 @@ def test_one_line_by_subprocess(tmp_path):
     assert (r.returncode, r.stderr, r.stdout) == (2, 'rnn-darts: error: --lr must be a finite number > 0, got nan\n', '')
     r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', '--debug', 'search', '--lr', 'nan'], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1 and 'Traceback' in r.stderr and 'UsageError: --lr must be' in r.stderr
+
+def test_ptb_offline_is_one_line_naming_the_flag(capsys, monkeypatch, tmp_path):
+    "--data ptb without a network (here: a closed port on this machine): one line naming the file, the mirror flag; no traceback"
+    from fastai.data.external import fastai_cfg
+    monkeypatch.setenv('FASTAI_HOME', str(tmp_path/'fastai'))
+    fastai_cfg.cache_clear()
+    try:
+        line = fails(capsys, ['search', '--data', 'ptb', '--url', 'http://127.0.0.1:9/penn', *TINY, '--out', str(tmp_path/'o')], 1,
+                     "could not download Penn Treebank's train split from http://127.0.0.1:9/penn/ptb.train.txt",
+                     str(tmp_path/'fastai'/'data'/'penn'/'train.txt'), '--url')
+    finally: fastai_cfg.cache_clear()
+    assert not (tmp_path/'o').exists() or not any((tmp_path/'o').iterdir())
+
+def test_unknown_word_names_the_unk_flag(capsys, tmp_path):
+    data = small_corpus(tmp_path/'c', valid='one two zebra\n')
+    fails(capsys, ['search', '--data', data, *TINY, '--out', str(tmp_path/'o')], 1, "word 'zebra' is not in the vocabulary", "--unk '<unk>'")
+
+PLANTED = """
+import logging, sys, warnings
+from rnn_darts import cli
+from rnn_darts.core import UsageError
+def planted(argv):
+    warnings.warn_explicit('planted: `torch.jit.script` is deprecated', FutureWarning, 'thirdparty.py', 1, module='thirdparty')
+    warnings.warn_explicit('planted environment note', UserWarning, 'thirdparty.py', 2, module='thirdparty.sub')
+    logging.getLogger('torch.utils.cpp_extension').warning("No CUDA runtime is found, using CUDA_HOME='/planted'")
+    warnings.warn_explicit('ours: statistics copied', UserWarning, 'model.py', 3, module='rnn_darts.model')
+    raise UsageError('--lr must be a finite number > 0, got nan')
+cli._dispatch = planted
+sys.argv = ['rnn-darts', 'search']
+cli.main()
+"""
+
+def test_foreign_warnings_stay_off_stderr():
+    "Other packages' warnings and torch's CUDA_HOME notice during a command stay off stderr; ours still show"
+    env = {**os.environ, 'PYTHONPATH': str(ROOT), 'PYTHONWARNINGS': 'default'}
+    r = subprocess.run([sys.executable, '-c', PLANTED], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert 'planted' not in r.stderr and 'CUDA_HOME' not in r.stderr, r.stderr
+    assert 'ours: statistics copied' in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == 'rnn-darts: error: --lr must be a finite number > 0, got nan', r.stderr
+
+def test_warning_filter_ends_with_the_command(monkeypatch):
+    "`run_command` called from Python leaves the caller's warning filters as they were"
+    import warnings
+    monkeypatch.setattr(cli, '_dispatch', lambda argv: None)
+    cli.run_command(['search'])
+    with pytest.warns(FutureWarning, match='after the command'):
+        warnings.warn_explicit('after the command', FutureWarning, 'thirdparty.py', 4, module='thirdparty')
 
 # --- help ------------------------------------------------------------------------------------------------------------------
 def test_help_is_fast_and_does_not_import_torch():

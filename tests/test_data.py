@@ -169,7 +169,7 @@ def test_get_ptb_wrong_bytes_leave_nothing(server, tmp_path):
     assert list(dest.iterdir()) == []  # no train.txt, no temporary file
 
 def test_get_ptb_unreachable_and_bad_table(tmp_path):
-    with pytest.raises(ConnectionError, match=r'could not download http://127\.0\.0\.1:9/ptb\.train\.txt'):
+    with pytest.raises(ConnectionError, match=r"could not download Penn Treebank's train split from http://127\.0\.0\.1:9/ptb\.train\.txt"):
         get_ptb(tmp_path/'p', url='http://127.0.0.1:9', hashes=dict(train='sha256:00', valid='sha256:00', test='sha256:00'), timeout=2)
     assert list((tmp_path/'p').iterdir()) == []
     with pytest.raises(ValueError, match=r"no hash for split\(s\) \['test'\]"):

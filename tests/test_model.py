@@ -1,5 +1,5 @@
 "Cell equations against a plain per-edge, per-op implementation; packed/flat views; masks; determinism."
-import copy, tempfile
+import copy, math, tempfile
 from pathlib import Path
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.genotypes import PRIMITIVES, DARTS_V1, DARTS_V2, ENAS
@@ -57,7 +57,8 @@ def test_search_cell_equals_plain(training):
         out, _ = cell(x, h0, bank, 'train')
         ones = torch.ones(bs, nhid)
         mx, mh = (bank.cache[('train', 'x')], bank.cache[('train', 'h')]) if training else (ones, ones)
-        bn = batch_bn if training else (lambda s: s / (1 + 1e-5) ** 0.5)  # fresh running stats: mean 0, var 1
+        fresh = lambda s: s / (1 + 1e-5) ** 0.5                           # fresh running stats: mean 0, var 1
+        bn = batch_bn if training else (lambda s: fresh(s) / fresh(s).pow(2).mean().sqrt().clamp(min=1))   # eval: mean square at most 1
         Ws = [cell.W(i) for i in range(1, 9)]
         ref = run_plain(lambda xt, h: plain_search_step(xt, h, cell.W0, Ws, probs, mx, mh, bn), x, h0)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
@@ -499,3 +500,45 @@ def test_compiled_steps_tap_only_large_weights():
     m.cell.compile_step()
     big = [w.numel() >= TAP_MIN_NUMEL for w in (m.cell.W0[128:].t(), *(m.cell.WhT[j * 256:] for j in range(8)))]
     assert deferred() == big and any(big) and not all(big)
+
+# ------------------------------------------------------------------ evaluation stays bounded (issue 22)
+def _stream_loss(m, x, bptt=50):
+    "Mean eval-mode loss over the stream `x` (bs, n), carried batch to batch as validation does"
+    m.eval(); m.reset()
+    with torch.no_grad():
+        return torch.stack([m.loss(x[:, s:s + bptt], x[:, s + 1:s + 1 + bptt], 'valid') for s in range(0, x.shape[1] - 1, bptt)])
+
+@pytest.mark.parametrize('bs', [1, 10])
+def test_eval_right_after_init_is_finite_on_a_long_stream(bs, monkeypatch):
+    "Running statistics are 0 and 1 at initialisation, so nothing normalises the recurrence; the bound keeps 2,000 tokens finite"
+    torch.manual_seed(0)
+    m = DartsRnnSearch(500, 16, 16)
+    x = torch.randint(0, 500, (bs, 2001))
+    losses = _stream_loss(m, x)
+    assert torch.isfinite(losses).all() and abs(losses.mean() - math.log(500)) < 1, losses
+    import rnn_darts.model as M   # the guard: plain running statistics overflow on the same stream
+    monkeypatch.setattr(M, 'bounded_norm', lambda s, mu, var, eps=1e-5: F.batch_norm(s, mu, var, training=False, eps=eps))
+    assert not torch.isfinite(_stream_loss(m, x)).all()
+
+def test_bound_is_the_identity_within_training_scale_and_caps_beyond():
+    from rnn_darts.model import bounded_norm
+    torch.manual_seed(0)
+    mu, var = torch.randn(8), torch.rand(8) + 0.5
+    s = mu + 0.5 * var.sqrt() * torch.randn(10, 8)                   # mean square of the normalised state ~0.25
+    plain = F.batch_norm(s, mu, var, training=False, eps=1e-5)
+    assert torch.equal(bounded_norm(s, mu, var), plain)
+    z = bounded_norm(mu + 1e6 * torch.randn(10, 8), mu, var)         # far beyond: scaled to mean square 1
+    torch.testing.assert_close(z.pow(2).mean(), torch.tensor(1.))
+
+def test_training_and_architecture_passes_never_use_the_bound(monkeypatch):
+    "Training-mode forwards (weight steps, architecture passes) normalise with batch statistics only: the bound is for evaluation"
+    import rnn_darts.model as M
+    def refuse(*a, **k): raise AssertionError('the bound ran in training mode')
+    monkeypatch.setattr(M, 'bounded_norm', refuse)
+    torch.manual_seed(0)
+    m = DartsRnnSearch(50, 8, 8).train()
+    x = torch.randint(0, 50, (4, 11))
+    m.loss(x[:, :-1], x[:, 1:]).backward()
+    with m.arch_pass(): m.loss(x[:, :-1], x[:, 1:], 'search')
+    m.eval()
+    with pytest.raises(AssertionError, match='the bound ran'): m.loss(x[:, :-1], x[:, 1:], 'valid')

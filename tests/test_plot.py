@@ -161,6 +161,17 @@ def test_plot_alphas_data(relax):
     want = np.array([[PRIMITIVES.index(op) for op, _ in e['genotype']['recurrent']] for e in h]).T
     np.testing.assert_array_equal(fig.winners, want)
     np.testing.assert_array_equal(np.asarray(fig.axes[-1].images[0].get_array()), want)
+    norm = fig.axes[0].images[0].norm                                  # colours span the weights, not 0–1
+    w = np.asarray(h[2]['weights'])
+    assert (norm.vmin, norm.vmax) == pytest.approx((w.min(), w.max()))
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert f"{w[0, 0]:.3f}" == texts[0] and all(t.get_fontsize() >= 7 for t in fig.axes[0].texts)
+
+def test_plot_alphas_uniform_weights_have_a_range():
+    h = history(1)
+    h[0]['weights'] = [[0.2] * 5 for _ in h[0]['weights']]
+    norm = P.plot_alphas(h).axes[0].images[0].norm
+    assert norm.vmin < 0.2 < norm.vmax and norm.vmax - norm.vmin < 0.02
 
 
 def test_plot_alphas_files(tmp_path):
@@ -215,6 +226,10 @@ def test_plot_curves_from_csv(tmp_path):
     np.testing.assert_allclose(ax2.lines[0].get_ydata(), df['perplexity'])
     asgd = [l for l in ax.lines if l.get_label().startswith('NT-ASGD')]
     assert len(asgd) == 1 and list(asgd[0].get_xdata()) == [2, 2]
+    for a in (ax, ax2):                                                # whole epochs on the axis
+        ticks = [t for t in a.get_xticks() if a.get_xlim()[0] <= t <= a.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    assert any('without' in t.get_text() and 'dropout' in t.get_text() for t in ax.texts)   # why valid < train
     check_file(P.plot_curves(d/'log.csv', 2, tmp_path/'c.png'), 'png')
     check_file(P.plot_curves(d/'log.csv', None, tmp_path/'c.svg'), 'svg')
 
@@ -278,6 +293,7 @@ def test_report_search_run(tmp_path, fmt):
     with Image.open(rep.parent/'search.gif') as im: assert im.n_frames == 4
     g = run['genotype']['recurrent']
     assert ', '.join(f'{op}({p})' for op, p in g) in text
+    assert 'validation can sit below training' in text
     if fmt == 'md': assert 'ptb\\|small' in text                       # pipes escaped in the table
     else: assert text.startswith('<!DOCTYPE html>') and '</html>' in text
 

@@ -134,14 +134,30 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"checkpoint .*nope\.pth does not exist"): load_checkpoint(tmp_path/'nope.pth')
 
 # ---------------------------------------------------------------- 2. in-process resume, train phase with NT-ASGD
+class Iterates(Callback):
+    "The weights after every training step under averaged SGD (the iterates NT-ASGD averages)"
+    def __init__(self): self.ws, self.first_epoch = [], None
+    def after_step(self):
+        if self.learn.asgd_switch.active:
+            if self.first_epoch is None: self.first_epoch = self.epoch
+            self.ws.append(self.model.flat.data.clone())
+
 def test_train_resume_with_asgd_switch_equals_straight_run(tmp_path):
     """train_learner n epochs (NT-ASGD switches at epoch s) == s epochs + a new learner resumed from epoch s-2 (before the
     switch) == a new learner resumed from epoch n-2 (after it: averages in the optimizer state): same losses, same averages"""
     n = 11
-    a = tiny_train(tmp_path/'a', nonmono=1); fit(a, n)
+    iterates = Iterates()
+    a = tiny_train(tmp_path/'a', nonmono=1, cbs=[iterates]); fit(a, n)
     sw = a.asgd_switch
     s = sw.switch_epoch
     assert sw.active and 2 <= s <= n - 3 and sw.averages() is not None
+    # against an independent expectation: NT-ASGD's rule on the logged validation losses, and the mean of the iterates
+    valid = [r[1] for r in a.recorder.values]
+    want_s = next(e for e in range(n) if e > 1 and valid[e] > min(valid[:e - 1]))   # nonmono 1: worse than all but the last
+    assert s == want_s, (s, want_s, valid)
+    assert iterates.first_epoch == s + 1 and len(iterates.ws) > 10                   # averaging from the epoch after the switch
+    mean = torch.stack(iterates.ws).double().mean(0).float()
+    torch.testing.assert_close(sw.averages(), mean, rtol=1e-5, atol=1e-6)
     b = tiny_train(tmp_path/'b', nonmono=1); fit(b, s)
     assert not b.asgd_switch.active
     c = tiny_train(tmp_path/'b', nonmono=1, resume=tmp_path/'b'/'checkpoints'/f'epoch_{s - 2:04d}.pth'); fit(c, n)
@@ -154,6 +170,7 @@ def test_train_resume_with_asgd_switch_equals_straight_run(tmp_path):
     d = tiny_train(tmp_path/'d', nonmono=1, resume=ck); fit(d, n)
     assert d.recorder.values == a.recorder.values[n - 1:]
     assert d.asgd_switch.active and torch.equal(d.asgd_switch.averages(), sw.averages())
+    torch.testing.assert_close(d.asgd_switch.averages(), mean, rtol=1e-5, atol=1e-6)   # resumed: still the mean of the iterates
     assert sd_equal(sd_clone(d.model), sd_clone(a.model))
 
 # ---------------------------------------------------------------- 3. divergence

@@ -1,31 +1,55 @@
-"A short search on real Penn Treebank text (../shared/data/penn) moves α away from uniform and changes the genotype."
-import tempfile
+"""Short searches on real Penn Treebank text (../shared/data/penn): α moves, the genotype changes, and the eval-mode
+validation loss is finite at every epoch and well below a uniform guess, over several seeds. With plain running
+statistics (no bound) this configuration's validation went NaN (seed 3, one thread, third epoch); the test shows it
+still does, so it keeps testing the bound. Its α learning rate (3e-2, ten times the paper's) makes the supernet itself
+worse in some epochs (batch statistics, re-estimated and running statistics all rose at seed 3's second epoch in
+03_model's measurements), so falling validation is asserted on the paper's settings in the README's measured run, not here."""
+import math, tempfile
 from pathlib import Path
-import pytest, torch
+import pytest, torch, torch.nn.functional as F
 from rnn_darts.core import set_seed
 from rnn_darts.data import read_corpus, lm_dls, search_stream
 from rnn_darts.learner import search_learner
+import rnn_darts.model
 
 PENN = Path(__file__).resolve().parents[1].parent/'shared'/'data'/'penn'
+needs_ptb = pytest.mark.skipif(not (PENN/'valid.txt').exists(), reason=f"real PTB text not found at {PENN} (see shared/data/README.md)")
 
-@pytest.mark.slow
-@pytest.mark.skipif(not (PENN/'valid.txt').exists(), reason=f"real PTB text not found at {PENN} (see shared/data/README.md)")
-def test_search_on_ptb_moves_alpha_and_genotype():
-    set_seed(3)
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads(); torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+def search(seed, epochs=3):
+    set_seed(seed)
     c = read_corpus(PENN, unk='<unk>', files=dict(train='valid.txt', valid='test.txt', test='test.txt'))
     c.train, c.valid = c.train[:30_000], c.valid[:12_000]           # a short run: ~60 batches an epoch
-    dls = lm_dls(c, 16, 30, phase='search', seed=3)
+    dls = lm_dls(c, 16, 30, phase='search', seed=seed)
     learn = search_learner(dls, search_stream(c, 16), emsize=32, nhid=32, mode='second', arch_lr=3e-2,
                            dropout=0.2, dropouth=0.1, dropoutx=0.1, dropouti=0.1, checkpoint=False, path=tempfile.mkdtemp())
-    learn.fit(3)
+    with learn.no_bar(): learn.fit(epochs)
+    return learn
+
+def column(learn, name):
+    names = learn.recorder.metric_names[1:-1]
+    return [dict(zip(names, v))[name] for v in learn.recorder.values]
+
+@pytest.mark.slow
+@needs_ptb
+@pytest.mark.parametrize('seed', [3, 4, 5])
+def test_search_on_ptb_validation_is_finite_and_falls(seed, one_thread, monkeypatch):
+    learn = search(seed)
+    valid = column(learn, 'valid_loss')
+    assert all(v == v and v < float('inf') for v in valid), f"validation must be finite every epoch: {valid}"
+    uniform = math.log(len(learn.dls.vocab))
+    assert all(v < uniform - 1 for v in valid), f"validation must be well below a uniform guess ({uniform:.2f}): {valid}"
+    assert all(v == v for k in ('train_loss', 'search_loss') for v in column(learn, k))
     w = learn.model.arch_weights().detach()
     assert (w - 0.2).abs().max() > 0.01, "α should have moved away from uniform"
     gens = [h['genotype']['recurrent'] for h in learn.genotype_logger.history]
     assert len({str(g) for g in gens}) > 1, f"the derived genotype should change over epochs: {gens}"
-    names = learn.recorder.metric_names[1:-1]
-    last = dict(zip(names, learn.recorder.values[-1]))
-    assert all(last[k] == last[k] for k in ('train_loss', 'search_loss')), f"training and search losses must be finite: {last}"
-    # Not asserted: the eval-mode validation loss. With one thread this run's third validation is NaN: with running
-    # (per-node) statistics the supernet's recurrence is not contractive, and over the 1,200 continuous steps of the
-    # validation stream the hidden state grows ~1e7-fold every 5 batches until it overflows (batch statistics, as in
-    # training, keep it bounded). A known limit of eval-mode validation of the search model, see the README.
+    if seed == 3:   # the bound is what keeps it finite: plain running statistics overflow on the same weights
+        monkeypatch.setattr(rnn_darts.model, 'bounded_norm', lambda s, m, v, eps=1e-5: F.batch_norm(s, m, v, training=False, eps=eps))
+        plain = float(learn.validate()[0])
+        assert not plain < float('inf'), f"plain running statistics gave {plain}: this test no longer shows the bound's effect"
