@@ -216,7 +216,7 @@ class PlainSearchRnn(nn.Module):
     def norm(self, s, i):
         if not self.training:   # running statistics; a batch mean square above 1 (training's value) is scaled back to 1
             z = (s - self.bn.running_mean[i]) / (self.bn.running_var[i] + self.bn.eps).sqrt()
-            return z / torch.maximum(z.pow(2).mean().sqrt(), torch.ones(()))
+            return z / z.pow(2).mean().sqrt().clamp(min=1.)
         if not self.bn_update: return F.batch_norm(s, None, None, training=True, eps=self.bn.eps)
         self.bn.num_batches_tracked[i] += 1
         return F.batch_norm(s, self.bn.running_mean[i], self.bn.running_var[i], training=True, momentum=0.1, eps=self.bn.eps)

@@ -167,9 +167,9 @@ def check_memory(s:dict, ntoken:int, command:str, dev):
 # %% ../nbs/08_cli.ipynb #c69a6174
 def load_corpus(s:dict, url:str|None=None):
     "The corpus the settings `s` name: the generated numbers, PTB (downloaded once, from `url` if given), or a folder"
-    from rnn_darts.data import numbers_corpus, read_corpus, get_ptb
+    from rnn_darts.data import numbers_corpus, read_corpus, get_ptb, PTB_URL
     if s['data'] == 'numbers': return numbers_corpus(seed=s['seed'], n_train=s['n_train'])
-    path = (get_ptb(url=url) if url else get_ptb()) if s['data'] == 'ptb' else Path(s['data'])
+    path = get_ptb(url=url or PTB_URL) if s['data'] == 'ptb' else Path(s['data'])
     files = None
     if s['files']:
         names = s['files'].split(',')

@@ -180,7 +180,7 @@ def get_preds(self:DartsLearner, ds_idx=1, dl=None, **kwargs):
     return Learner.get_preds(self, ds_idx=ds_idx, dl=dl, concat_dim=1, **kwargs)
 
 def _part_rows(model):
-    "(name, shape, count) of each weight of `model`, the cell's block cut into its matrices, then α"
+    "(name, shape, count) of each weight of `model` (α left out), the cell's block cut into its matrices"
     rows = []
     for name, p in model.named_parameters():
         if name == 'alpha': continue
