@@ -21,8 +21,10 @@ __all__ = ['KEPT', 'model_meta', 'check_meta', 'stateful_cbs', 'learner_state', 
 # %% ../nbs/06_checkpoint.ipynb #88ff6c64
 def model_meta(model) -> dict:
     "What must match for a checkpoint to load into `model`"
-    d = dict(kind='search' if hasattr(model, 'alpha') else 'derived', ntoken=model.ntoken, emsize=model.emsize, nhid=model.nhid)
-    if d['kind'] == 'search': d.update(steps=model.steps, relax=model.relax)
+    kind = 'search' if hasattr(model, 'alpha') else 'shared' if hasattr(model, 'use') else 'derived'
+    d = dict(kind=kind, ntoken=model.ntoken, emsize=model.emsize, nhid=model.nhid)
+    if kind == 'search': d.update(steps=model.steps, relax=model.relax)
+    elif kind == 'shared': d['steps'] = model.steps   # any cell of that many nodes runs on its weights
     else: d['genotype'] = genotype_to_dict(model.genotype)
     return d
 

@@ -13,13 +13,14 @@ except _PackageNotFoundError: __version__ = '0.1.0'   # run from a checkout with
 _API = {
     'rnn_darts.learner': ['search_learner', 'train_learner', 'evaluate', 'eval_weights', 'DartsLearner', 'SeqCrossEntropy',
                           'flat_splitter', 'load_preset', 'learner_kwargs'],
-    'rnn_darts.model': ['DartsRnn', 'DartsRnnSearch', 'n_weights', 'linear_cross_entropy'],
+    'rnn_darts.model': ['DartsRnn', 'DartsRnnSearch', 'DartsRnnShared', 'n_weights', 'linear_cross_entropy'],
+    'rnn_darts.random_search': ['choose_cell'],
     'rnn_darts.data': ['Corpus', 'numbers_corpus', 'read_corpus', 'write_corpus', 'get_ptb', 'lm_dls', 'search_stream',
                        'test_dl', 'StreamDL', 'SearchStream'],
     'rnn_darts.genotypes': ['Genotype', 'PRIMITIVES', 'DARTS_V1', 'DARTS_V2', 'ENAS', 'GENOTYPES', 'load_genotype',
-                            'save_genotype', 'check_genotype', 'derive_genotype'],
+                            'save_genotype', 'check_genotype', 'derive_genotype', 'sample_genotype'],
     'rnn_darts.core': ['set_seed', 'get_device', 'read_preset'],
-    'callbacks.arch': ['ArchParamUpdate'],
+    'callbacks.arch': ['ArchParamUpdate', 'RandomArch'],
     'callbacks.training': ['SeqLenLR', 'FlatGradClip', 'FusedDecoderLoss', 'ASGDSwitch'],
     'callbacks.checkpoint': ['Checkpoint', 'DivergenceGuard'],
 }

@@ -11,16 +11,16 @@ from pathlib import Path
 from types import SimpleNamespace
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V2
-from rnn_darts.model import DartsRnn, DartsRnnSearch, NodeNorm
+from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V2, sample_genotype
+from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared, NodeNorm
 from callbacks.arch import ArchParamUpdate, arch_grad, hypergrad
 
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'STEP_NAMES', 'mem_kind', 'time_fn',
-           'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'arch_hypergrad', 'search_step',
-           'in_bf16', 'kernel_profile', 'launch_count', 'PlainSearchRnn', 'plain_from', 'plain_clip', 'plain_unrolled',
-           'plain_hvp', 'plain_hypergrad_first', 'plain_hypergrad_second', 'PlainSearchStep', 'bf16_agreement',
-           'write_json', 'run_bench', 'print_table']
+           'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'arch_hypergrad', 'random_step',
+           'search_step', 'in_bf16', 'kernel_profile', 'launch_count', 'PlainSearchRnn', 'plain_from', 'plain_clip',
+           'plain_unrolled', 'plain_hvp', 'plain_hypergrad_first', 'plain_hypergrad_second', 'PlainSearchStep',
+           'bf16_agreement', 'write_json', 'run_bench', 'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 FULL_SHAPES = dict(search=dict(bs=256, bptt=35, nhid=300, ntoken=10000),
@@ -122,6 +122,11 @@ def arch_updater(model, mode='second', arch_bf16=False, **kwargs):
 def arch_hypergrad(model, trn, val, mode='second', lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
     "The hypergradient of `mode` (first|second|exact) as an architecture pass (`arch_grad`: shared masks, frozen BatchNorm statistics), in the surrounding precision"
     return arch_grad(model, trn, val, partial(hypergrad, model, mode=mode, lr=lr, wd=wd, clip=clip), arch_bf16=True)[0]
+
+def random_step(model, gen, xb, yb, lr=STEP['lr'], clip=STEP['clip']):
+    "Random search with weight sharing: a cell drawn from `gen` for this batch, then the weight step"
+    model.use(sample_genotype(model.steps, gen))
+    return weight_step(model, xb, yb, lr=lr, clip=clip)
 
 def search_step(model, cb, trn, val, mode='second', lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
     "One architecture step (the callback's own `arch_step`, in mode `mode`) then one weight step"
@@ -391,10 +396,11 @@ def write_json(results: dict, path):
     return p
 
 STEP_NAMES = dict(second='search step, 2nd order (fd)', first='search step, 1st order',
-                  exact='search step, 2nd order (exact)', weight='search weight step only')
+                  exact='search step, 2nd order (exact)', weight='search weight step only',
+                  random='random search step (a new cell)')
 
 def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, iters:int|None=None,
-              warmup:int|None=None, modes=('second', 'first', 'exact'), plain:bool|None=None, train:bool=True,
+              warmup:int|None=None, modes=('second', 'first', 'exact', 'random'), plain:bool|None=None, train:bool=True,
               evaluate:bool=True, shape:dict|None=None, train_shape:dict|None=None, eval_bs:int|None=None,
               seed:int=0, threads:int|None=None, compile:bool=False, bf16:bool=False, verbose:bool=False) -> dict:
     "Time the search steps, the derived model's training step and evaluation; optionally the plain implementation"
@@ -429,10 +435,16 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     def search_model():
         torch.manual_seed(seed)
         return ours(DartsRnnSearch(S['ntoken'], S['nhid'], S['nhid'], **SEARCH_DROPOUTS).to(dev).train())
+    def shared_model():
+        torch.manual_seed(seed)
+        return DartsRnnShared(S['ntoken'], S['nhid'], S['nhid'], **SEARCH_DROPOUTS).to(dev).train()
     trn, val = _batches(S['ntoken'], S['bs'], S['bptt'], 2, dev, seed)
     for mode in modes:
-        m = search_model()
+        m = search_model() if mode != 'random' else shared_model()
         if mode == 'weight': fn = amp(lambda: weight_step(m, *trn))
+        elif mode == 'random':   # eager, compiled or not: each batch's new cell would recompile a compiled step
+            gen = torch.Generator().manual_seed(seed)
+            fn = amp(lambda: random_step(m, gen, *trn))
         else:
             cb = arch_updater(m, mode)
             fn = amp(lambda: search_step(m, cb, trn, val, mode))

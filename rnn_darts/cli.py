@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_cli.ipynb #c0c1a83b
 from __future__ import annotations
-import argparse, difflib, errno, inspect, json, linecache, os, re, socket, sys, traceback
+import argparse, difflib, errno, inspect, json, linecache, os, re, socket, sys, time, traceback
 from contextlib import contextmanager
 from pathlib import Path
 from fastcore.script import bool_arg
@@ -15,8 +15,8 @@ from rnn_darts.core import UserError, UsageError, get_device, set_seed, read_pre
 # %% auto #0
 __all__ = ['DATA_DEFAULTS', 'TRAIN_DEFAULTS', 'CHOICES', 'RUN_FILES', 'RESUME_FREE', 'COMMANDS', 'known_options',
            'options_of_defaults', 'settings_and_sources', 'resolve_settings', 'signature_defaults', 'code_defaults',
-           'setting_name', 'check_settings', 'check_fits', 'memory_estimate', 'available_memory', 'check_memory',
-           'load_corpus', 'run_files', 'RunLock', 'read_run_json', 'settings_diff', 'prepare_run_dir',
+           'check_random', 'setting_name', 'check_settings', 'check_fits', 'memory_estimate', 'available_memory',
+           'check_memory', 'load_corpus', 'run_files', 'RunLock', 'read_run_json', 'settings_diff', 'prepare_run_dir',
            'record_overrides_cb', 'idle_cores', 'set_threads', 'search', 'train', 'evaluate_run', 'bench', 'report',
            'user_error_code', 'error_message', 'command_parser', 'main_help', 'foreign_warnings_off', 'run_command',
            'main']
@@ -77,9 +77,24 @@ def code_defaults(command) -> dict:
     return {**DATA_DEFAULTS, **signature_defaults('rnn_darts.learner', fn), **(TRAIN_DEFAULTS if command == 'train' else {})}
 
 # %% ../nbs/08_cli.ipynb #c11c0002
-CHOICES = dict(mode=('second', 'first', 'exact'), relax=('softmax', 'sigmoid'), on_nan=('rollback', 'stop', 'skip'),
+CHOICES = dict(mode=('second', 'first', 'exact', 'random'), relax=('softmax', 'sigmoid'), on_nan=('rollback', 'stop', 'skip'),
                split=('test', 'valid'), fmt=('md', 'html'))
-_POS_INT = ('epochs', 'bs', 'eval_bs', 'test_bs', 'n_train', 'emsize', 'nhid', 'nonmono', 'keep', 'threads', 'iters')
+_POS_INT = ('epochs', 'bs', 'eval_bs', 'test_bs', 'n_train', 'emsize', 'nhid', 'nonmono', 'keep', 'threads', 'iters', 'candidates', 'top')
+_ALPHA_ONLY = ('arch_lr', 'arch_wd', 'relax', 'op_decay', 'zero_one', 'arch_bf16', 'same_masks')   # DARTS settings random search has no use for
+
+def check_random(s:dict, src:dict|None=None):
+    "Raise a `UsageError` for flags that do not fit the search mode: α's with --mode random, --candidates/--top without it"
+    n, flag = (lambda k: setting_name(k, src)), (lambda k: (src or {}).get(k) == 'flag')
+    if s.get('mode') != 'random':
+        for k in ('candidates', 'top'):
+            if flag(k): raise UsageError(f"{n(k)} applies to --mode random (the cells it scores after training), not --mode {s.get('mode')}")
+        return
+    for k in _ALPHA_ONLY:
+        if flag(k): raise UsageError(f"{n(k)} sets the architecture weights α, which --mode random does not have")
+    if s.get('compile'): raise UsageError(f"{n('compile')}: --mode random runs another cell every batch, and a compiled step would "
+                                          "recompile for each; random search runs eager")
+    if s.get('candidates') is not None and s.get('top') is not None and s['top'] > s['candidates']:
+        raise UsageError(f"{n('top')} ({s['top']}) cannot exceed {n('candidates')} ({s['candidates']})")
 _NONNEG_INT = ('seed', 'max_delta')
 _POS_FLOAT = ('lr', 'arch_lr')
 _NONNEG_FLOAT = ('wd', 'arch_wd', 'clip', 'alpha', 'beta', 'zero_one', 'op_decay')
@@ -105,6 +120,7 @@ def check_settings(s:dict, src:dict|None=None) -> dict:
                 raise UsageError(f"{n(k)} is a dropout probability and must be in [0, 1), got {v!r}")
         elif k in CHOICES: check_choice(n(k), v, CHOICES[k])
     if 'bptt' in s: check_number(n('bptt'), s['bptt'], 2, integer=True)
+    if 'mode' in s: check_random(s, src)
     if s.get('emsize') is not None and s.get('nhid') is not None and s['emsize'] != s['nhid']:
         raise UsageError(f"{n('emsize')} ({s['emsize']}) must equal {n('nhid')} ({s['nhid']}): the decoder is tied to the embedding")
     if s.get('data') in ('numbers', 'ptb'):
@@ -127,7 +143,7 @@ def check_fits(corpus, s:dict, command:str, src:dict|None=None, split:str|None=N
     if command in ('search', 'train'):
         _fits(corpus, 'train', s['bs'], 2, n('bs'), 'an input and its target')
         _fits(corpus, 'valid', s['eval_bs'], 2, n('eval_bs'), 'an input and its target')
-    if command == 'search':   # the architecture steps read the valid split at the training batch size, bptt tokens at a time
+    if command == 'search' and s.get('mode') != 'random':   # the architecture steps read the valid split at the training batch size, bptt tokens at a time
         _fits(corpus, 'valid', s['bs'], s['bptt'] + 1, n('bs'), f"the architecture steps read the valid split in slices of --bptt {s['bptt']} + 1")
     if command == 'train' or split == 'test': _fits(corpus, 'test', s['test_bs'], 2, n('test_bs'), 'an input and its target')
     if split == 'valid': _fits(corpus, 'valid', s['eval_bs'], 2, n('eval_bs'), 'an input and its target')
@@ -183,7 +199,7 @@ def _kwargs(fn, s, drop=()):
     return {k: v for k, v in s.items() if k in keys and k not in ('cbs', 'path', 'resume', 'device', 'ntoken', *drop)}
 
 # %% ../nbs/08_cli.ipynb #c11c0005
-RUN_FILES = ('run.json', 'log.csv', 'history.json', 'genotype.json', 'checkpoints')
+RUN_FILES = ('run.json', 'log.csv', 'history.json', 'genotype.json', 'candidates.csv', 'checkpoints')
 RESUME_FREE = ('epochs', 'out', 'device', 'threads')   # settings a resumed run may change without --override
 
 def run_files(out) -> list:
@@ -359,7 +375,9 @@ def search(
     dropoutx:float=None,  # dropout on the cell's input
     dropouti:float=None,  # dropout on the embedded input
     dropoute:float=None,  # embedding (word) dropout
-    mode:str=None,        # architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product)
+    mode:str=None,        # architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product); or random: random search with weight sharing, no α
+    candidates:int=None,  # --mode random: cells to score with the shared weights after training (default: 1,000 per 10,000 training batches, at least 100)
+    top:int=None,         # --mode random: the best cells of the screening pass scored again on the full valid split
     arch_lr:float=None,   # learning rate of α (Adam), > 0
     arch_wd:float=None,   # weight decay of α
     relax:str=None,       # softmax (DARTS) | sigmoid (Fair DARTS)
@@ -369,24 +387,31 @@ def search(
     bf16:bool_arg=None,   # bf16 autocast (fp32 weights and α)
     arch_bf16:bool_arg=None, # with --bf16, run the architecture passes in bf16 too (loses the hypergradient: see README)
 ):
-    "Architecture search: learn the mixing weights α of a recurrent cell, write the genotype"
+    "Architecture search: learn the mixing weights α of a recurrent cell (or, --mode random, score drawn cells), write the genotype"
     flags = {k: v for k, v in locals().items() if k not in _CONTROL}
     r = _prepare('search', preset, settings, device, flags, resume, overwrite, override, threads, url)
     try:
         from rnn_darts.data import lm_dls, search_stream
         from rnn_darts.learner import search_learner, RunInfo
-        from rnn_darts.genotypes import save_genotype
+        from rnn_darts.genotypes import save_genotype, genotype_to_dict
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
         from callbacks.training import RunLogger
         s, dev, out, corpus = r.s, r.dev, r.out, r.corpus
         if r.rank == 0: print(f"search on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
-        learn = search_learner(dls, search_stream(corpus, s['bs'], device=dev), path=out, resume=True if resume else None,
+        rnd = s['mode'] == 'random'
+        learn = search_learner(dls, None if rnd else search_stream(corpus, s['bs'], device=dev), path=out, resume=True if resume else None,
                                device=dev, cbs=[RunLogger('log.csv', append=resume), RunInfo('search', s)], **_kwargs(search_learner, s))
         learn = distrib_learner(learn)
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes)] if resume else None)
-        g = learn.model.genotype()
-        if r.rank == 0:
+        if rnd:
+            from rnn_darts.random_search import choose_cell
+            t0, df = time.time(), choose_cell(learn)
+            if r.rank == 0: _report_end(learn, out, dict(genotype=genotype_to_dict(learn.random_arch.chosen),
+                                        candidates=dict(n=len(df), top=int(df.valid_loss.notna().sum()), seconds=time.time() - t0,
+                                                        valid_loss=float(df.valid_loss[0]))))
+        elif r.rank == 0:
+            g = learn.model.genotype()
             save_genotype(g, out/'genotype.json')
             print(f"genotype: {g}\nwritten to {out/'genotype.json'}")
         cleanup_distrib()
@@ -489,12 +514,18 @@ def evaluate_run(
     from rnn_darts.genotypes import load_genotype
     dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search' if info['command'] == 'search' else 'train', eval_bs=s['eval_bs'], device=dev)
     if info['command'] == 'search':
-        learn = search_learner(dls, search_stream(corpus, s['bs'], device=dev), path=run, checkpoint=False, device=dev,
+        sdl = None if s.get('mode') == 'random' else search_stream(corpus, s['bs'], device=dev)
+        learn = search_learner(dls, sdl, path=run, checkpoint=False, device=dev,
                                **_kwargs(search_learner, s, ('checkpoint',)))
     else:
         learn = train_learner(dls, load_genotype(s['genotype']), path=run, checkpoint=False, device=dev,
                               **_kwargs(train_learner, s, ('checkpoint', 'genotype')))
     restore(learn, state, str(p), full=False)
+    if getattr(learn, 'random_arch', None) is not None:   # a random search's weights, with the cell it chose
+        gp = run/'genotype.json'
+        if not gp.is_file(): raise FileNotFoundError(f"{gp} does not exist: the random search in {run} has not chosen a cell yet; "
+                                                     f"finish it with rnn-darts search --resume --out {run}")
+        learn.random_arch.chosen = load_genotype(gp)
     dl = test_dl(corpus, s['bptt'], bs=s.get('test_bs', 1), device=dev) if split == 'test' else dls.valid
     res = evaluate(learn, dl)
     print(f"{p} on {split}: loss {res['loss']:.4f}, perplexity {res['ppl']:.2f}")

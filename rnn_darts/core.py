@@ -168,12 +168,14 @@ def read_preset(name:str, known:dict, path=None) -> dict:
         res[k] = _convert(v, known[k], f"{p}: [{name}] {k}")
     return res
 
+_ANNOTATED = dict(int=int, float=float, bool=bool)
+
 def options_of(*fns) -> dict:
     "The options (name -> type of default) that the functions `fns` accept"
     res = {}
     for f in fns:
         for k, prm in inspect.signature(f).parameters.items():
             if prm.default is inspect.Parameter.empty or prm.kind in (prm.VAR_KEYWORD, prm.VAR_POSITIONAL): continue
-            d = prm.default
-            res[k] = type(d) if d is not None and not isinstance(d, (list, tuple)) else str
+            d, anno = prm.default, str(prm.annotation).split('|')[0].strip()   # `x:int|None=None`: an int
+            res[k] = type(d) if d is not None and not isinstance(d, (list, tuple)) else _ANNOTATED.get(anno, str)
     return res

@@ -11,7 +11,7 @@ import torch
 
 # %% auto #0
 __all__ = ['Genotype', 'PRIMITIVES', 'STEPS', 'DARTS_V1', 'DARTS_V2', 'ENAS', 'GENOTYPES', 'check_genotype', 'genotype_to_dict',
-           'save_genotype', 'genotype_from_dict', 'load_genotype', 'edge_slices', 'derive_genotype']
+           'save_genotype', 'genotype_from_dict', 'load_genotype', 'edge_slices', 'derive_genotype', 'sample_genotype']
 
 # %% ../nbs/02_genotypes.ipynb #7b8c84fd
 Genotype = namedtuple('Genotype', 'recurrent concat')
@@ -95,3 +95,10 @@ def derive_genotype(weights, steps:int=STEPS, concat=None) -> Genotype:
         pred = int(best.argmax())
         rec.append((PRIMITIVES[1 + int(ops[pred])], pred))
     return Genotype(tuple(rec), tuple(concat or range(1, steps + 1)))
+
+# %% ../nbs/02_genotypes.ipynb #1c9775fa
+def sample_genotype(steps:int=STEPS, generator:torch.Generator|None=None) -> Genotype:
+    "A cell drawn uniformly: each node one earlier node and one op other than `none`, independently; the mean of all nodes"
+    ops = torch.randint(1, len(PRIMITIVES), (steps,), generator=generator).tolist()
+    preds = [int(torch.randint(0, i + 1, (), generator=generator)) for i in range(steps)]
+    return Genotype(tuple((PRIMITIVES[o], p) for o, p in zip(ops, preds)), tuple(range(1, steps + 1)))

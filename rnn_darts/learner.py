@@ -22,15 +22,15 @@ from fastai.optimizer import SGD
 import fastai.callback.schedule  # adds Learner.lr_find and fit_one_cycle
 from fastai.callback.progress import CSVLogger
 from rnn_darts.core import rng_states, set_rng_states, read_preset
-from rnn_darts.model import DartsRnn, DartsRnnSearch
+from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
-from callbacks.arch import ArchParamUpdate
+from callbacks.arch import ArchParamUpdate, RandomArch
 from callbacks.training import SeqLenLR, FlatGradClip, ASGDSwitch, GenotypeLogger, TrainEpochEnd, RNNRegularizer, write_json_atomic, valid_loss_of, BF16Autocast, FusedDecoderLoss, AutoCompile, CompileNotice
 from callbacks.checkpoint import Checkpoint, DivergenceGuard
 
 # %% auto #0
-__all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'RunInfo', 'SeqCrossEntropy', 'search_learner', 'train_learner',
-           'eval_weights', 'evaluate', 'VocabDLs', 'load_preset', 'learner_kwargs']
+__all__ = ['SEARCH_MODES', 'DartsLearner', 'flat_splitter', 'device_name', 'run_genotype', 'RunInfo', 'SeqCrossEntropy',
+           'search_learner', 'train_learner', 'eval_weights', 'evaluate', 'VocabDLs', 'load_preset', 'learner_kwargs']
 
 # %% ../nbs/07_learner.ipynb #237f3218
 class DartsLearner(Learner):
@@ -55,6 +55,13 @@ def device_name(device) -> str:
     d = torch.device(device)
     return torch.cuda.get_device_name(d) if d.type == 'cuda' else 'cpu'
 
+def run_genotype(learn):
+    "The run's cell: derived from α (DARTS), the chosen candidate (random search: None until `choose_cell`), or the one trained"
+    m = learn.model
+    if hasattr(m, 'alpha'): return m.genotype()
+    rnd = getattr(learn, 'random_arch', None)
+    return m.genotype if rnd is None else rnd.chosen
+
 class RunInfo(TrainEpochEnd):
     "Write `run.json` (settings, device, epoch times, best validation loss, ASGD epoch, genotype) every epoch"
     order = GenotypeLogger.order + 1   # after ASGDSwitch and GenotypeLogger have done their epoch's work
@@ -73,8 +80,8 @@ class RunInfo(TrainEpochEnd):
         if math.isfinite(v) and (i['best_valid_loss'] is None or v < i['best_valid_loss']): i['best_valid_loss'] = v
         sw = getattr(self.learn, 'asgd_switch', None)
         if sw is not None and sw.active: i['asgd_epoch'] = sw.switch_epoch
-        g = self.model.genotype() if hasattr(self.model, 'alpha') else self.model.genotype
-        i['genotype'] = genotype_to_dict(g)
+        g = run_genotype(self.learn)
+        i['genotype'] = None if g is None else genotype_to_dict(g)
         if rank_distrib() == 0: write_json_atomic(i, Path(self.path)/self.fname)
     def ckpt_state(self): return dict(info=self.info)
     def load_ckpt_state(self, d): self.info = dict(d['info'])
@@ -112,12 +119,31 @@ def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=None, bf16=
     return DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=lr, splitter=flat_splitter, wd=wd,
                         wd_bn_bias=True, metrics=metrics, path=path, cbs=list(L(cbs)) + auto + ([BF16Autocast()] if bf16 else []))
 
+SEARCH_MODES = ('second', 'first', 'exact', 'random')
+
+def _random_learner(dls, model_kw, lr, wd, common, candidates, top, path, device, compile, bf16, fused_loss, cbs, **alpha_kw):
+    "`search_learner(mode='random')`: shared weights (`DartsRnnShared`), a cell drawn per batch (`RandomArch`), no α"
+    moved = {k: v for k, v in alpha_kw.items() if v != dict(relax='softmax', zero_one=0., op_decay=0.)[k]}
+    if moved: raise ValueError(f"mode='random' has no α: {', '.join(f'{k}={v!r}' for k, v in moved.items())} would be ignored")
+    if compile: raise ValueError("compile=True with mode='random': every batch runs another cell, and a compiled step recompiles for "
+                                 "each new cell (see rnn_darts.random_search); random search runs eager")
+    model = DartsRnnShared(_ntoken(dls, model_kw.pop('ntoken')), **model_kw)
+    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, False, bf16, fused_loss)
+    learn.add_cbs(common + [RandomArch(candidates=candidates, top=top)] + list(L(cbs)))
+    return learn
+
 def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
                    dropoute=0., lr=20., wd=5e-7, clip=0.25, alpha=0., beta=1e-3, mode='second', arch_lr=3e-3,
                    arch_wd=1e-3, relax='softmax', same_masks=True, zero_one=0., op_decay=0., on_nan='rollback', path='.',
-                   checkpoint=True, keep=2, resume=None, cbs=None, device=None, ntoken=None, compile=None, bf16=False,
-                   arch_bf16=False, fused_loss=True) -> DartsLearner:
-    "A `Learner` for the DARTS search phase, with the paper's defaults"
+                   checkpoint=True, keep=2, resume=None, cbs=None, device=None, ntoken=None, compile:bool|None=None, bf16=False,
+                   arch_bf16=False, fused_loss=True, candidates:int|None=None, top=10) -> DartsLearner:
+    "A `Learner` for the search phase, with the paper's defaults: DARTS (`mode` second|first|exact), or random search with weight sharing (`mode='random'`: `search_dl` unused, `candidates` and `top` for `choose_cell`)"
+    if mode not in SEARCH_MODES: raise ValueError(f"mode must be one of {', '.join(map(repr, SEARCH_MODES))}, got {mode!r}")
+    if mode == 'random':
+        return _random_learner(dls, dict(ntoken=ntoken, emsize=emsize, nhid=nhid, dropout=dropout, dropouth=dropouth, dropoutx=dropoutx,
+                                         dropouti=dropouti, dropoute=dropoute), lr, wd,
+                               _common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss), candidates, top, path,
+                               device, compile, bf16, fused_loss, cbs, relax=relax, zero_one=zero_one, op_decay=op_decay)
     model = DartsRnnSearch(_ntoken(dls, ntoken), emsize, nhid, dropout, dropouth, dropoutx, dropouti, dropoute, relax=relax)
     arch = ArchParamUpdate(search_dl, mode, arch_lr, arch_wd=arch_wd, same_masks=same_masks, zero_one=zero_one, op_decay=op_decay,
                            arch_bf16=arch_bf16)
@@ -129,7 +155,7 @@ def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=
 def train_learner(dls, genotype, emsize=850, nhid=850, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
                   dropoute=0.1, lr=20., wd=8e-7, clip=0.25, alpha=0., beta=1e-3, nonmono=5, asgd=False,
                   on_nan='rollback', path='.', checkpoint=True, keep=2, resume=None, cbs=None, device=None,
-                  ntoken=None, compile=None, bf16=False, fused_loss=True) -> DartsLearner:
+                  ntoken=None, compile:bool|None=None, bf16=False, fused_loss=True) -> DartsLearner:
     "A `Learner` that trains a derived genotype from scratch with NT-ASGD, with the paper's defaults"
     model = DartsRnn(_ntoken(dls, ntoken), load_genotype(genotype), emsize, nhid, dropout, dropouth, dropoutx, dropouti, dropoute)
     learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16, fused_loss)
@@ -153,12 +179,14 @@ def _run_state(learn) -> dict:
     "What a fit moves besides the weights and optimizers: RNG states, hidden states, loader and search-stream positions"
     sdl = getattr(getattr(learn, 'arch_param_update', None), 'search_dl', None)
     trn = learn.dls.train if len(learn.dls.loaders) else None
-    return dict(rng=rng_states(), hidden=dict(learn.model.hidden),
+    rnd = getattr(learn, 'random_arch', None)
+    return dict(rng=rng_states(), hidden=dict(learn.model.hidden), cells=None if rnd is None else rnd.gen.get_state(),
                 dl=trn.state_dict() if hasattr(trn, 'state_dict') else None,
                 search=sdl.state_dict() if hasattr(sdl, 'state_dict') else None)
 
 def _set_run_state(learn, st):
     set_rng_states(st['rng']); learn.model.hidden = st['hidden']
+    if st['cells'] is not None: learn.random_arch.gen.set_state(st['cells'])
     if st['dl'] is not None: learn.dls.train.load_state_dict(st['dl'])
     if st['search'] is not None: learn.arch_param_update.search_dl.load_state_dict(st['search'])
 

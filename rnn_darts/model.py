@@ -15,7 +15,8 @@ from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, der
 __all__ = ['ONEDNN', 'ONEDNN_MIN_MACS', 'ONEDNN_MIN_WEIGHT_GRAD_MACS', 'KEEP_FREED_MEMORY', 'ACTS', 'TAP_MIN_NUMEL', 'LOG2E',
            'FlatParams', 'FlatModule', 'MaskBank', 'mm_t', 'onednn_mm_t', 'WeightTap', 'DeferredWeight', 'linear',
            'tanh', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm', 'DartsCellSearch', 'ce_chunk_rows',
-           'LinearCrossEntropy', 'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch', 'n_weights']
+           'LinearCrossEntropy', 'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch',
+           'DartsRnnShared', 'n_weights']
 
 # %% ../nbs/03_model.ipynb #3bef24ac
 class FlatParams:
@@ -369,22 +370,35 @@ class PackedCell(nn.Module):
         return self.step(xw_t, h, mh, ctx), tuple(w.a for w in _collect(ctx, _Tapped))
 
 # %% ../nbs/03_model.ipynb #811e19ff
+def _by_predecessor(g:Genotype) -> list:
+    "g's nodes (1-based) sorted by predecessor, then by number"
+    return sorted(range(1, len(g.recurrent) + 1), key=lambda i: (g.recurrent[i - 1][1], i))
+
 class DartsCell(PackedCell):
-    "A derived recurrent cell for `genotype`"
-    def __init__(self, ninp, nhid, genotype, dropoutx=0., dropouth=0.):
+    "A derived recurrent cell for `genotype`; `shared=True`: node `i`'s matrix at block `i` (the search cell's layout), any genotype by `use`"
+    def __init__(self, ninp, nhid, genotype, dropoutx=0., dropouth=0., shared=False):
         g = check_genotype(genotype)
-        n = len(g.recurrent)
-        by_pred = sorted(range(1, n + 1), key=lambda i: (g.recurrent[i - 1][1], i))   # nodes grouped by predecessor
-        order = [by_pred.index(i) for i in range(1, n + 1)]
-        super().__init__(ninp, nhid, n, dropoutx, dropouth, order)
+        n, by_pred = len(g.recurrent), _by_predecessor(g)
+        super().__init__(ninp, nhid, n, dropoutx, dropouth, None if shared else [by_pred.index(i) for i in range(1, n + 1)])
+        self.use(g)
+
+    def use(self, genotype):
+        "Run `genotype` (of as many nodes) from the next forward on, with the same weights: node `i` multiplies by `W(i)`"
+        g = check_genotype(genotype)
+        if len(g.recurrent) != self.n_nodes: raise ValueError(f"this cell has {self.n_nodes} nodes; the genotype has {len(g.recurrent)}")
         self.genotype = g
-        self.kids = {p: [i for i in by_pred if g.recurrent[i - 1][1] == p] for p in range(n + 1)}
+        self.kids = {p: [i for i in _by_predecessor(g) if g.recurrent[i - 1][1] == p] for p in range(self.n_nodes + 1)}
+        return self
+
+    def kid_rows(self, kids):
+        "The rows of `WhT` holding the matrices of nodes `kids`: a view where they are adjacent (always, in a derived cell's own layout), else a copy"
+        n2, cols = 2 * self.nhid, [self.col[i - 1] for i in kids]
+        if cols == list(range(cols[0], cols[0] + len(cols))): return self.WhT[cols[0] * n2:(cols[-1] + 1) * n2]
+        return torch.cat([self.WhT[c * n2:(c + 1) * n2] for c in cols])
 
     def per_sequence(self):
         "`W0[ninp:]` and, per predecessor with children, the rows of all its children's matrices"
-        n2 = 2 * self.nhid
-        blocks = tuple(self.WhT[self.col[k[0] - 1] * n2:(self.col[k[0] - 1] + len(k)) * n2] for k in self.kids.values() if k)
-        return (*super().per_sequence(), tuple(self.step_weight(W) for W in blocks))
+        return (*super().per_sequence(), tuple(self.step_weight(self.kid_rows(k)) for k in self.kids.values() if k))
 
     def step(self, xw_t, h, mh, ctx):
         W0hT, blocks = ctx
@@ -656,6 +670,23 @@ class DartsRnnSearch(LanguageModel):
         self.cell.bn_update = False
         try: yield self
         finally: self.cell.bn_update = True
+
+class DartsRnnShared(LanguageModel):
+    "The search space with weight sharing (random search, Li & Talwalkar 2019): the search cell's matrices, one per node, running one discrete cell at a time (`use`)"
+    def __init__(self, ntoken, emsize=300, nhid=300, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
+                 dropoute=0., steps=STEPS):
+        for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
+        chain = Genotype(tuple(('tanh', i) for i in range(steps)), tuple(range(1, steps + 1)))   # until the first `use`
+        super().__init__(ntoken, emsize, nhid, DartsCell(emsize, nhid, chain, dropoutx, dropouth, shared=True), dropout, dropouti, dropoute)
+        self.steps = steps
+        self.flatten_()
+
+    @property
+    def genotype(self) -> Genotype: return self.cell.genotype
+    def use(self, genotype):
+        "Run `genotype` (of `steps` nodes) from the next forward on"
+        self.cell.use(genotype)
+        return self
 
 # %% ../nbs/03_model.ipynb #572f47b4
 def n_weights(model) -> int:

@@ -19,7 +19,7 @@ from rnn_darts.genotypes import (Genotype, PRIMITIVES, check_genotype, load_geno
 # %% auto #0
 __all__ = ['OP_COLORS', 'FORMATS', 'VALID_BELOW_TRAIN', 'ShownFigure', 'dot_path', 'genotype_dot', 'cell_layout', 'plot_genotype',
            'load_history', 'entry_genotype', 'alpha_matrix', 'edge_names', 'plot_alphas', 'genotype_gif', 'log_frame',
-           'plot_curves', 'run_summary', 'write_report']
+           'plot_curves', 'plot_candidates', 'run_summary', 'write_report']
 
 # %% ../nbs/09_plot.ipynb #ccbf2eea
 OP_COLORS = {'none': '#9e9e9e', 'tanh': '#1f77b4', 'relu': '#d62728', 'sigmoid': '#2ca02c', 'identity': '#9467bd'}
@@ -328,6 +328,25 @@ def plot_curves(log, asgd_epoch:int|None=None, path=None, title:str|None=None):
     fig.log = df
     return _out(fig, path)
 
+# %% ../nbs/09_plot.ipynb #65f40bb6
+def plot_candidates(candidates, path=None):
+    "Histogram of the candidates' screening perplexity, the fully scored ones and the chosen one marked; a Figure, or the path written"
+    df = pd.read_csv(candidates) if not isinstance(candidates, pd.DataFrame) else candidates
+    missing = {'rank', 'screen_ppl', 'valid_ppl'} - set(df.columns)
+    if missing: raise ValueError(f"{candidates if not isinstance(candidates, pd.DataFrame) else 'candidates'}: no column {', '.join(sorted(missing))}; is it a candidates.csv?")
+    scr = df['screen_ppl'].astype(float)
+    ok, full = np.isfinite(scr), df['valid_ppl'].notna()
+    fig = _figure(7, 3.6); ax = fig.subplots()
+    ax.hist(scr[ok], bins=min(40, max(5, int(ok.sum()) // 4)), color='0.75', edgecolor='0.4', label=f'screened ({int(ok.sum())} cells)')
+    ax.plot(scr[full], np.zeros(int(full.sum())), '|', ms=14, mew=2, color='C1', label=f'scored on the full split ({int(full.sum())})')
+    win = df.sort_values('rank').iloc[0]
+    ax.axvline(win['screen_ppl'], color='C3', lw=2, label=f"chosen: full valid perplexity {win['valid_ppl']:.2f}")
+    bad = int((~ok).sum())
+    ax.set_xlabel('validation perplexity, screening pass (short contexts)'); ax.set_ylabel('cells')
+    ax.set_title(f"{len(df)} random cells on the shared weights" + (f"; {bad} overflowed (not drawn)" if bad else ''))
+    ax.grid(alpha=0.3); ax.legend(fontsize=8)
+    return _out(fig, path)
+
 # %% ../nbs/09_plot.ipynb #0b668ab0
 def _read_json(p:Path, what:str):
     try: return json.loads(p.read_text())
@@ -381,7 +400,13 @@ def write_report(run_dir, fmt:str='md') -> Path:
     run_dir = Path(run_dir); out = run_dir/'report'; out.mkdir(exist_ok=True)
     imgs = []   # (section, caption, file name)
     if s['genotype'] is not None:
-        plot_genotype(s['genotype'], out/'genotype.png', title='final cell'); imgs.append(('Final cell', 'the derived cell', 'genotype.png'))
+        rnd = (run_dir/'candidates.csv').is_file()
+        plot_genotype(s['genotype'], out/'genotype.png', title='chosen cell' if rnd else 'final cell')
+        imgs.append(('Final cell', 'the cell random search chose' if rnd else 'the derived cell', 'genotype.png'))
+    if (run_dir/'candidates.csv').is_file():
+        plot_candidates(run_dir/'candidates.csv', out/'candidates.png')
+        imgs.append(('Candidates', 'random search: every cell scored with the shared weights; the best few scored again on the full '
+                     'validation split, and the chosen one', 'candidates.png'))
     h = s['history']
     if h:
         if len(h) > 1:

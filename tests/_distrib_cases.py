@@ -31,6 +31,7 @@ def build(kind='search', mode='first', bn='batch', seed=0, path=None, checkpoint
     kw = dict(emsize=NHID, nhid=NHID, path=path, checkpoint=checkpoint, resume=resume, **NODROP,
               lr=2. if bn == 'off' else 20.)   # without normalisation lr 20 diverges (NaN) in the first epoch
     if kind == 'search': learn = search_learner(dls, search_stream(c, bs), mode=mode, **kw)
+    elif kind == 'random': learn = search_learner(dls, None, mode='random', **kw)
     else: learn = train_learner(dls, 'DARTS_V2', **kw)
     set_norm(learn.model, bn)
     return learn
@@ -109,3 +110,16 @@ def search_and_resume(search_path, resume_path):
     a = short_search(search_path, epochs=2, mode='second', bn='batch')
     b = short_search(resume_path, epochs=2, mode='first', bn='off', resume=True)
     return dict(search=a, resumed=b)
+
+class CellLog(Callback):
+    "The cell of every training batch"
+    order = 50
+    def before_fit(self): self.cells = []
+    def after_pred(self):
+        if self.training: self.cells.append(self.model.genotype)
+
+def random_fit():
+    "A 1-epoch random search on this process's share of the streams: the cell of every batch, and the weights"
+    learn, log = distrib_learner(build('random')), CellLog()
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=log)
+    return dict(cells=log.cells, w=learn.model.flat.data.clone())

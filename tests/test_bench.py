@@ -61,12 +61,12 @@ def test_plain_step_matches_ours_over_a_few_steps():
 def test_run_bench_tiny(tmp_path, capsys):
     tiny = dict(bs=3, bptt=4, nhid=6, ntoken=40)
     res = run_bench(small=True, iters=1, warmup=0, shape=tiny, train_shape=dict(tiny, nhid=8), eval_bs=2,
-                    modes=('second', 'first', 'exact', 'weight'), json_path=tmp_path/'b.json')
+                    modes=('second', 'first', 'exact', 'weight', 'random'), json_path=tmp_path/'b.json')
     assert {'device', 'device_name', 'torch', 'threads', 'small', 'iters', 'warmup', 'mem_kind', 'shapes', 'rows',
             'ratios'} <= set(res)
     assert res['device'] == 'cpu' and res['shapes']['search'] == tiny and res['shapes']['eval_bs'] == 2
     impls = [(r['name'], r['impl']) for r in res['rows']]
-    assert len(impls) == 4 + 2 + 1 + 2 and sum(i == 'plain' for _, i in impls) == 2
+    assert len(impls) == 5 + 2 + 1 + 2 and sum(i == 'plain' for _, i in impls) == 2
     for r in res['rows']:
         assert {'name', 'impl', 'bs', 'bptt', 'nhid', 'ntoken', 'ms', 'ms_min', 'tok_s', 'mem_mb', 'ops'} <= set(r)
         assert r['ms'] > 0 and r['ms_min'] > 0 and r['tok_s'] > 0 and r['mem_mb'] > 0 and r['ops'] > 0

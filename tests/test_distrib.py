@@ -96,6 +96,14 @@ def test_resume_one_to_two_processes(runs):
     restore(learn, load_checkpoint(b/'checkpoints'/'epoch_0001.pth'))
     assert torch.equal(learn.model.flat.data, x['w']) and torch.equal(learn.model.alpha.detach(), x['alpha'])
 
+def test_random_search_ranks_draw_the_same_cells():
+    "--mode random on 2 processes: every rank runs the same cell at every batch (those one process draws), and the ranks' weights stay equal"
+    torch.set_num_threads(1)
+    res = spawn_distrib(C.random_fit, 2, timeout=240)
+    a, b = res[0]['value'], res[1]['value']
+    assert a['cells'] == b['cells'] and len(set(a['cells'])) > 10 and torch.equal(a['w'], b['w'])
+    assert C.random_fit()['cells'] == a['cells']
+
 @pytest.mark.parametrize('how', ['die', 'hang'])
 def test_failed_rank_does_not_hang(how):
     "Rank 1 dies or hangs: rank 0 stops with a DistribError naming the exchange, within the timeout, and no one waits forever"
