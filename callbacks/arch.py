@@ -210,7 +210,8 @@ class ArchParamUpdate(Callback):
     def ckpt_state(self):
         return dict(arch_opt=self.arch_opt.state_dict() if self.arch_opt else None,
                     search_dl=self.search_dl.state_dict() if hasattr(self.search_dl, 'state_dict') else None,
-                    n_skipped=None if self.n_skipped is None else self.n_skipped.item())
+                    n_skipped=None if self.n_skipped is None else self.n_skipped.item(),
+                    loss_sum=None if self.loss_sum is None else float(self.loss_sum), n_steps=self.n_steps)   # the epoch's so far: for a mid-epoch checkpoint
 
     def load_arch_opt(self, sd):
         "Load α's Adam state `sd` (saved on any device: capturable, with its step on the GPU, only on CUDA)"
@@ -226,6 +227,8 @@ class ArchParamUpdate(Callback):
         self.load_arch_opt(d['arch_opt'])
         if d['search_dl'] is not None: self.search_dl.load_state_dict(d['search_dl'])
         if d['n_skipped'] is not None: self.n_skipped.fill_(d['n_skipped'])
+        s = d.get('loss_sum')
+        self.loss_sum, self.n_steps = None if s is None else torch.tensor(s, device=self.model.alpha.device), d.get('n_steps', 0)
 
     skip_name = 'architecture'   # how DivergenceGuard names the steps counted in `n_skipped`
     def rollback_state(self, d):

@@ -4,19 +4,20 @@
 
 # %% ../nbs/06_checkpoint.ipynb #ddca2e40
 from __future__ import annotations
-import os, re, errno, math
+import os, re, errno, math, signal, sys, threading, time
 from pathlib import Path
 import torch
-from fastai.callback.core import Callback
+from fastai.callback.core import Callback, CancelFitException
 from fastai.torch_core import rank_distrib
-from rnn_darts.core import rng_states, set_rng_states
+from rnn_darts.core import rng_states, set_rng_states, naming
 from rnn_darts.genotypes import genotype_to_dict
 from callbacks.training import FlatGradClip, TrainEpochEnd, valid_loss_of, in_lr_find
 
 # %% auto #0
-__all__ = ['KEPT', 'model_meta', 'check_meta', 'stateful_cbs', 'learner_state', 'named_floats', 'nonfinite', 'kept_nonfinite',
-           'short_list', 'save_atomic', 'load_checkpoint', 'epoch_of', 'epoch_checkpoints', 'latest_checkpoint',
-           'remove_stale_tmp', 'restore', 'Checkpoint', 'skip_counters', 'cb_optimizers', 'DivergenceGuard']
+__all__ = ['KEPT', 'MID_EPOCH', 'model_meta', 'check_meta', 'stateful_cbs', 'mid_epoch_state', 'learner_state', 'named_floats',
+           'nonfinite', 'kept_nonfinite', 'short_list', 'save_atomic', 'load_checkpoint', 'epoch_of',
+           'epoch_checkpoints', 'latest_checkpoint', 'remove_stale_tmp', 'restore', 'Checkpoint', 'Preemption',
+           'skip_counters', 'cb_optimizers', 'DivergenceGuard']
 
 # %% ../nbs/06_checkpoint.ipynb #88ff6c64
 def model_meta(model) -> dict:
@@ -42,6 +43,11 @@ def _smooth_state(learn):
     "The recorder's smoothed training loss (an average over batches that runs across epochs)"
     sl = getattr(getattr(learn, 'recorder', None), 'smooth_loss', None)
     return None if sl is None else dict(count=sl.count, val=sl.val.detach().cpu().clone())
+
+def mid_epoch_state(learn) -> dict:
+    "`learner_state` after a batch inside an epoch: also the hidden states (the loader's state holds the batches done)"
+    return dict(learner_state(learn), mid=dict(hidden={k: v.detach().clone() for k, v in learn.model.hidden.items()},
+                                               batches=getattr(learn.dls.train, 'done', None), of=len(learn.dls.train)))
 
 def learner_state(learn) -> dict:
     "Everything needed to resume `learn` after the current epoch"
@@ -80,11 +86,12 @@ def save_atomic(obj, path):
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f'.{path.name}.tmp{os.getpid()}')
     try:
-        with open(tmp, 'wb') as f:
+        with naming(path), open(tmp, 'wb') as f:
             torch.save(obj, f); f.flush(); os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with naming(path): os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
+        while not isinstance(e, OSError) and isinstance(e.__context__, BaseException): e = e.__context__   # torch's zip writer raises its own error over a full disk's
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             raise OSError(errno.ENOSPC, f"no space left on device while writing checkpoint {path}; the previous checkpoints are intact") from e
         raise
@@ -154,9 +161,11 @@ def restore(learn, state:dict, where='checkpoint', full=True):
     sl = getattr(getattr(learn, 'recorder', None), 'smooth_loss', None)
     if state.get('smooth') is not None and sl is not None:   # the first resumed epoch's train_loss continues the average
         sl.count, sl.val = state['smooth']['count'], state['smooth']['val'].clone()
-    learn.first_epoch = state['epoch'] + 1
+    learn.first_epoch = state['epoch'] + (0 if state.get('mid') else 1)   # a mid-epoch state resumes inside its epoch
 
 # %% ../nbs/06_checkpoint.ipynb #d1ce7386
+MID_EPOCH = 'mid_epoch.pth'   # the state after a batch inside an epoch (`Preemption`)
+
 class Checkpoint(TrainEpochEnd):
     "Atomic, rotating checkpoints of the whole run state, the best one by validation loss, and resume"
     order = 90  # after everything that updates state at the end of an epoch
@@ -169,11 +178,12 @@ class Checkpoint(TrainEpochEnd):
     def folder(self): return Path(self.path)/self.dirname
 
     def before_fit(self):
+        self.mid = None
         if rank_distrib() == 0:
-            gone = remove_stale_tmp(self.folder) + remove_stale_tmp(Path(self.path), r'[^/]+\.json|[^/]+\.csv')
+            gone = remove_stale_tmp(self.folder, r'epoch_\d+\.pth|best\.pth|mid_epoch\.pth|es_epoch_\d+\.pth') + remove_stale_tmp(Path(self.path), r'[^/]+\.json|[^/]+\.csv')
             if gone: print(f"removed temporary files left by a killed run: {', '.join(gone)}")
         if self.resume is None or self.resume is False or in_lr_find(self.learn): return   # lr_find leaves the resume to the fit
-        p = latest_checkpoint(self.folder) if self.resume is True else Path(self.resume)
+        p = self.newest() if self.resume is True else Path(self.resume)
         if p is None: print(f"no checkpoint in {self.folder}: starting from scratch"); return
         state = load_checkpoint(p)
         restore(self.learn, state, str(p))
@@ -182,8 +192,25 @@ class Checkpoint(TrainEpochEnd):
         if p.parent.resolve() != self.folder.resolve(): written = []     # another folder's files are not this run's
         elif written is None: written = [q.name for q in epoch_checkpoints(self.folder) if epoch_of(q) <= state['epoch']]
         self.written = list(written)[-self.keep:]
-        print(f"resumed from {p} (epoch {state['epoch']}); continuing at epoch {self.learn.first_epoch}")
+        if state.get('mid'):
+            self.mid = state   # its callbacks' states and hidden states go back in again after the epoch's own resets
+            print(f"resumed from {p} (epoch {state['epoch']}, after batch {state['mid']['batches']} of {state['mid']['of']}); "
+                  f"continuing inside epoch {state['epoch']}")
+        else: print(f"resumed from {p} (epoch {state['epoch']}); continuing at epoch {self.learn.first_epoch}")
         self.resume = None
+
+    def newest(self):
+        "The newest state of this run: the mid-epoch checkpoint if it is inside a later epoch than the last epoch checkpoint"
+        p, mid = latest_checkpoint(self.folder), self.folder/MID_EPOCH
+        if mid.is_file() and (p is None or load_checkpoint(mid)['epoch'] > epoch_of(p)): return mid
+        return p
+
+    def before_train(self):
+        if self.mid is None or in_lr_find(self.learn): return
+        for k, cb in stateful_cbs(self.learn).items():
+            if k in self.mid['cbs'] and k != 'Checkpoint': cb.load_ckpt_state(self.mid['cbs'][k])
+        self.learn.model.hidden = dict(self.mid['mid']['hidden'])
+        self.mid = None
 
     def epoch_done(self):
         v = valid_loss_of(self.learn)
@@ -205,6 +232,7 @@ class Checkpoint(TrainEpochEnd):
         if due:
             save_atomic(state, self.folder/name)
             for n in gone: (self.folder/n).unlink(missing_ok=True)
+            (self.folder/MID_EPOCH).unlink(missing_ok=True)   # superseded
         if improved and self.save_best: save_atomic(state, self.folder/'best.pth')
 
     def rollback_candidates(self) -> list:
@@ -213,6 +241,50 @@ class Checkpoint(TrainEpochEnd):
 
     def ckpt_state(self): return dict(best=self.best, written=list(self.written))
     def load_ckpt_state(self, d): self.best, self.written = d['best'], list(d.get('written') or [])
+
+# %% ../nbs/06_checkpoint.ipynb #835fcbd9
+class Preemption(Callback):
+    "SIGINT/SIGTERM: finish the batch, write an exact mid-epoch checkpoint, end the fit (`learn.interrupted`); `every` seconds: that checkpoint without stopping"
+    order = Checkpoint.order + 1   # after every other callback's after_batch: the state is the batch's end
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    def __init__(self, every:float|None=None, dirname:str='checkpoints'):
+        if every is not None and not every > 0: raise ValueError(f"every must be > 0 (seconds), got {every!r}")
+        self.every, self.dirname, self.old = every, dirname, {}
+
+    def before_fit(self):
+        self.signum, self.last, self.learn.interrupted = None, time.monotonic(), None
+        if in_lr_find(self.learn) or rank_distrib() or threading.current_thread() is not threading.main_thread(): return
+        if torch.distributed.is_available() and torch.distributed.is_initialized(): return
+        self.old = {s: signal.signal(s, self.on_signal) for s in self.SIGNALS}
+
+    def restore(self):
+        "Put back the signal handlers the fit found"
+        for s, h in self.old.items(): signal.signal(s, h)
+        self.old = {}
+    def after_fit(self): self.restore()
+
+    def on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signum is not None:                    # the second one: at once
+            self.restore()
+            if signum == signal.SIGINT: raise KeyboardInterrupt
+            signal.raise_signal(signum)
+            return
+        self.signum = signum
+        print(f"\n{name}: stopping after this batch and saving the run; {name} again stops at once", file=sys.stderr, flush=True)
+
+    def after_batch(self):
+        if not self.training or in_lr_find(self.learn): return
+        if self.signum is None and not (self.every and time.monotonic() - self.last >= self.every): return
+        self.last, p = time.monotonic(), Path(self.path)/self.dirname/MID_EPOCH
+        state = mid_epoch_state(self.learn)
+        bad = kept_nonfinite(state)
+        if bad: print(f"epoch {self.epoch}: no mid-epoch checkpoint written: non-finite values in {short_list(bad)}")
+        elif rank_distrib() == 0: save_atomic(state, p)
+        if self.signum is None: return
+        self.learn.interrupted = dict(signal=signal.Signals(self.signum).name, code=128 + self.signum, epoch=self.epoch,
+                                      batch=state['mid']['batches'], of=state['mid']['of'], path=None if bad else str(p))
+        raise CancelFitException()
 
 # %% ../nbs/06_checkpoint.ipynb #e74e0e13
 def skip_counters(learn) -> list:
@@ -289,5 +361,7 @@ class DivergenceGuard(Callback):
                                    f"({short_list(bad)}); stopping (on_nan='rollback')")
         print(f"no checkpoint to roll back to {where}: continuing from the last finite weights")
 
-    def ckpt_state(self): return dict(events=self.events)
-    def load_ckpt_state(self, d): self.events = list(d['events'])
+    def ckpt_state(self): return dict(events=self.events, n_skipped=None if self.n_skipped is None else self.n_skipped.item())
+    def load_ckpt_state(self, d):
+        self.events = list(d['events'])
+        if d.get('n_skipped') is not None and self.n_skipped is not None: self.n_skipped.fill_(d['n_skipped'])   # inside an epoch: the steps skipped so far

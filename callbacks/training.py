@@ -17,12 +17,13 @@ from fastai.callback.schedule import ParamScheduler
 from fastai.learner import Recorder
 from fastai.torch_core import rank_distrib
 from fastai.optimizer import Optimizer, weight_decay, l2_reg, sgd_step
+from rnn_darts.core import naming, write_text_atomic
 from rnn_darts.genotypes import genotype_to_dict
 
 # %% auto #0
 __all__ = ['COMPILE_MIN_STEPS', 'in_lr_find', 'TrainEpochEnd', 'SeqLenLR', 'RNNRegularizer', 'FusedDecoderLoss', 'check_flat_opt',
            'FlatGradClip', 'BF16Autocast', 'AutoCompile', 'CompileNotice', 'average_step', 'ASGD', 'valid_loss_of',
-           'ASGDSwitch', 'write_text_atomic', 'write_json_atomic', 'GenotypeLogger', 'RunLogger']
+           'ASGDSwitch', 'write_json_atomic', 'GenotypeLogger', 'RunLogger']
 
 # %% ../nbs/05_training.ipynb #043e6bd3
 def in_lr_find(learn) -> bool:
@@ -203,16 +204,6 @@ class ASGDSwitch(TrainEpochEnd):
     def load_ckpt_state(self, d): self.history, self.active, self.switch_epoch = list(d['history']), d['active'], d['switch_epoch']
 
 # %% ../nbs/05_training.ipynb #3e94558e
-def write_text_atomic(text:str, path):
-    "Write `text` to `path` via a temporary file, fsync and a rename: a crash never leaves a half-written file"
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f'.{path.name}.tmp{os.getpid()}')
-    try:
-        with open(tmp, 'w') as f: f.write(text); f.flush(); os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True); raise
-
 def write_json_atomic(obj, path):
     "Write JSON to `path` atomically (`write_text_atomic`)"
     write_text_atomic(json.dumps(obj, indent=1), path)
@@ -224,8 +215,9 @@ class GenotypeLogger(TrainEpochEnd):
     def epoch_done(self):
         m = self.model
         g = m.genotype()
-        self.history.append(dict(epoch=self.epoch, genotype=genotype_to_dict(g),
-                                 weights=m.arch_weights().detach().cpu().tolist(), relax=m.relax))
+        curv = getattr(self.learn, 'curvature', None)   # λ_max of this epoch, if measured (`callbacks.curvature`)
+        self.history.append(dict(epoch=self.epoch, genotype=genotype_to_dict(g), weights=m.arch_weights().detach().cpu().tolist(),
+                                 relax=m.relax, **({} if curv is None else dict(lambda_max=curv.value))))
         if self.fname and rank_distrib() == 0: write_json_atomic(self.history, self.path/self.fname)
         if self.show: print(f"epoch {self.epoch}: genotype = {g}")
     def ckpt_state(self): return dict(history=self.history)
@@ -263,6 +255,9 @@ class RunLogger(CSVLogger):
             if l.count(',') == n and e.isdigit(): rows[int(e)] = l
             else: print(f"{p}: dropping a malformed row {l[:60]!r}")
         return rows
+
+    def _write_line(self, log):
+        with naming(self.path/self.fname): super()._write_line(log)
 
     def after_fit(self):
         if getattr(self, 'file', None) is None: return

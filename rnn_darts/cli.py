@@ -16,10 +16,10 @@ from rnn_darts.core import UserError, UsageError, get_device, set_seed, read_pre
 __all__ = ['DATA_DEFAULTS', 'TRAIN_DEFAULTS', 'CHOICES', 'RUN_FILES', 'RESUME_FREE', 'COMMANDS', 'known_options',
            'options_of_defaults', 'settings_and_sources', 'resolve_settings', 'signature_defaults', 'code_defaults',
            'check_random', 'setting_name', 'check_settings', 'check_fits', 'memory_estimate', 'available_memory',
-           'check_memory', 'load_corpus', 'run_files', 'RunLock', 'read_run_json', 'settings_diff', 'prepare_run_dir',
-           'record_overrides_cb', 'idle_cores', 'set_threads', 'search', 'train', 'evaluate_run', 'bench', 'report',
-           'user_error_code', 'error_message', 'command_parser', 'main_help', 'foreign_warnings_off', 'run_command',
-           'main']
+           'check_memory', 'load_corpus', 'run_files', 'RunLock', 'read_run_json', 'settings_diff', 'data_changes',
+           'prepare_run_dir', 'record_overrides_cb', 'idle_cores', 'set_threads', 'exit_if_interrupted', 'search',
+           'train', 'evaluate_run', 'bench', 'report', 'user_error_code', 'error_message', 'command_parser',
+           'main_help', 'foreign_warnings_off', 'run_command', 'main']
 
 # %% ../nbs/08_cli.ipynb #09131284
 DATA_DEFAULTS = dict(data='numbers', files='', unk='', n_train=200_000, epochs=50, bs=256, bptt=35, eval_bs=10,
@@ -80,7 +80,7 @@ def code_defaults(command) -> dict:
 CHOICES = dict(mode=('second', 'first', 'exact', 'random'), relax=('softmax', 'sigmoid'), on_nan=('rollback', 'stop', 'skip'),
                split=('test', 'valid'), fmt=('md', 'html'))
 _POS_INT = ('epochs', 'bs', 'eval_bs', 'test_bs', 'n_train', 'emsize', 'nhid', 'nonmono', 'keep', 'threads', 'iters', 'candidates', 'top')
-_ALPHA_ONLY = ('arch_lr', 'arch_wd', 'relax', 'op_decay', 'zero_one', 'arch_bf16', 'same_masks')   # DARTS settings random search has no use for
+_ALPHA_ONLY = ('arch_lr', 'arch_wd', 'relax', 'op_decay', 'zero_one', 'arch_bf16', 'same_masks', 'curvature', 'early_stop')   # DARTS settings random search has no use for
 
 def check_random(s:dict, src:dict|None=None):
     "Raise a `UsageError` for flags that do not fit the search mode: α's with --mode random, --candidates/--top without it"
@@ -90,13 +90,13 @@ def check_random(s:dict, src:dict|None=None):
             if flag(k): raise UsageError(f"{n(k)} applies to --mode random (the cells it scores after training), not --mode {s.get('mode')}")
         return
     for k in _ALPHA_ONLY:
-        if flag(k): raise UsageError(f"{n(k)} sets the architecture weights α, which --mode random does not have")
+        if flag(k): raise UsageError(f"{n(k)} applies to the architecture weights α, which --mode random does not have")
     if s.get('compile'): raise UsageError(f"{n('compile')}: --mode random runs another cell every batch, and a compiled step would "
                                           "recompile for each; random search runs eager")
     if s.get('candidates') is not None and s.get('top') is not None and s['top'] > s['candidates']:
         raise UsageError(f"{n('top')} ({s['top']}) cannot exceed {n('candidates')} ({s['candidates']})")
 _NONNEG_INT = ('seed', 'max_delta')
-_POS_FLOAT = ('lr', 'arch_lr')
+_POS_FLOAT = ('lr', 'arch_lr', 'checkpoint_every')
 _NONNEG_FLOAT = ('wd', 'arch_wd', 'clip', 'alpha', 'beta', 'zero_one', 'op_decay')
 _PROBS = ('dropout', 'dropouth', 'dropoutx', 'dropouti', 'dropoute')
 
@@ -121,6 +121,8 @@ def check_settings(s:dict, src:dict|None=None) -> dict:
         elif k in CHOICES: check_choice(n(k), v, CHOICES[k])
     if 'bptt' in s: check_number(n('bptt'), s['bptt'], 2, integer=True)
     if 'mode' in s: check_random(s, src)
+    if s.get('early_stop') and s.get('curvature') is False:
+        raise UsageError(f"{n('early_stop')} true needs {n('curvature')} true: DARTS-ES stops on λ_max")
     if s.get('emsize') is not None and s.get('nhid') is not None and s['emsize'] != s['nhid']:
         raise UsageError(f"{n('emsize')} ({s['emsize']}) must equal {n('nhid')} ({s['nhid']}): the decoder is tied to the embedding")
     if s.get('data') in ('numbers', 'ptb'):
@@ -200,7 +202,7 @@ def _kwargs(fn, s, drop=()):
 
 # %% ../nbs/08_cli.ipynb #c11c0005
 RUN_FILES = ('run.json', 'log.csv', 'history.json', 'genotype.json', 'candidates.csv', 'checkpoints')
-RESUME_FREE = ('epochs', 'out', 'device', 'threads')   # settings a resumed run may change without --override
+RESUME_FREE = ('epochs', 'out', 'device', 'threads', 'checkpoint_every')   # settings a resumed run may change without --override
 
 def run_files(out) -> list:
     "The files of a run that the folder `out` holds"
@@ -246,8 +248,13 @@ def settings_diff(old:dict, new:dict) -> dict:
 
 def _fmt_changes(d): return '; '.join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in d.items())
 
-def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, override=False):
-    "Lock the run folder `out` and check it: returns `(lock, changes)`, `changes` the settings a resume overrides"
+def data_changes(old:dict|None, new:dict) -> dict:
+    "The splits whose data differ from the run's record (`fingerprint`): 'data SPLIT' -> (old, new) descriptions"
+    fmt = lambda d: f"{d['file']} ({d['size']:,} bytes, sha256 {d['sha256'][:12]})"
+    return {f"data {k}": (fmt(old[k]), fmt(new[k])) for k in sorted(old or {}) if k in new and old[k]['sha256'] != new[k]['sha256']}
+
+def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, override=False, data:dict|None=None):
+    "Lock the run folder `out` and check it: returns `(lock, changes)`, `changes` the settings (and data) a resume overrides"
     out = Path(out)
     if resume and overwrite: raise UsageError("--resume continues the run in the folder and --overwrite deletes it: give one of them")
     if out.exists() and not out.is_dir(): raise UsageError(f"--out {out} is a file, not a folder")
@@ -259,6 +266,12 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
             info = read_run_json(out/'run.json')
             if info['command'] != command: raise UsageError(f"--resume: {out} holds a {info['command']} run, not a {command} run")
             changes = settings_diff(info['settings'], s)
+            moved = data_changes(info.get('data'), data or {})
+            if moved and not override:
+                k, (a, b) = next(iter(moved.items()))
+                raise UsageError(f"--resume: the {k} changed since the run started: it was {a}, it is {b}; resume on the data "
+                                 f"the run was trained on, or pass --override true to continue on this data (recorded in run.json)")
+            changes.update(moved)
             if changes and not override:
                 raise UsageError(f"--resume: these settings differ from {out/'run.json'}: {_fmt_changes(changes)}; "
                                  f"drop the flags, or pass --override true to continue with the new values")
@@ -273,7 +286,7 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
     except BaseException: lock.release(); raise
     return lock, changes
 
-def record_overrides_cb(settings:dict, changes:dict):
+def record_overrides_cb(settings:dict, changes:dict, data:dict|None=None):
     "A callback for `fit(cbs=...)`: after a resume restored `RunInfo`, put the new settings in `run.json` and record `changes`"
     from fastai.callback.core import Callback
     from fastai.torch_core import rank_distrib
@@ -284,6 +297,7 @@ def record_overrides_cb(settings:dict, changes:dict):
             ri = getattr(self.learn, 'run_info', None)
             if ri is None or ri.info is None: return
             ri.info['settings'] = dict(settings)
+            if data is not None: ri.info['data'] = data
             if changes: ri.info.setdefault('overrides', []).append(
                 dict(epoch=self.learn.first_epoch, changes={k: dict(old=a, new=b) for k, (a, b) in changes.items()}))
             if rank_distrib() == 0: write_json_atomic(ri.info, Path(self.learn.path)/ri.fname)
@@ -332,13 +346,29 @@ def _prepare(command, preset, settings_file, device, flags, resume=False, overwr
     r.threads = set_threads(threads, r.dev)
     set_seed(r.s['seed'])
     r.corpus = load_corpus(r.s, url)
+    from rnn_darts.data import fingerprint
+    r.data = fingerprint(r.corpus)
     check_fits(r.corpus, r.s, command, r.src)
     check_memory(r.s, len(r.corpus.vocab), command, r.dev)
     r.out = Path(r.s['out'] or f'runs/{command}')
     r.changes = {}
-    if r.rank == 0: r.lock, r.changes = prepare_run_dir(r.out, command, r.s, resume, overwrite, override)
+    if r.rank == 0: r.lock, r.changes = prepare_run_dir(r.out, command, r.s, resume, overwrite, override, r.data)
     else: r.out.mkdir(parents=True, exist_ok=True)
     return r
+
+_ARGV = []   # the arguments of the command being run (`run_command`): the resume line repeats them
+
+def exit_if_interrupted(learn):
+    "After a fit that a signal ended (`Preemption`): one line saying where the run is and the command that resumes it, then exit 130/143"
+    it = getattr(learn, 'interrupted', None)
+    if not it: return
+    import shlex
+    cmd = ' '.join(['rnn-darts', *map(shlex.quote, _ARGV)] + ([] if '--resume' in _ARGV else ['--resume']))
+    saved = f"saved to {it['path']}" if it['path'] else "not saved (a non-finite state); the last epoch checkpoint stands"
+    if os.environ.get('RANK', '0') == '0':
+        print(f"rnn-darts: {it['signal']} at epoch {it['epoch']}, after batch {it['batch']} of {it['of']}: {saved}; resume with: {cmd}",
+              file=sys.stderr, flush=True)
+    raise SystemExit(it['code'])
 
 def _report_end(learn, out, extra):
     from callbacks.training import write_json_atomic
@@ -378,12 +408,15 @@ def search(
     mode:str=None,        # architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product); or random: random search with weight sharing, no α
     candidates:int=None,  # --mode random: cells to score with the shared weights after training (default: 1,000 per 10,000 training batches, at least 100)
     top:int=None,         # --mode random: the best cells of the screening pass scored again on the full valid split
+    curvature:bool_arg=None, # λ_max of the validation Hessian in α after every epoch, logged as lambda_max (default: on)
+    early_stop:bool_arg=None, # DARTS-ES: stop when λ_max's 5-epoch average grows more than 1.3x over 4 epochs; α and weights go back 6 epochs
     arch_lr:float=None,   # learning rate of α (Adam), > 0
     arch_wd:float=None,   # weight decay of α
     relax:str=None,       # softmax (DARTS) | sigmoid (Fair DARTS)
     op_decay:float=None,  # α decay per weight: each op's α decays by op_decay × its weight count (`none` has none); default: off
     on_nan:str=None,      # on a non-finite loss: rollback (to the last checkpoint) | stop | skip
     compile:bool_arg=None,# fuse the recurrent step with torch.compile (default: on for CUDA; on a CPU for runs of 150 training batches or more, where its 40–60 s warm-up pays)
+    checkpoint_every:float=None, # minutes between mid-epoch checkpoints, for long epochs (default: off; Ctrl-C and SIGTERM always write one)
     bf16:bool_arg=None,   # bf16 autocast (fp32 weights and α)
     arch_bf16:bool_arg=None, # with --bf16, run the architecture passes in bf16 too (loses the hypergradient: see README)
 ):
@@ -401,9 +434,10 @@ def search(
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         rnd = s['mode'] == 'random'
         learn = search_learner(dls, None if rnd else search_stream(corpus, s['bs'], device=dev), path=out, resume=True if resume else None,
-                               device=dev, cbs=[RunLogger('log.csv', append=resume), RunInfo('search', s)], **_kwargs(search_learner, s))
+                               device=dev, cbs=[RunLogger('log.csv', append=resume), RunInfo('search', s, r.data)], **_kwargs(search_learner, s))
         learn = distrib_learner(learn)
-        learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes)] if resume else None)
+        learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
+        exit_if_interrupted(learn)
         if rnd:
             from rnn_darts.random_search import choose_cell
             t0, df = time.time(), choose_cell(learn)
@@ -414,6 +448,8 @@ def search(
             g = learn.model.genotype()
             save_genotype(g, out/'genotype.json')
             print(f"genotype: {g}\nwritten to {out/'genotype.json'}")
+            es = getattr(getattr(learn, 'curvature_stop', None), 'stopped', None)
+            _report_end(learn, out, dict(genotype=genotype_to_dict(g), early_stop=es))
         cleanup_distrib()
         return learn
     finally: r.close()
@@ -453,6 +489,7 @@ def train(
     asgd:bool_arg=None,   # average from the start
     on_nan:str=None,      # on a non-finite loss: rollback (to the last checkpoint) | stop | skip
     compile:bool_arg=None,# fuse the recurrent step with torch.compile (default: on for CUDA, off on a CPU, where it saves little)
+    checkpoint_every:float=None, # minutes between mid-epoch checkpoints, for long epochs (default: off; Ctrl-C and SIGTERM always write one)
     bf16:bool_arg=None,   # bf16 autocast (fp32 weights)
 ):
     "Train a derived cell from scratch with NT-ASGD; evaluate it on the test split with the averaged weights"
@@ -467,9 +504,10 @@ def train(
         if r.rank == 0: print(f"train {g} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         learn = train_learner(dls, g, path=out, resume=True if resume else None, device=dev,
-                              cbs=[RunLogger('log.csv', append=resume), RunInfo('train', s)], **_kwargs(train_learner, s, ('genotype',)))
+                              cbs=[RunLogger('log.csv', append=resume), RunInfo('train', s, r.data)], **_kwargs(train_learner, s, ('genotype',)))
         learn = distrib_learner(learn)
-        learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes)] if resume else None)
+        learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
+        exit_if_interrupted(learn)
         res = evaluate(learn, test_dl(corpus, s['bptt'], bs=s['test_bs'], device=dev))   # on every rank: validation all-reduces
         if r.rank == 0:
             print(f"test loss {res['loss']:.4f}, perplexity {res['ppl']:.2f} (averaged weights: {learn.asgd_switch.active})")
@@ -516,10 +554,10 @@ def evaluate_run(
     if info['command'] == 'search':
         sdl = None if s.get('mode') == 'random' else search_stream(corpus, s['bs'], device=dev)
         learn = search_learner(dls, sdl, path=run, checkpoint=False, device=dev,
-                               **_kwargs(search_learner, s, ('checkpoint',)))
+                               **_kwargs(search_learner, s, ('checkpoint', 'checkpoint_every')))
     else:
         learn = train_learner(dls, load_genotype(s['genotype']), path=run, checkpoint=False, device=dev,
-                              **_kwargs(train_learner, s, ('checkpoint', 'genotype')))
+                              **_kwargs(train_learner, s, ('checkpoint', 'genotype', 'checkpoint_every')))
     restore(learn, state, str(p), full=False)
     if getattr(learn, 'random_arch', None) is not None:   # a random search's weights, with the cell it chose
         gp = run/'genotype.json'
@@ -671,10 +709,15 @@ def foreign_warnings_off():
 
 def run_command(argv):
     "Run `rnn-darts ARGV...` (`argv` without the program name) and return what the command returns (a learner, results)"
-    argv = list(argv)
+    global _ARGV
+    argv = _ARGV = list(argv)
     debug = '--debug' in argv or os.environ.get('RNN_DARTS_DEBUG', '').lower() not in ('', '0', 'false', 'no')
     try:
         with foreign_warnings_off(): return _dispatch([a for a in argv if a != '--debug'])
+    except KeyboardInterrupt:   # a second Ctrl-C: no traceback; what was written is whole (atomic writes)
+        if os.environ.get('RANK', '0') == '0':
+            print("rnn-darts: interrupted at once (a second Ctrl-C); the files written so far are whole; resume with --resume", file=sys.stderr, flush=True)
+        sys.exit(130)
     except Exception as e:
         code = user_error_code(e)
         if code is None or debug: raise

@@ -5,12 +5,13 @@
 # %% ../nbs/00_core.ipynb #853d301f
 from __future__ import annotations
 import configparser, math, os, random, re, sys, inspect
+from contextlib import contextmanager
 from pathlib import Path
 
 # %% auto #0
 __all__ = ['UserError', 'UsageError', 'get_device', 'set_seed', 'rng_states', 'set_rng_states', 'check_positive', 'check_prob',
-           'check_bptt', 'check_number', 'check_choice', 'packaged_settings', 'read_ini', 'settings_candidates',
-           'find_settings', 'read_preset', 'options_of']
+           'check_bptt', 'check_number', 'check_choice', 'naming', 'write_text_atomic', 'packaged_settings', 'read_ini',
+           'settings_candidates', 'find_settings', 'read_preset', 'options_of']
 
 # %% ../nbs/00_core.ipynb #c0e11a02
 class UserError(ValueError):
@@ -96,6 +97,26 @@ def check_choice(name:str, v, choices):
     "Raise a `UsageError` naming `name` unless `v` is one of `choices`"
     if v not in choices: raise UsageError(f"{name} must be one of {', '.join(map(str, choices))}; got {v!r}")
     return v
+
+@contextmanager
+def naming(path):
+    "Inside, an `OSError` without a file name (a full disk, a failed flush) names `path`: every failed write says which file"
+    try: yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None: raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise
+
+def write_text_atomic(text:str, path):
+    "Write `text` to `path` via a temporary file, fsync and a rename: a crash never leaves a half-written file; errors name `path`"
+    path = Path(path)
+    tmp = path.with_name(f'.{path.name}.tmp{os.getpid()}')
+    with naming(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(tmp, 'w') as f: f.write(text); f.flush(); os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True); raise
 
 # %% ../nbs/00_core.ipynb #345c49c3
 def packaged_settings() -> Path:

@@ -13,9 +13,9 @@ from fastai.data.core import DataLoaders
 from rnn_darts.core import check_positive, check_bptt, get_device
 
 # %% auto #0
-__all__ = ['SPLITS', 'EOS', 'NUMBER_WORDS', 'PTB_URL', 'PTB_HASHES', 'POLICIES', 'Corpus', 'read_corpus', 'write_corpus',
-           'number_words', 'numbers_corpus', 'file_hash_ok', 'get_ptb', 'batchify', 'StreamDL', 'SearchStream',
-           'lm_dls', 'search_stream', 'test_dl']
+__all__ = ['SPLITS', 'EOS', 'NUMBER_WORDS', 'PTB_URL', 'PTB_HASHES', 'POLICIES', 'Corpus', 'read_corpus', 'fingerprint',
+           'write_corpus', 'number_words', 'numbers_corpus', 'file_hash_ok', 'get_ptb', 'batchify', 'StreamDL',
+           'SearchStream', 'lm_dls', 'search_stream', 'test_dl']
 
 # %% ../nbs/01_data.ipynb #f5057d86
 SPLITS = ('train', 'valid', 'test')
@@ -108,6 +108,20 @@ def read_corpus(path, unk:str|None=None, files:dict|None=None) -> Corpus:
     test  = _ids_of(lines['test'],  stoi, path/files['test'],  unk_id)
     vocab = list(stoi)
     return Corpus(vocab, stoi, train, valid, test, path=path, files=files)
+
+def fingerprint(corpus:Corpus) -> dict:
+    "Per split: its file, size in bytes and sha256 (a generated corpus: its ids' count and sha256); what a resume checks"
+    res = {}
+    for s in SPLITS:
+        if corpus.path is None:
+            ids = getattr(corpus, s).contiguous().numpy()
+            res[s] = dict(file=corpus.where(s), size=int(ids.size), sha256=hashlib.sha256(ids.tobytes()).hexdigest())
+            continue
+        p, h = Path(corpus.path)/corpus.files[s], hashlib.sha256()
+        with open(p, 'rb') as f:
+            for chunk in iter(lambda: f.read(1 << 20), b''): h.update(chunk)
+        res[s] = dict(file=str(p), size=p.stat().st_size, sha256=h.hexdigest())
+    return res
 
 # %% ../nbs/01_data.ipynb #1420e1da
 def write_corpus(corpus:Corpus, dest) -> Path:
@@ -261,7 +275,7 @@ class StreamDL(DataLoader):
         elif data.shape[1] < 2: raise ValueError(f"{where}: rows of {data.shape[1]} tokens are too short (need at least 2)")
         self.bptt, self.policy, self.seed, self.max_delta, self.where = bptt, policy, seed, max_delta, where
         self.gen = np.random.default_rng(seed)
-        self._sched = None
+        self._sched, self.done = None, 0   # `done`: batches of the current epoch handed out (a resumed epoch starts there)
         dev = get_device(device)
         self.data = data.to(dev)
         super().__init__(dataset=None, bs=bs, device=dev, **kwargs)
@@ -295,10 +309,12 @@ class StreamDL(DataLoader):
         sched = self.schedule()
         self.before_iter()
         try:
-            for i, sl in sched:
+            for k in range(self.done, len(sched)):
+                i, sl = sched[k]
+                self.done = k + 1
                 yield self.after_batch((self.data[:, i:i+sl], self.data[:, i+1:i+1+sl]))
             self.after_iter()
-        finally: self._sched = None  # the next epoch draws a new schedule
+        finally: self._sched, self.done = None, 0  # the next epoch draws a new schedule
 
     def to(self, device):
         "Move the stream (once) to `device`"
@@ -313,14 +329,15 @@ class StreamDL(DataLoader):
         return res
 
     def state_dict(self) -> dict:
-        "What a checkpoint needs to resume with the same draws: the generator state and the pending schedule"
+        "What a checkpoint needs to resume with the same draws: the generator state, the pending schedule and, inside an epoch, the batches done"
         return dict(gen=self.gen.bit_generator.state, sched=None if self._sched is None else list(self._sched),
-                    policy=self.policy, bptt=self.bptt)
+                    policy=self.policy, bptt=self.bptt, done=self.done)
 
     def load_state_dict(self, d:dict):
         "Restore `state_dict`"
         self.gen.bit_generator.state = d['gen']
         self._sched = None if d.get('sched') is None else [tuple(o) for o in d['sched']]
+        self.done = d.get('done', 0) if self._sched is not None else 0
         return self
 
     def __repr__(self):

@@ -8,6 +8,7 @@ import json
 from collections import namedtuple
 from pathlib import Path
 import torch
+from rnn_darts.core import write_text_atomic
 
 # %% auto #0
 __all__ = ['Genotype', 'PRIMITIVES', 'STEPS', 'DARTS_V1', 'DARTS_V2', 'ENAS', 'GENOTYPES', 'check_genotype', 'genotype_to_dict',
@@ -56,8 +57,8 @@ def genotype_to_dict(g) -> dict:
     return dict(recurrent=[list(n) for n in g.recurrent], concat=list(g.concat))
 
 def save_genotype(g, path):
-    "Write `g` as JSON to `path`"
-    Path(path).write_text(json.dumps(genotype_to_dict(g), indent=1) + '\n')
+    "Write `g` as JSON to `path`, atomically (an error names it)"
+    write_text_atomic(json.dumps(genotype_to_dict(g), indent=1) + '\n', path)
 
 def genotype_from_dict(d, where='genotype') -> Genotype:
     if not isinstance(d, dict) or set(d) != {'recurrent', 'concat'}:

@@ -25,8 +25,9 @@ from rnn_darts.core import rng_states, set_rng_states, read_preset
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
 from callbacks.arch import ArchParamUpdate, RandomArch
+from callbacks.curvature import Curvature, CurvatureStop
 from callbacks.training import SeqLenLR, FlatGradClip, ASGDSwitch, GenotypeLogger, TrainEpochEnd, RNNRegularizer, write_json_atomic, valid_loss_of, BF16Autocast, FusedDecoderLoss, AutoCompile, CompileNotice
-from callbacks.checkpoint import Checkpoint, DivergenceGuard
+from callbacks.checkpoint import Checkpoint, DivergenceGuard, Preemption
 
 # %% auto #0
 __all__ = ['SEARCH_MODES', 'DartsLearner', 'flat_splitter', 'device_name', 'run_genotype', 'RunInfo', 'SeqCrossEntropy',
@@ -38,7 +39,10 @@ class DartsLearner(Learner):
     first_epoch = 0
     def fit(self, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, start_epoch=0):
         self.first_epoch = start_epoch
-        super().fit(n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt)
+        try: super().fit(n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt)
+        finally:   # a fit that raised never reached after_fit: give the signals back their handlers (`Preemption`)
+            for cb in self.cbs:
+                if isinstance(cb, Preemption): cb.restore()
     def _do_fit(self):
         mbar = getattr(getattr(self, 'progress', None), 'mbar', None)
         if self.first_epoch and mbar is not None: mbar.update(0)   # fastprogress must start at 0 before jumping ahead
@@ -65,12 +69,13 @@ def run_genotype(learn):
 class RunInfo(TrainEpochEnd):
     "Write `run.json` (settings, device, epoch times, best validation loss, ASGD epoch, genotype) every epoch"
     order = GenotypeLogger.order + 1   # after ASGDSwitch and GenotypeLogger have done their epoch's work
-    def __init__(self, command, settings=None, fname='run.json'):
-        self.command, self.settings, self.fname, self.info = command, dict(settings or {}), fname, None
+    def __init__(self, command, settings=None, data=None, fname='run.json'):
+        self.command, self.settings, self.data, self.fname, self.info = command, dict(settings or {}), data, fname, None
     def before_fit(self):
         if self.info is None:
             self.info = dict(command=self.command, settings=self.settings, device=device_name(self.flat_device()),
-                             epoch_times=[], best_valid_loss=None, asgd_epoch=None, genotype=None)
+                             epoch_times=[], best_valid_loss=None, asgd_epoch=None, genotype=None,
+                             **({} if self.data is None else dict(data=self.data)))
     def flat_device(self): return self.model.flat.data.device
     def before_epoch(self): super().before_epoch(); self.t0 = time.time()
     def epoch_done(self):
@@ -101,10 +106,11 @@ def _ntoken(dls, ntoken):
     if getattr(dls, 'vocab', None) is None: raise ValueError("pass ntoken=..., or DataLoaders with a .vocab (as lm_dls makes)")
     return len(dls.vocab)
 
-def _common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss):
+def _common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss, checkpoint_every=None):
     cbs = [ModelResetter(), RNNCallback(), RNNRegularizer(alpha, beta), SeqLenLR(), FlatGradClip(clip), DivergenceGuard(on_nan)]
     if fused_loss: cbs.append(FusedDecoderLoss())
-    if checkpoint: cbs.append(Checkpoint(keep=keep, resume=resume))
+    if checkpoint: cbs += [Checkpoint(keep=keep, resume=resume), Preemption(None if checkpoint_every is None else 60 * checkpoint_every)]
+    elif checkpoint_every: raise ValueError("checkpoint_every needs checkpoint=True")
     elif resume: raise ValueError("resume needs checkpoint=True")
     return cbs
 
@@ -123,7 +129,7 @@ SEARCH_MODES = ('second', 'first', 'exact', 'random')
 
 def _random_learner(dls, model_kw, lr, wd, common, candidates, top, path, device, compile, bf16, fused_loss, cbs, **alpha_kw):
     "`search_learner(mode='random')`: shared weights (`DartsRnnShared`), a cell drawn per batch (`RandomArch`), no α"
-    moved = {k: v for k, v in alpha_kw.items() if v != dict(relax='softmax', zero_one=0., op_decay=0.)[k]}
+    moved = {k: v for k, v in alpha_kw.items() if v != dict(relax='softmax', zero_one=0., op_decay=0., early_stop=False)[k]}
     if moved: raise ValueError(f"mode='random' has no α: {', '.join(f'{k}={v!r}' for k, v in moved.items())} would be ignored")
     if compile: raise ValueError("compile=True with mode='random': every batch runs another cell, and a compiled step recompiles for "
                                  "each new cell (see rnn_darts.random_search); random search runs eager")
@@ -136,30 +142,35 @@ def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=
                    dropoute=0., lr=20., wd=5e-7, clip=0.25, alpha=0., beta=1e-3, mode='second', arch_lr=3e-3,
                    arch_wd=1e-3, relax='softmax', same_masks=True, zero_one=0., op_decay=0., on_nan='rollback', path='.',
                    checkpoint=True, keep=2, resume=None, cbs=None, device=None, ntoken=None, compile:bool|None=None, bf16=False,
-                   arch_bf16=False, fused_loss=True, candidates:int|None=None, top=10) -> DartsLearner:
+                   arch_bf16=False, fused_loss=True, candidates:int|None=None, top=10, curvature=True, early_stop=False,
+                   checkpoint_every:float|None=None) -> DartsLearner:
     "A `Learner` for the search phase, with the paper's defaults: DARTS (`mode` second|first|exact), or random search with weight sharing (`mode='random'`: `search_dl` unused, `candidates` and `top` for `choose_cell`)"
     if mode not in SEARCH_MODES: raise ValueError(f"mode must be one of {', '.join(map(repr, SEARCH_MODES))}, got {mode!r}")
     if mode == 'random':
         return _random_learner(dls, dict(ntoken=ntoken, emsize=emsize, nhid=nhid, dropout=dropout, dropouth=dropouth, dropoutx=dropoutx,
                                          dropouti=dropouti, dropoute=dropoute), lr, wd,
-                               _common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss), candidates, top, path,
-                               device, compile, bf16, fused_loss, cbs, relax=relax, zero_one=zero_one, op_decay=op_decay)
+                               _common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss, checkpoint_every), candidates, top, path,
+                               device, compile, bf16, fused_loss, cbs, relax=relax, zero_one=zero_one, op_decay=op_decay, early_stop=early_stop)
     model = DartsRnnSearch(_ntoken(dls, ntoken), emsize, nhid, dropout, dropouth, dropoutx, dropouti, dropoute, relax=relax)
     arch = ArchParamUpdate(search_dl, mode, arch_lr, arch_wd=arch_wd, same_masks=same_masks, zero_one=zero_one, op_decay=op_decay,
                            arch_bf16=arch_bf16)
     learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16, fused_loss, auto_compile=True)
     learn.metrics.append(ValueMetric(arch.search_loss, 'search_loss'))
-    learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss) + [arch, GenotypeLogger()] + list(L(cbs)))
+    if early_stop and not curvature: raise ValueError("early_stop=True needs curvature=True: DARTS-ES stops on λ_max")
+    curv = [Curvature()] if curvature else []
+    for cb in curv: learn.metrics.append(ValueMetric(cb.lambda_max, 'lambda_max'))
+    learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss, checkpoint_every) + [arch, GenotypeLogger()] + curv
+                  + ([CurvatureStop()] if early_stop else []) + list(L(cbs)))
     return learn
 
 def train_learner(dls, genotype, emsize=850, nhid=850, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
                   dropoute=0.1, lr=20., wd=8e-7, clip=0.25, alpha=0., beta=1e-3, nonmono=5, asgd=False,
                   on_nan='rollback', path='.', checkpoint=True, keep=2, resume=None, cbs=None, device=None,
-                  ntoken=None, compile:bool|None=None, bf16=False, fused_loss=True) -> DartsLearner:
+                  ntoken=None, compile:bool|None=None, bf16=False, fused_loss=True, checkpoint_every:float|None=None) -> DartsLearner:
     "A `Learner` that trains a derived genotype from scratch with NT-ASGD, with the paper's defaults"
     model = DartsRnn(_ntoken(dls, ntoken), load_genotype(genotype), emsize, nhid, dropout, dropouth, dropoutx, dropouti, dropoute)
     learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16, fused_loss)
-    learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss) + [ASGDSwitch(nonmono, start=asgd)] + list(L(cbs)))
+    learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss, checkpoint_every) + [ASGDSwitch(nonmono, start=asgd)] + list(L(cbs)))
     return learn
 
 # %% ../nbs/07_learner.ipynb #e972eb06

@@ -13,13 +13,14 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap
 from matplotlib.ticker import MaxNLocator
 from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch, Rectangle, Patch
+from rnn_darts.core import naming
 from rnn_darts.genotypes import (Genotype, PRIMITIVES, check_genotype, load_genotype, edge_slices,
                                  derive_genotype, genotype_from_dict)
 
 # %% auto #0
 __all__ = ['OP_COLORS', 'FORMATS', 'VALID_BELOW_TRAIN', 'ShownFigure', 'dot_path', 'genotype_dot', 'cell_layout', 'plot_genotype',
            'load_history', 'entry_genotype', 'alpha_matrix', 'edge_names', 'plot_alphas', 'genotype_gif', 'log_frame',
-           'plot_curves', 'plot_candidates', 'run_summary', 'write_report']
+           'plot_curves', 'plot_curvature', 'plot_candidates', 'run_summary', 'write_report']
 
 # %% ../nbs/09_plot.ipynb #ccbf2eea
 OP_COLORS = {'none': '#9e9e9e', 'tanh': '#1f77b4', 'relu': '#d62728', 'sigmoid': '#2ca02c', 'identity': '#9467bd'}
@@ -46,7 +47,7 @@ def _save(fig:Figure, path, dpi=120) -> Path:
     "Write `fig` to `path` in the format of its extension"
     path = Path(path); fmt = _fmt_of(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with mpl.rc_context({'svg.fonttype': 'none', 'pdf.fonttype': 42}):
+    with mpl.rc_context({'svg.fonttype': 'none', 'pdf.fonttype': 42}), naming(path):
         fig.savefig(path, format=fmt, dpi=dpi, bbox_inches='tight', facecolor='white')
     return path
 
@@ -328,6 +329,23 @@ def plot_curves(log, asgd_epoch:int|None=None, path=None, title:str|None=None):
     fig.log = df
     return _out(fig, path)
 
+# %% ../nbs/09_plot.ipynb #c4ae55bb
+def plot_curvature(log, history=None, early_stop:dict|None=None, path=None):
+    "λ_max per epoch, with the epochs where the derived cell changed and DARTS-ES's stop marked; a Figure, or the path written"
+    df = log_frame(log)
+    if 'lambda_max' not in df or not df['lambda_max'].notna().any(): raise ValueError("the log has no lambda_max values (a search with curvature on writes them)")
+    fig = _figure(7, 3.4); ax = fig.subplots()
+    ax.plot(df['epoch'], df['lambda_max'], marker='.', color='C2', label='λ_max of ∇²_α L_valid')
+    h = load_history(history) if history is not None else []
+    changed = [b['epoch'] for a, b in zip(h, h[1:]) if a['genotype'] != b['genotype']]
+    for i, e in enumerate(changed): ax.axvline(e, color='0.6', ls=':', lw=1, label='the derived cell changed' if i == 0 else None)
+    if early_stop:
+        ax.axvline(early_stop['epoch'], color='C3', lw=1.5, label=f"DARTS-ES stopped (epoch {early_stop['epoch']})")
+        ax.axvline(early_stop['restored_epoch'], color='C3', ls='--', lw=1.5, label=f"α and weights from epoch {early_stop['restored_epoch']}")
+    ax.set_xlabel('epoch'); ax.set_ylabel('λ_max'); ax.set_title('curvature of the validation loss in α'); ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True)); ax.legend(fontsize=8)
+    return _out(fig, path)
+
 # %% ../nbs/09_plot.ipynb #65f40bb6
 def plot_candidates(candidates, path=None):
     "Histogram of the candidates' screening perplexity, the fully scored ones and the chosen one marked; a Figure, or the path written"
@@ -386,7 +404,7 @@ def run_summary(run_dir) -> dict:
     times = run.get('epoch_times') or []
     if not times and log is not None and 'time' in log: times = [s for s in map(_secs, log['time']) if s is not None]
     return dict(command=run.get('command', '?'), settings=run.get('settings') or {}, device=run.get('device', 'unknown'),
-                asgd_epoch=run.get('asgd_epoch'), genotype=g, best_valid_loss=best, test_loss=run.get('test_loss'),
+                asgd_epoch=run.get('asgd_epoch'), genotype=g, early_stop=run.get('early_stop'), best_valid_loss=best, test_loss=run.get('test_loss'),
                 test_ppl=run.get('test_ppl'),
                 best_perplexity=None if best is None else math.exp(best),
                 mean_epoch_time=float(np.mean(times)) if times else None, epochs=len(times) or (len(log) if log is not None else None),
@@ -413,6 +431,11 @@ def write_report(run_dir, fmt:str='md') -> Path:
             plot_alphas(h, -len(h), out/'alphas_first.png'); imgs.append(('Architecture weights', 'first epoch', 'alphas_first.png'))
         plot_alphas(h, -1, out/'alphas.png'); imgs.append(('Architecture weights', 'last epoch', 'alphas.png'))
         genotype_gif(h, out/'search.gif'); imgs.append(('Architecture weights', 'the derived cell, epoch by epoch', 'search.gif'))
+    lam = s['log'] is not None and 'lambda_max' in s['log'] and s['log']['lambda_max'].notna().any()
+    if lam:
+        plot_curvature(s['log'], h, s['early_stop'], out/'curvature.png')
+        imgs.append(('Curvature', 'λ_max of the validation Hessian in α per epoch, with the epochs where the derived cell changed'
+                     + (' and where DARTS-ES stopped' if s['early_stop'] else ''), 'curvature.png'))
     if s['log'] is not None and len(s['log']):
         plot_curves(s['log'], s['asgd_epoch'], out/'curves.png')
         imgs.append(('Learning curves', 'losses and validation perplexity. The training loss is measured with dropout on and the '
@@ -424,6 +447,10 @@ def write_report(run_dir, fmt:str='md') -> Path:
              *([('test loss', f"{s['test_loss']:.4f}"), ('test perplexity', f"{s['test_ppl']:.2f}")] if s['test_loss'] is not None else []),
              ('mean time per epoch', _fmt_secs(s['mean_epoch_time']) if s['mean_epoch_time'] is not None else 'n/a'),
              ('NT-ASGD from epoch', s['asgd_epoch'] if s['asgd_epoch'] is not None else 'never')]
+    if s['early_stop']:
+        es = s['early_stop']
+        facts.append(('early stop (DARTS-ES)', f"at epoch {es['epoch']}: λ_max's local average rose {es['ratio']:.2f}x over "
+                      f"{es['delta']} epochs; α and weights of epoch {es['restored_epoch']}"))
     if s['genotype'] is not None:
         g = s['genotype']
         facts.append(('genotype', 'recurrent=' + ', '.join(f"{op}({p})" for op, p in g.recurrent) + f"; concat={list(g.concat)}"))
@@ -457,5 +484,5 @@ def write_report(run_dir, fmt:str='md') -> Path:
         L.append('</body></html>')
         text = '\n'.join(L) + '\n'
     p = out/f"report.{fmt}"
-    p.write_text(text, encoding='utf-8')
+    with naming(p): p.write_text(text, encoding='utf-8')
     return p

@@ -1,0 +1,123 @@
+"""λ_max of ∇²_α L_valid (callbacks.curvature): equal to the full Hessian's, logged without changing the search; DARTS-ES
+stops at the right epoch with the earlier α and weights, and a resume inside its window is exact."""
+import json
+from pathlib import Path
+import pytest, torch
+from fastai.callback.core import Callback
+from rnn_darts import cli
+from rnn_darts.core import set_seed
+from rnn_darts.data import numbers_corpus, lm_dls, search_stream
+from rnn_darts.learner import search_learner
+from rnn_darts.model import DartsRnnSearch
+from callbacks.training import RunLogger
+from callbacks.curvature import Curvature, CurvatureStop, curvature_batches, hessian_extremes
+
+def full_hessian(m, batches, seed=0):
+    "∇²_α of the same loss (masks from `seed`, frozen statistics), row by row by autograd"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed); torch.randn(m.alpha.shape)     # hessian_extremes draws its start vector first
+        m.train(); m.alpha.requires_grad_(True)
+        with m.arch_pass(), m.frozen_masks(), m.twice_differentiable():
+            loss = sum(m.loss(x, y, 'curvature', advance=False) for x, y in batches) / len(batches)
+            g = torch.autograd.grad(loss, m.alpha, create_graph=True)[0].flatten()
+            H = torch.stack([torch.autograd.grad(g[i], m.alpha, retain_graph=True)[0].flatten() for i in range(g.numel())])
+        m.alpha.requires_grad_(False)
+    return (H + H.t()).double() / 2
+
+def learner(path, epochs_data=2000, **kw):
+    set_seed(0)
+    c = numbers_corpus(0, epochs_data, 1200, 300)
+    dls = lm_dls(c, 8, 10, 'search', eval_bs=4, seed=0)
+    kw = dict(dict(emsize=12, nhid=12, mode='first', dropout=0.2, dropouth=0.1, dropoutx=0.1, dropouti=0.1, path=path, compile=False), **kw)
+    return search_learner(dls, search_stream(c, 8), **kw)
+
+@pytest.mark.parametrize('trained', [False, True])
+def test_lambda_max_is_the_full_hessians(tmp_path, trained):
+    "Within 1% of the largest eigenvalue of the full 180 x 180 Hessian (eigvalsh), at initialisation and after a short search"
+    learn = learner(tmp_path, curvature=False, checkpoint=False)
+    if trained:
+        with learn.no_bar(), learn.no_logging(): learn.fit(2)
+    m = learn.model
+    batches = curvature_batches(learn.dls.valid.data.reshape(-1), 4, 6, 1, seed=3)   # small: the full Hessian is 180 backward passes
+    lam = hessian_extremes(m, batches)
+    ev = torch.linalg.eigvalsh(full_hessian(m, batches))
+    assert abs(lam[1].item() - ev[-1].item()) < 0.01 * abs(ev[-1].item()), (lam, ev[[0, -1]])
+    assert torch.equal(hessian_extremes(m, batches), lam)             # deterministic
+
+def test_logged_every_epoch_without_changing_the_search(tmp_path):
+    "lambda_max in log.csv and history.json is the value at the epoch's end; the search's losses and α are those of a search without it"
+    a = learner(tmp_path/'a', cbs=[RunLogger('log.csv')])
+    with a.no_bar(): a.fit(2)
+    b = learner(tmp_path/'b', curvature=False)
+    with b.no_bar(): b.fit(2)
+    va, vb = a.recorder.values, b.recorder.values
+    assert [r[:-1] for r in va] == vb and torch.equal(a.model.alpha, b.model.alpha)   # the measurement forks the RNG
+    head, *rows = (tmp_path/'a'/'log.csv').read_text().splitlines()
+    assert head.split(',')[-2] == 'lambda_max' and len(rows) == 2
+    hist = json.loads((tmp_path/'a'/'history.json').read_text())
+    lam = [h['lambda_max'] for h in hist]
+    assert lam == [r[-1] for r in va] == a.curvature.values() and all(v > 0 for v in lam)
+    assert hessian_extremes(a.model, a.curvature.batches)[1].item() == lam[-1]   # the final weights and α, measured again
+
+class Planted(Curvature):
+    "λ_max read from a planted list instead of measured"
+    def __init__(self, values): super().__init__(); self.planted = values
+    def after_train(self):
+        self.value = self.planted[self.epoch]
+        self.history = [h for h in self.history if h['epoch'] < self.epoch] + [dict(epoch=self.epoch, lambda_max=self.value, lambda_min=0.)]
+
+class AlphaLog(Callback):
+    "α and the weights at the end of every epoch (before DARTS-ES may restore earlier ones)"
+    order = CurvatureStop.order - 1
+    def __init__(self): self.alphas, self.weights = {}, {}
+    def after_epoch(self): self.alphas[self.epoch], self.weights[self.epoch] = self.model.alpha.detach().clone(), self.model.flat.data.clone()
+
+# flat, then growing: with window 5, delta 4, start 2 the rule fires at epoch 8 (local average 1.8 at epoch 6 against 1 at 2)
+PLANTED = [1.] * 8 + [5., 9., 20., 30., 40., 50.]
+
+def es_learner(path, **kw):
+    learn = learner(path, epochs_data=800, curvature=False, **kw)
+    learn.add_cbs([Planted(PLANTED), CurvatureStop(start=2)])
+    return learn
+
+def test_early_stop_at_the_right_epoch_keeps_the_earlier_alpha(tmp_path, capsys):
+    learn = es_learner(tmp_path)
+    log = AlphaLog()
+    with learn.no_bar(), learn.no_logging(): learn.fit(12, cbs=log)
+    said = capsys.readouterr().out
+    assert len(learn.recorder.values) == 9                            # epochs 0..8, then it stopped
+    assert "early stop at epoch 8: λ_max's local average rose 1.80× over 4 epochs" in said and 'end of epoch 2' in said
+    assert learn.curvature_stop.stopped == dict(epoch=8, restored_epoch=2, ratio=pytest.approx(1.8), window=5, delta=4, factor=1.3)
+    assert torch.equal(learn.model.alpha, log.alphas[2]) and torch.equal(learn.model.flat.data, log.weights[2])
+    assert not torch.equal(log.alphas[8], log.alphas[2])
+    snaps = sorted(p.name for p in (tmp_path/'checkpoints').glob('es_epoch_*.pth'))
+    assert snaps == [f'es_epoch_{e:04d}.pth' for e in range(2, 9)]     # the window's states only
+
+def test_resume_inside_the_window_is_exact(tmp_path):
+    "Killed (here: a fit of 6 epochs) inside the window, resumed: the same stop, α and weights; resuming the stopped run changes nothing"
+    ref = es_learner(tmp_path/'ref')
+    with ref.no_bar(), ref.no_logging(): ref.fit(12)
+    first = es_learner(tmp_path/'run')
+    with first.no_bar(), first.no_logging(): first.fit(6)
+    resumed = es_learner(tmp_path/'run', resume=True)
+    with resumed.no_bar(), resumed.no_logging(): resumed.fit(12)
+    assert resumed.curvature_stop.stopped == ref.curvature_stop.stopped
+    assert torch.equal(resumed.model.alpha, ref.model.alpha) and torch.equal(resumed.model.flat.data, ref.model.flat.data)
+    again = es_learner(tmp_path/'run', resume=True)
+    with again.no_bar(), again.no_logging(): again.fit(12)
+    assert again.first_epoch == 9 and len(again.recorder.values) == 0
+    assert torch.equal(again.model.alpha, ref.model.alpha) and again.model.genotype() == ref.model.genotype()
+
+def test_cli_early_stop_flag_and_report(tmp_path):
+    "--early-stop true reaches the learner; lambda_max is logged and plotted; run.json records no stop when none happened"
+    out = tmp_path/'s'
+    learn = cli.run_command(['search', '--data', 'numbers', '--n-train', '3000', '--epochs', '2', '--bs', '8', '--bptt', '10',
+                             '--eval-bs', '4', '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--threads', '1', '--mode', 'first',
+                             '--early-stop', 'true', '--out', str(out)])
+    assert isinstance(learn.curvature_stop, CurvatureStop) and learn.curvature_stop.stopped is None
+    info = json.loads((out/'run.json').read_text())
+    assert info['settings']['early_stop'] is True and info['early_stop'] is None
+    assert 'lambda_max' in (out/'log.csv').read_text().splitlines()[0]
+    cli.run_command(['report', str(out)])
+    assert (out/'report'/'curvature.png').is_file()
+    with pytest.raises(ValueError, match='early_stop=True needs curvature=True'): learner(tmp_path/'x', curvature=False, early_stop=True)

@@ -1,0 +1,150 @@
+"""Interrupted, preempted or fed other data, through the command line: SIGINT and SIGTERM mid-epoch save the run and
+say how to resume it, and the resumed run ends as one never interrupted; a second signal stops at once and leaves
+whole files; changed data is refused; a failed write names its file."""
+import errno, json, os, re, shlex, signal, subprocess, sys, time
+from pathlib import Path
+import pytest, torch
+from rnn_darts import cli
+from callbacks.checkpoint import load_checkpoint, latest_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+def corpus(d, n=1500):
+    "A small corpus folder (its train split long enough for a few seconds an epoch at one thread)"
+    d.mkdir(parents=True, exist_ok=True)
+    words = 'the cat sat on a mat and saw one dog run to the red barn at noon'.split()
+    for s, k in (('train', n), ('valid', 300), ('test', 200)):
+        (d/f'{s}.txt').write_text(''.join(' ' + ' '.join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 9)) + ' \n' for i in range(k)))
+    return d
+
+def args(data, out, *more):
+    return ['search', '--data', str(data), '--epochs', '3', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '16',
+            '--nhid', '16', '--mode', 'first', '--device', 'cpu', '--threads', '1', '--out', str(out), *more]
+
+def launch(argv):
+    env = {**os.environ, 'PYTHONPATH': str(ROOT)}
+    return subprocess.Popen([sys.executable, '-m', 'rnn_darts.cli', *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+def wait_for(p, cond, what, limit=300):
+    t0 = time.time()
+    while not cond():
+        assert p.poll() is None, p.communicate()
+        assert time.time() - t0 < limit, f"no {what} after {limit} s"
+        time.sleep(0.01)
+
+def log_rows(run):
+    return [l.rsplit(',', 1)[0] for l in (run/'log.csv').read_text().splitlines()]   # without the time column
+
+def final_weights(run):
+    return load_checkpoint(latest_checkpoint(run/'checkpoints'))['model']
+
+def same_run(ref, run):
+    assert log_rows(ref) == log_rows(run)
+    assert (ref/'genotype.json').read_text() == (run/'genotype.json').read_text()
+    a, b = final_weights(ref), final_weights(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    h = lambda d: [(e['genotype'], e['weights'], e.get('lambda_max')) for e in json.loads((d/'history.json').read_text())]
+    assert h(ref) == h(run)
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+    "The uninterrupted run every interrupted one must end as"
+    d = tmp_path_factory.mktemp('pre')
+    data = corpus(d/'corpus')
+    p = launch(args(data, d/'ref')); out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err
+    return data, d/'ref'
+
+@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM])
+def test_signal_mid_epoch_then_resume_is_exact(reference, tmp_path, sig):
+    data, ref = reference
+    run = tmp_path/'run'
+    argv = args(data, run)
+    p = launch(argv)
+    wait_for(p, lambda: (run/'checkpoints'/'epoch_0000.pth').exists(), 'first checkpoint')
+    time.sleep(0.3)                                            # inside epoch 1
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 128 + sig, err
+    name = signal.Signals(sig).name
+    last = err.strip().splitlines()[-1]
+    m = re.fullmatch(rf"rnn-darts: {name} at epoch (\d), after batch (\d+) of (\d+): saved to (\S+); resume with: (.+)", last)
+    assert m, err
+    assert 'Traceback' not in err and Path(m[4]) == run/'checkpoints'/'mid_epoch.pth' and Path(m[4]).is_file()
+    assert not (run/'genotype.json').exists()                  # the search did not end
+    mid = load_checkpoint(m[4])
+    assert mid['epoch'] == int(m[1]) and mid['mid']['batches'] == int(m[2]) < int(m[3])
+    r = launch(shlex.split(m[5])[1:]); out, err = r.communicate(timeout=600)   # the printed command, as a user would paste it
+    assert r.returncode == 0, err
+    assert f"(epoch {m[1]}, after batch {m[2]} of {m[3]})" in out
+    same_run(ref, run)
+    assert not (run/'checkpoints'/'mid_epoch.pth').exists()    # superseded by the later epoch checkpoints
+
+def test_second_sigint_stops_at_once_and_leaves_whole_files(reference, tmp_path):
+    data, ref = reference
+    run = tmp_path/'run'
+    p = launch(args(data, run))
+    wait_for(p, lambda: (run/'checkpoints'/'epoch_0000.pth').exists(), 'first checkpoint')
+    p.send_signal(signal.SIGINT); p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 130 and 'Traceback' not in err, err
+    assert err.strip().splitlines()[-1].startswith('rnn-darts: ')
+    for f in (run/'checkpoints').iterdir(): load_checkpoint(f) if f.suffix == '.pth' else None   # every checkpoint loads
+    json.loads((run/'run.json').read_text())
+    r = launch(args(data, run, '--resume')); out, err = r.communicate(timeout=600)
+    assert r.returncode == 0, err
+    same_run(ref, run)
+    assert not [f for f in (run/'checkpoints').iterdir() if '.tmp' in f.name]
+
+def test_checkpoint_every_writes_mid_epoch_states(tmp_path):
+    "--checkpoint-every (minutes): mid-epoch checkpoints without stopping; changing it on --resume is free"
+    data = corpus(tmp_path/'c', 400)
+    learn = cli.run_command(args(data, tmp_path/'r', '--checkpoint-every', '0.00001', '--epochs', '1'))
+    assert learn.preemption.every == pytest.approx(0.0006)
+    assert not (tmp_path/'r'/'checkpoints'/'mid_epoch.pth').exists()   # written, then superseded at the epoch's end
+    cli.run_command(args(data, tmp_path/'r', '--epochs', '2', '--resume'))   # no --override needed
+
+def test_changed_data_is_refused_on_resume(tmp_path, capsys):
+    data = corpus(tmp_path/'c', 400)
+    cli.run_command(args(data, tmp_path/'r', '--epochs', '1'))
+    info = json.loads((tmp_path/'r'/'run.json').read_text())
+    assert info['data']['train']['file'] == str(data/'train.txt') and len(info['data']['train']['sha256']) == 64
+    (data/'train.txt').write_text((data/'train.txt').read_text() + ' the cat \n')
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e: cli.run_command(args(data, tmp_path/'r', '--epochs', '2', '--resume'))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count('\n') == 1
+    assert f"--resume: the data train changed since the run started: it was {data/'train.txt'} (" in err and '--override true' in err
+    cli.run_command(args(data, tmp_path/'r', '--epochs', '2', '--resume', '--override', 'true'))
+    info = json.loads((tmp_path/'r'/'run.json').read_text())
+    assert 'data train' in info['overrides'][-1]['changes'] and info['data']['train']['size'] == (data/'train.txt').stat().st_size
+
+@pytest.mark.parametrize('target', ['run.json', 'log.csv', 'genotype.json', 'epoch_0000.pth'])
+def test_a_failed_write_names_its_file(tmp_path, capsys, monkeypatch, target):
+    "The disk fills up while one of the run's files is written (every write ends with an fsync): one line naming that file, exit 1"
+    data, out = corpus(tmp_path/'c', 300), tmp_path/'r'
+    real = os.fsync
+    def fsync(fd):
+        if os.readlink(f'/proc/self/fd/{fd}').split('/')[-1].lstrip('.').startswith(target): raise OSError(errno.ENOSPC, 'No space left on device')
+        return real(fd)
+    monkeypatch.setattr(os, 'fsync', fsync)
+    with pytest.raises(SystemExit) as e: cli.run_command(args(data, out, '--epochs', '1'))
+    err = capsys.readouterr().err
+    want = (f"no space left on device while writing checkpoint {out/'checkpoints'/target}" if target.endswith('.pth')
+            else f"{out/target}: No space left on device")
+    assert e.value.code == 1 and err.count('\n') == 1 and want in err, err
+    assert not [f for f in out.rglob('*') if '.tmp' in f.name]       # no temporary file left behind
+
+def test_a_real_full_disk(tmp_path, capsys):
+    "A 256 kB tmpfs as the run folder (where the system lets us mount one): the checkpoint is named, run.json stays whole"
+    mnt = tmp_path/'small'; mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=256k', 'tmpfs', str(mnt)], capture_output=True).returncode:
+        pytest.skip('cannot mount a tmpfs here')
+    try:
+        data = corpus(tmp_path/'c', 300)
+        with pytest.raises(SystemExit) as e: cli.run_command(args(data, mnt/'r', '--epochs', '1', '--nhid', '64', '--emsize', '64'))
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and f"while writing checkpoint {mnt/'r'/'checkpoints'}" in err, err
+        if (mnt/'r'/'run.json').exists(): json.loads((mnt/'r'/'run.json').read_text())
+    finally: subprocess.run(['umount', '-l', str(mnt)])
