@@ -92,7 +92,8 @@ class Curvature(Callback):
 # %% ../nbs/16_curvature.ipynb #5753d80f
 def local_average(ev:list, j:int, window:int=5) -> float:
     "The mean of `ev` over the `window` epochs centred on epoch `j` (fewer at the start: EVLocalAvg)"
-    return sum(ev[max(0, j - window // 2):j + window // 2 + 1]) / len(ev[max(0, j - window // 2):j + window // 2 + 1])
+    w = ev[max(0, j - window // 2):j + window // 2 + 1]
+    return sum(w) / len(w)
 
 def es_decision(ev:list, window:int=5, delta:int=4, factor:float=1.3, start:int=10):
     "DARTS-ES after the epochs of `ev` (λ_max, one per epoch): `(stop_epoch, ratio)` if the search stops, else None"

@@ -127,17 +127,6 @@ def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=None, bf16=
 
 SEARCH_MODES = ('second', 'first', 'exact', 'random')
 
-def _random_learner(dls, model_kw, lr, wd, common, candidates, top, path, device, compile, bf16, fused_loss, cbs, **alpha_kw):
-    "`search_learner(mode='random')`: shared weights (`DartsRnnShared`), a cell drawn per batch (`RandomArch`), no α"
-    moved = {k: v for k, v in alpha_kw.items() if v != dict(relax='softmax', zero_one=0., op_decay=0., early_stop=False)[k]}
-    if moved: raise ValueError(f"mode='random' has no α: {', '.join(f'{k}={v!r}' for k, v in moved.items())} would be ignored")
-    if compile: raise ValueError("compile=True with mode='random': every batch runs another cell, and a compiled step recompiles for "
-                                 "each new cell (see rnn_darts.random_search); random search runs eager")
-    model = DartsRnnShared(_ntoken(dls, model_kw.pop('ntoken')), **model_kw)
-    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, False, bf16, fused_loss)
-    learn.add_cbs(common + [RandomArch(candidates=candidates, top=top)] + list(L(cbs)))
-    return learn
-
 def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
                    dropoute=0., lr=20., wd=5e-7, clip=0.25, alpha=0., beta=1e-3, mode='second', arch_lr=3e-3,
                    arch_wd=1e-3, relax='softmax', same_masks=True, zero_one=0., op_decay=0., on_nan='rollback', path='.',
@@ -146,21 +135,27 @@ def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=
                    checkpoint_every:float|None=None) -> DartsLearner:
     "A `Learner` for the search phase, with the paper's defaults: DARTS (`mode` second|first|exact), or random search with weight sharing (`mode='random'`: `search_dl` unused, `candidates` and `top` for `choose_cell`)"
     if mode not in SEARCH_MODES: raise ValueError(f"mode must be one of {', '.join(map(repr, SEARCH_MODES))}, got {mode!r}")
-    if mode == 'random':
-        return _random_learner(dls, dict(ntoken=ntoken, emsize=emsize, nhid=nhid, dropout=dropout, dropouth=dropouth, dropoutx=dropoutx,
-                                         dropouti=dropouti, dropoute=dropoute), lr, wd,
-                               _common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss, checkpoint_every), candidates, top, path,
-                               device, compile, bf16, fused_loss, cbs, relax=relax, zero_one=zero_one, op_decay=op_decay, early_stop=early_stop)
-    model = DartsRnnSearch(_ntoken(dls, ntoken), emsize, nhid, dropout, dropouth, dropoutx, dropouti, dropoute, relax=relax)
-    arch = ArchParamUpdate(search_dl, mode, arch_lr, arch_wd=arch_wd, same_masks=same_masks, zero_one=zero_one, op_decay=op_decay,
-                           arch_bf16=arch_bf16)
-    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16, fused_loss, auto_compile=True)
-    learn.metrics.append(ValueMetric(arch.search_loss, 'search_loss'))
+    rnd = mode == 'random'
+    if rnd:   # random search has no α: its settings would be ignored, and a new cell every batch would recompile a compiled step
+        moved = {k: v for k, v in dict(relax=relax, zero_one=zero_one, op_decay=op_decay, early_stop=early_stop).items()
+                 if v != dict(relax='softmax', zero_one=0., op_decay=0., early_stop=False)[k]}
+        if moved: raise ValueError(f"mode='random' has no α: {', '.join(f'{k}={v!r}' for k, v in moved.items())} would be ignored")
+        if compile: raise ValueError("compile=True with mode='random': every batch runs another cell, and a compiled step recompiles for "
+                                     "each new cell (see rnn_darts.random_search); random search runs eager")
     if early_stop and not curvature: raise ValueError("early_stop=True needs curvature=True: DARTS-ES stops on λ_max")
-    curv = [Curvature()] if curvature else []
-    for cb in curv: learn.metrics.append(ValueMetric(cb.lambda_max, 'lambda_max'))
-    learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss, checkpoint_every) + [arch, GenotypeLogger()] + curv
-                  + ([CurvatureStop()] if early_stop else []) + list(L(cbs)))
+    kw = dict(dropout=dropout, dropouth=dropouth, dropoutx=dropoutx, dropouti=dropouti, dropoute=dropoute)
+    model = (DartsRnnShared(_ntoken(dls, ntoken), emsize, nhid, **kw) if rnd else
+             DartsRnnSearch(_ntoken(dls, ntoken), emsize, nhid, **kw, relax=relax))
+    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, False if rnd else compile, bf16, fused_loss, auto_compile=not rnd)
+    if rnd: own = [RandomArch(candidates=candidates, top=top)]
+    else:
+        arch = ArchParamUpdate(search_dl, mode, arch_lr, arch_wd=arch_wd, same_masks=same_masks, zero_one=zero_one, op_decay=op_decay,
+                               arch_bf16=arch_bf16)
+        learn.metrics.append(ValueMetric(arch.search_loss, 'search_loss'))
+        curv = [Curvature()] if curvature else []
+        for cb in curv: learn.metrics.append(ValueMetric(cb.lambda_max, 'lambda_max'))
+        own = [arch, GenotypeLogger()] + curv + ([CurvatureStop()] if early_stop else [])
+    learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss, checkpoint_every) + own + list(L(cbs)))
     return learn
 
 def train_learner(dls, genotype, emsize=850, nhid=850, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
