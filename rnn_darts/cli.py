@@ -18,7 +18,7 @@ __all__ = ['DATA_DEFAULTS', 'TRAIN_DEFAULTS', 'CHOICES', 'RUN_FILES', 'RESUME_FR
            'check_random', 'setting_name', 'check_settings', 'check_fits', 'memory_estimate', 'available_memory',
            'check_memory', 'load_corpus', 'run_files', 'RunLock', 'read_run_json', 'settings_diff', 'data_changes',
            'prepare_run_dir', 'record_overrides_cb', 'idle_cores', 'set_threads', 'exit_if_interrupted', 'search',
-           'train', 'evaluate_run', 'bench', 'report', 'user_error_code', 'error_message', 'command_parser',
+           'train', 'study', 'evaluate_run', 'bench', 'report', 'user_error_code', 'error_message', 'command_parser',
            'main_help', 'foreign_warnings_off', 'run_command', 'main']
 
 # %% ../nbs/08_cli.ipynb #09131284
@@ -363,7 +363,8 @@ def exit_if_interrupted(learn):
     it = getattr(learn, 'interrupted', None)
     if not it: return
     import shlex
-    cmd = ' '.join(['rnn-darts', *map(shlex.quote, _ARGV)] + ([] if '--resume' in _ARGV else ['--resume']))
+    again = '--resume' in _ARGV or _ARGV[:1] == ['study']   # a study continues when run again: it has no --resume
+    cmd = ' '.join(['rnn-darts', *map(shlex.quote, _ARGV)] + ([] if again else ['--resume']))
     saved = f"saved to {it['path']}" if it['path'] else "not saved (a non-finite state); the last epoch checkpoint stands"
     if os.environ.get('RANK', '0') == '0':
         print(f"rnn-darts: {it['signal']} at epoch {it['epoch']}, after batch {it['batch']} of {it['of']}: {saved}; resume with: {cmd}",
@@ -374,7 +375,7 @@ def _report_end(learn, out, extra):
     from callbacks.training import write_json_atomic
     p = out/'run.json'
     info = read_run_json(p) if p.exists() else {}
-    info.update(extra); write_json_atomic(info, p)
+    info.update(extra, finished=True); write_json_atomic(info, p)   # `finished`: the command ended (a study skips such a stage)
 
 def search(
     preset:str=None,      # preset name in settings.ini: quick, search, ... (default: none, the code's defaults)
@@ -518,6 +519,30 @@ def train(
 
 _CONTROL = ('preset', 'settings', 'device', 'resume', 'overwrite', 'override', 'threads', 'url')
 
+def study(
+    preset:str=None,      # study preset in settings.ini: study-quick, study-paper (default: none, the code's defaults: the paper's protocol)
+    settings:str=None,    # settings.ini to read the study's preset and its stages' presets from (default: ./settings.ini or a parent's if it has the preset, else the packaged one)
+    out:str=None,         # study folder, a run folder per stage inside (default: runs/study)
+    stage:str=None,       # run only this stage (search-second-1, short-search-second-1, short-DARTS_V2, final, ...): one job of a scheduler; rnn-darts study then collects
+    device:str=None,      # cpu | cuda | cuda:N (default: CUDA when present)
+    override:bool_arg=False, # continue although the study's settings differ from its study.json (recorded there)
+    threads:int=None,     # CPU threads for torch (default on a CPU: the idle cores, i.e. cores less the load average, at least 1)
+    data:str=None,        # corpus of every stage, over the presets' own: numbers | ptb | a folder (default: each preset's)
+    files:str=None,       # train,valid,test file names inside the corpus folder, if not train.txt,valid.txt,test.txt
+    unk:str=None,         # token for words of valid/test that train lacks (PTB: '<unk>'); default: such a word is an error
+    methods:str=None,     # search methods, comma-separated: second, first, exact, random
+    seeds:str=None,       # search seeds, comma-separated (the paper ran 4)
+    references:str=None,  # published cells (DARTS_V2, ENAS, ...) or genotype files trained beside the searched ones as yardsticks, never selected; '' for none
+    search_preset:str=None, # settings.ini preset of every search
+    train_preset:str=None,  # settings.ini preset of the short trainings and the final one
+    short_epochs:int=None,  # epochs of each cell's short training (the paper: 300)
+    final_epochs:int=None,  # epochs of the selected cell's final training (the paper: 3600)
+):
+    "The paper's protocol: searches over methods and seeds, a short training of each cell, the best one trained fully and tested"
+    from rnn_darts.study import run_study, STUDY_OPTIONS
+    if threads is not None: check_number('--threads', threads, 1, integer=True)
+    return run_study(preset, settings, out, stage, device, threads, override, **{k: v for k, v in locals().items() if k in STUDY_OPTIONS})
+
 def evaluate_run(
     run:str,              # run folder (written by search or train)
     checkpoint:str='best',# best | last | a checkpoint file
@@ -593,9 +618,15 @@ def report(
     run:str,              # run folder
     fmt:str='md',         # md | html
 ):
-    "Write a one-page report (genotype diagram, α heatmaps, curves, best perplexity) for a run"
+    "Write a one-page report (genotype diagram, α heatmaps, curves, best perplexity) for a run, or for a study folder"
     check_choice('--fmt', fmt, CHOICES['fmt'])
     run = Path(run)
+    if (run/'study.json').is_file():
+        if fmt != 'md': raise UsageError("--fmt: a study's report is markdown only (--fmt md)")
+        from rnn_darts.study import write_study_report
+        p = write_study_report(run)
+        print(f"report written to {p}")
+        return p
     if run.is_dir() and (run/'run.json').exists(): read_run_json(run/'run.json')
     from rnn_darts.plot import write_report
     p = write_report(run, fmt=fmt)
@@ -603,7 +634,7 @@ def report(
     return p
 
 # %% ../nbs/08_cli.ipynb #719b8ce7
-COMMANDS = dict(search=search, train=train, evaluate=evaluate_run, bench=bench, report=report)
+COMMANDS = dict(search=search, train=train, study=study, evaluate=evaluate_run, bench=bench, report=report)
 def _roots():
     "The folders of this project's packages (`rnn_darts`, `callbacks`)"
     import importlib.util
@@ -647,10 +678,14 @@ def _default_text(k, dflt, defaults):
     if isinstance(v, bool): v = str(v).lower()
     return f" (default: {v}{', or the preset' if dflt is None else ''})"
 
+def _study_defaults() -> dict:
+    from rnn_darts.study import STUDY_OPTIONS
+    return {k: d for k, (_, d) in STUDY_OPTIONS.items()}
+
 def command_parser(cmd:str) -> argparse.ArgumentParser:
     "The argument parser of `rnn-darts CMD`, from the command function's signature and comments"
     fn = COMMANDS[cmd]
-    defaults = code_defaults(cmd) if cmd in ('search', 'train') else {}
+    defaults = code_defaults(cmd) if cmd in ('search', 'train') else _study_defaults() if cmd == 'study' else {}
     p = _Parser(prog=f'rnn-darts {cmd}', description=fn.__doc__, allow_abbrev=False,
                 epilog="--debug (or RNN_DARTS_DEBUG=1) shows the traceback of an error.")
     for k, d in docments(fn, full=True, returns=False, eval_str=True).items():
@@ -730,4 +765,6 @@ def main():
     except BrokenPipeError:   # `rnn-darts --help | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()); sys.exit(1)
 
-if __name__ == '__main__' and not in_notebook(): main()
+if __name__ == '__main__' and not in_notebook():
+    import rnn_darts.cli as _cli   # `python -m rnn_darts.cli`: run the one module every other module imports (its `_ARGV` is the one they read)
+    _cli.main()

@@ -314,7 +314,7 @@ def test_warning_filter_ends_with_the_command(monkeypatch):
 def test_help_is_fast_and_does_not_import_torch():
     env = {**os.environ, 'PYTHONPATH': str(ROOT)}
     code = ("import sys; from rnn_darts.cli import run_command\n"
-            "for a in (['--help'], ['search', '-h'], ['train', '-h'], ['evaluate', '-h']):\n"
+            "for a in (['--help'], ['search', '-h'], ['train', '-h'], ['study', '-h'], ['evaluate', '-h']):\n"
             "    try: run_command(a)\n    except SystemExit as e: assert e.code == 0\n"
             "assert 'torch' not in sys.modules and 'fastai' not in sys.modules, 'help imported torch'")
     t0 = time.time()

@@ -1,0 +1,189 @@
+"""`rnn-darts study` (issue 25): the paper's protocol as one command, run as a user runs it. Tiny presets of our own:
+a first-order and a random search, their short trainings and DARTS_V2's, the winner's final training. The stages
+are the same runs as `rnn-darts search|train` with the same flags; a kill and a rerun give the same table; stages
+run alone (a scheduler's jobs) and then collected give the same table; bad settings get one line."""
+import json, math, os, shutil, signal, subprocess, sys, time
+from pathlib import Path
+import pandas as pd, pytest
+from rnn_darts import cli
+from rnn_darts.study import STUDY_COLUMNS
+from rnn_darts.genotypes import load_genotype
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = """
+[tiny-search]
+data = numbers
+n_train = 3000
+epochs = 1
+bs = 8
+bptt = 10
+eval_bs = 4
+emsize = 16
+nhid = 16
+candidates = 12
+top = 3
+seed = 99
+
+[tiny-train]
+data = numbers
+n_train = 3000
+bs = 8
+bptt = 10
+eval_bs = 4
+test_bs = 4
+emsize = 16
+nhid = 16
+epochs = 50
+
+[tiny-study]
+methods = first,random
+seeds = 1
+references = DARTS_V2
+search_preset = tiny-search
+train_preset = tiny-train
+short_epochs = 1
+final_epochs = 2
+"""
+STAGES = ['search-first-1', 'search-random-1', 'short-search-first-1', 'short-search-random-1', 'short-DARTS_V2', 'final']
+
+def ini(d):
+    p = Path(d)/'settings.ini'; p.write_text(TINY); return p
+
+def study_args(d, out, *more):
+    return ['study', '--preset', 'tiny-study', '--settings', str(Path(d)/'settings.ini'), '--out', str(out), '--device', 'cpu',
+            '--threads', '1', *more]
+
+def table(out):
+    "study.csv without the search's compute time (the one column a rerun may change)"
+    return pd.read_csv(Path(out)/'study.csv').drop(columns=['search_seconds'])
+
+@pytest.fixture(scope='module')
+def done(tmp_path_factory):
+    "An uninterrupted tiny study, and its stdout"
+    d = tmp_path_factory.mktemp('study'); ini(d)
+    p = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', *study_args(d, d/'s')], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, 'PYTHONPATH': str(ROOT)}, timeout=900)
+    assert p.returncode == 0, p.stderr
+    return d, d/'s', p.stdout
+
+def test_study_runs_every_stage_and_tells_the_truth(done):
+    d, s, stdout = done
+    lines = [l for l in stdout.splitlines() if l.startswith('study [')]
+    assert [l.split()[2].rstrip(':') for l in lines] == [x for x in STAGES for _ in (0, 1)]   # a line as each starts and ends
+    assert all('so far' in l for l in lines[::2]) and all('done in' in l for l in lines[1::2])
+    assert 'left' in lines[-2]                                         # the final stage's estimate: from the finished stages
+    df = pd.read_csv(s/'study.csv')
+    assert list(df.columns) == list(STUDY_COLUMNS)
+    assert list(df.stage) == STAGES[2:5] and list(df.method) == ['first', 'random', 'reference']
+    for _, r in df.iterrows():                                         # each number is its stage's own record
+        rec = json.loads((s/r.stage/'run.json').read_text())
+        assert rec['finished'] and math.isclose(r.short_valid_ppl, math.exp(rec['best_valid_loss']), rel_tol=1e-9)
+        assert rec['settings']['epochs'] == 1 and rec['settings']['nhid'] == 16
+        if r.method != 'reference':
+            src = json.loads((s/r.stage.removeprefix('short-')/'run.json').read_text())
+            assert math.isclose(r.search_seconds, sum(src['epoch_times']) + (src.get('candidates') or {}).get('seconds', 0))
+            assert json.loads(r.genotype) == json.loads((s/r.stage.removeprefix('short-')/'genotype.json').read_text())
+    searched = df[df.method != 'reference']
+    assert df.selected.sum() == 1 and df.selected[searched.short_valid_loss.idxmin()]          # the best searched cell
+    w = df[df.selected].iloc[0]
+    fin = json.loads((s/'final'/'run.json').read_text())
+    assert load_genotype(fin['settings']['genotype']) == load_genotype(s/w.stage.removeprefix('short-')/'genotype.json')
+    assert fin['settings']['epochs'] == 2 and math.isclose(w.final_test_ppl, fin['test_ppl'])
+    assert df[~df.selected].final_test_ppl.isna().all()
+    report = (s/'report'/'report.md').read_text()
+    assert all(st in report for st in STAGES[2:5]) and (s/'report'/'candidates.png').stat().st_size > 1000
+    assert f"test {w.final_test_ppl:.2f}" in report
+
+def test_a_stage_is_the_run_the_command_makes(done, tmp_path):
+    "search-first-1 equals `rnn-darts search` with the search preset, seed 1 and --mode first: same log, same cell"
+    d, s, _ = done
+    cli.run_command(['search', '--preset', 'tiny-search', '--settings', str(d/'settings.ini'), '--seed', '1', '--mode', 'first',
+                     '--device', 'cpu', '--threads', '1', '--out', str(tmp_path/'alone')])
+    rows = lambda p: [l.rsplit(',', 1)[0] for l in (p/'log.csv').read_text().splitlines()]
+    assert rows(tmp_path/'alone') == rows(s/'search-first-1')
+    assert (tmp_path/'alone'/'genotype.json').read_text() == (s/'search-first-1'/'genotype.json').read_text()
+
+def test_run_again_skips_and_changed_settings_are_refused(done, tmp_path, capsys):
+    d, s, _ = done
+    s2 = tmp_path/'s'; shutil.copytree(s, s2)
+    before = (s2/'study.csv').read_text()
+    cli.run_command(study_args(d, s2))
+    assert capsys.readouterr().out.count('skipped') == len(STAGES)
+    assert (s2/'study.csv').read_text() == before
+    with pytest.raises(SystemExit) as e: cli.run_command(study_args(d, s2, '--final-epochs', '3'))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.count('\n') == 0 and str(s2/'study.json') in err and "final_epochs: 2 -> 3" in err
+    cli.run_command(study_args(d, s2, '--final-epochs', '3', '--override', 'true'))   # the final training continues to 3 epochs
+    out = capsys.readouterr().out
+    assert out.count('skipped') == len(STAGES) - 1 and 'resumed from' in out
+    assert len(json.loads((s2/'final'/'run.json').read_text())['epoch_times']) == 3
+    assert json.loads((s2/'study.json').read_text())['overrides'] == [dict(final_epochs=dict(old=2, new=3))]
+    new, old = table(s2), table(s)
+    pd.testing.assert_frame_equal(new.drop(columns=['final_valid_ppl', 'final_test_ppl']), old.drop(columns=['final_valid_ppl', 'final_test_ppl']))
+
+def launch(argv):
+    return subprocess.Popen([sys.executable, '-m', 'rnn_darts.cli', *argv], cwd=ROOT, env={**os.environ, 'PYTHONPATH': str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGKILL])
+def test_killed_study_resumes_to_the_same_table(done, tmp_path, sig):
+    d, s, _ = done
+    p = launch(study_args(d, tmp_path/'s'))
+    for line in p.stdout:                                              # kill it inside the short training of the first cell
+        if 'short-search-first-1: starts' in line: break
+    time.sleep(1.0)
+    p.send_signal(sig); out, err = p.communicate(timeout=300)
+    assert p.returncode in ((143, -15) if sig == signal.SIGTERM else (-9,)), err   # -15: it came between two stages
+    if p.returncode == 143:                                            # caught inside the fit: the resume line repeats the study command
+        assert 'resume with: rnn-darts study --preset tiny-study' in err and '--resume' not in err
+    cli.run_command(study_args(d, tmp_path/'s'))
+    pd.testing.assert_frame_equal(table(tmp_path/'s'), table(s))
+
+def test_stages_alone_then_collected_give_the_same_table(done, tmp_path, capsys):
+    d, s, _ = done
+    out = tmp_path/'s'
+    with pytest.raises(SystemExit) as e: cli.run_command(study_args(d, out, '--stage', 'short-search-first-1'))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and 'needs search-first-1 done first' in err
+    for st in ('search-random-1', 'search-first-1', 'short-search-first-1'):   # any order a scheduler picks
+        cli.run_command(study_args(d, out, '--stage', st))
+    assert not (out/'study.csv').exists()
+    with pytest.raises(SystemExit) as e: cli.run_command(study_args(d, out, '--stage', 'final'))
+    assert e.value.code == 2 and 'needs short-search-random-1, short-DARTS_V2 done first' in capsys.readouterr().err
+    cli.run_command(study_args(d, out))                                # collects: runs what is left
+    assert capsys.readouterr().out.count('skipped') == 3
+    pd.testing.assert_frame_equal(table(out), table(s))
+
+def fails(capsys, argv, *parts, code=2):
+    with pytest.raises(SystemExit) as e: cli.run_command(argv)
+    out, err = capsys.readouterr()
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert e.value.code == code and len(lines) == 1 and lines[0].startswith('rnn-darts: error: '), err
+    for p in parts: assert p in lines[0], (p, lines[0])
+    assert 'Traceback' not in out + err
+
+def test_bad_study_settings_get_one_line(tmp_path, capsys):
+    p = ini(tmp_path)
+    fails(capsys, study_args(tmp_path, tmp_path/'a', '--methods', 'first,sgd'), '--methods', "'sgd'")
+    fails(capsys, study_args(tmp_path, tmp_path/'a', '--seeds', '1,one'), '--seeds must be whole numbers')
+    fails(capsys, study_args(tmp_path, tmp_path/'a', '--references', 'DARTS_V3'), '--references', 'DARTS_V3')
+    fails(capsys, study_args(tmp_path, tmp_path/'a', '--search-preset', 'nope'), '--search-preset', 'no preset [nope]')
+    fails(capsys, study_args(tmp_path, tmp_path/'a', '--stage', 'search-first-9'), '--stage search-first-9', 'search-first-1, search-random-1')
+    fails(capsys, study_args(tmp_path, tmp_path/'a', '--short-epochs', '0'), '--short-epochs')
+    p.write_text(TINY.replace('short_epochs = 1', 'short_epoch = 1'))
+    fails(capsys, study_args(tmp_path, tmp_path/'a'), str(p), '[tiny-study]', "'short_epoch'", code=1)
+    p.write_text(TINY.replace('seeds = 1', 'seeds = 1,1'))
+    fails(capsys, study_args(tmp_path, tmp_path/'a'), f"{p}: [tiny-study] seeds names 1 twice")
+    p.write_text(TINY)
+    run = tmp_path/'run'; run.mkdir(); (run/'run.json').write_text(json.dumps(dict(command='search', settings={})))
+    fails(capsys, study_args(tmp_path, run), f"--out {run} is the run folder of an rnn-darts search")
+    assert not (tmp_path/'a').exists() and not (run/'study.json').exists()   # nothing was written
+
+def test_packaged_presets_plan_the_protocol():
+    from rnn_darts.study import study_settings, check_study, plan_stages
+    s, src = study_settings('study-paper', ROOT/'settings.ini')
+    assert (s['data'], s['short_epochs'], s['final_epochs']) == ('ptb', 300, 3600)
+    names = [x.name for x in plan_stages(check_study(s, src))]
+    assert len(names) == 3 * 4 * 2 + 2 and names[0] == 'search-second-1' and names[-2:] == ['short-DARTS_V2', 'final']
+    s, src = study_settings('study-quick', ROOT/'settings.ini')
+    assert len(plan_stages(check_study(s, src))) == 3 * 2 * 2 + 2
