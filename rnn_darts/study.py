@@ -277,7 +277,7 @@ def collect_study(study_dir, stages:list):
                 raise UserError(f"{study_dir/'final'} trained another cell than the selected one ({rows[i]['stage']}); "
                                 f"delete {study_dir/'final'} to train the selected one")
             rows[i].update(final_valid_ppl=_ppl(fin.get('best_valid_loss')), final_test_ppl=float(fin.get('test_ppl', float('nan'))))
-    df = pd.DataFrame(rows, columns=list(STUDY_COLUMNS))
+    df = pd.DataFrame(rows, columns=list(STUDY_COLUMNS)).astype(dict(seed='Int64'))   # whole seeds; none for a reference
     write_text_atomic(df.to_csv(index=False), study_dir/'study.csv')
     if i is not None and rows[i]['final_test_ppl'] == rows[i]['final_test_ppl']:
         print(f"study: selected {rows[i]['stage']} (short-training validation perplexity {rows[i]['short_valid_ppl']:.2f}); "
@@ -308,8 +308,15 @@ def plot_study(df, path=None):
     if any(l.get_label().startswith('selected') for l in ax.lines): ax.legend(fontsize=8)
     return _out(fig, path)
 
-def _md_cell(v) -> str:
-    if isinstance(v, float): return '' if v != v else f"{v:.2f}"
+def _md_cell(col:str, v) -> str:
+    "A cell of the report's table: losses to 4 decimals, perplexities to 2, times as minutes and seconds"
+    import pandas as pd
+    if pd.isna(v): return ''
+    if col == 'search_seconds': return _fmt_time(float(v))
+    if col == 'short_valid_loss': return f"{float(v):.4f}"
+    if col.endswith('_ppl'): return f"{float(v):.2f}"
+    if col == 'seed': return str(int(v))
+    if col == 'selected': return '**yes**' if bool(v) else ''
     return str(v).replace('|', '\\|')
 
 def write_study_report(study_dir, df=None) -> Path:
@@ -321,7 +328,7 @@ def write_study_report(study_dir, df=None) -> Path:
     if df is None:
         p = study_dir/'study.csv'
         if not p.is_file(): raise FileNotFoundError(f"{p} does not exist: run rnn-darts study --out {study_dir} to finish the study first")
-        df = pd.read_csv(p)
+        df = pd.read_csv(p).astype(dict(seed='Int64'))
     rec = json.loads((study_dir/'study.json').read_text()) if (study_dir/'study.json').is_file() else {}
     s = rec.get('settings', {})
     out = study_dir/'report'; out.mkdir(exist_ok=True)
@@ -347,7 +354,7 @@ def write_study_report(study_dir, df=None) -> Path:
             L += ['![final training](final_curves.png)', '', '*Final training: losses and validation perplexity.*', '']
     cols = [c for c in STUDY_COLUMNS if c != 'genotype']
     L += ['## All candidates', '', '| ' + ' | '.join(cols) + ' |', '|' + '---|' * len(cols)]
-    L += ['| ' + ' | '.join(_md_cell(r[c]) for c in cols) + ' |' for _, r in df.iterrows()]
+    L += ['| ' + ' | '.join(_md_cell(c, r[c]) for c in cols) + ' |' for _, r in df.iterrows()]
     p = out/'report.md'
     write_text_atomic('\n'.join(L).rstrip() + '\n', p)
     return p
