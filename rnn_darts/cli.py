@@ -363,8 +363,9 @@ def exit_if_interrupted(learn):
     it = getattr(learn, 'interrupted', None)
     if not it: return
     import shlex
-    again = '--resume' in _ARGV or _ARGV[:1] == ['study']   # a study continues when run again: it has no --resume
-    cmd = ' '.join(['rnn-darts', *map(shlex.quote, _ARGV)] + ([] if again else ['--resume']))
+    argv = [a for a in _ARGV if a != '--overwrite']           # --overwrite would delete what the resume needs (and is refused with it)
+    again = '--resume' in argv or argv[:1] == ['study']       # a study continues when run again: it has no --resume
+    cmd = ' '.join(['rnn-darts', *map(shlex.quote, argv)] + ([] if again else ['--resume']))
     saved = f"saved to {it['path']}" if it['path'] else "not saved (a non-finite state); the last epoch checkpoint stands"
     if os.environ.get('RANK', '0') == '0':
         print(f"rnn-darts: {it['signal']} at epoch {it['epoch']}, after batch {it['batch']} of {it['of']}: {saved}; resume with: {cmd}",

@@ -60,7 +60,7 @@ def reference(tmp_path_factory):
 def test_signal_mid_epoch_then_resume_is_exact(reference, tmp_path, sig):
     data, ref = reference
     run = tmp_path/'run'
-    argv = args(data, run)
+    argv = args(data, run, *(['--overwrite'] if sig == signal.SIGTERM else []))   # the resume line must leave --overwrite out
     p = launch(argv)
     wait_for(p, lambda: (run/'checkpoints'/'epoch_0000.pth').exists(), 'first checkpoint')
     time.sleep(0.3)                                            # inside epoch 1
