@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from rnn_darts.core import cpu_name
 from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V2, sample_genotype
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared, NodeNorm
 from callbacks.arch import ArchParamUpdate, arch_grad, hypergrad
@@ -20,7 +21,7 @@ __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_
            'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'arch_hypergrad', 'random_step',
            'search_step', 'in_bf16', 'kernel_profile', 'launch_count', 'PlainSearchRnn', 'plain_from', 'plain_clip',
            'plain_unrolled', 'plain_hvp', 'plain_hypergrad_first', 'plain_hypergrad_second', 'PlainSearchStep',
-           'bf16_agreement', 'write_json', 'run_bench', 'print_table']
+           'bf16_agreement', 'cpu_kernels', 'write_json', 'run_bench', 'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 FULL_SHAPES = dict(search=dict(bs=256, bptt=35, nhid=300, ntoken=10000),
@@ -380,9 +381,16 @@ def _device(device):
     if device is None: return 'cuda' if torch.cuda.is_available() else 'cpu'
     return str(device)
 
+def cpu_kernels() -> str:
+    "Which kernels the CPU's float32 matrix products use (`rnn_darts.model`'s routing)"
+    from rnn_darts import model
+    if not model.ONEDNN: return 'aten (MKL) for every product (oneDNN off: RNN_DARTS_ONEDNN=0 or not built)'
+    return (f"oneDNN inner product for a·Wᵀ of >= {model.ONEDNN_MIN_MACS:,} multiply-adds and weight gradients of >= "
+            f"{model.ONEDNN_MIN_WEIGHT_GRAD_MACS:,}; aten (MKL) below")
+
 def _device_name(device):
     if torch.device(device).type == 'cuda': return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+    return cpu_name()
 
 def _row(name, impl, shape, t):
     tok = shape['bs'] * shape['bptt']
@@ -417,7 +425,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     iters = iters if iters is not None else (3 if small else 10)
     warmup = warmup if warmup is not None else (1 if small else 3)
     plain = small if plain is None else plain
-    res = dict(device=dev, device_name=_device_name(dev), torch=torch.__version__, threads=torch.get_num_threads(),
+    res = dict(device=dev, device_name=_device_name(dev), kernels=cpu_kernels() if dev == 'cpu' else None, torch=torch.__version__, threads=torch.get_num_threads(),
                small=small, iters=iters, warmup=warmup, compile=compile, bf16=bf16, mem_kind=mem_kind(dev),
                shapes=dict(search=S, train=dict(TS, genotype='DARTS_V2'), eval_bs=ebs), step=dict(STEP), rows=[],
                ratios={}, ratios_min={},
@@ -496,6 +504,7 @@ def print_table(results: dict, file=None):
     r = results
     out = [f"device: {r['device']} ({r['device_name']}), torch {r['torch']}, {r['threads']} threads; "
            f"{r['warmup']} warm-up + {r['iters']} timed iterations per row",
+           *([f"CPU kernels: {r['kernels']}"] if r.get('kernels') else []),
            f"memory: {r['mem_kind']}; ops: {r.get('ops_kind', 'operators per step (op_count)')}",
            "first ms: the first (warm-up) call; with --compile it includes compiling that row's graphs not compiled before",
            f"{'what':<34} {'impl':<6} {'bs':>4} {'bptt':>4} {'nhid':>5} {'ntoken':>6} {'ms/batch':>10} {'min ms':>9} {'first ms':>9} {'tok/s':>10} {'mem MiB':>9} {'ops':>8}"]

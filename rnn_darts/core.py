@@ -9,9 +9,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['UserError', 'UsageError', 'get_device', 'set_seed', 'rng_states', 'set_rng_states', 'check_positive', 'check_prob',
-           'check_bptt', 'check_number', 'check_choice', 'naming', 'write_text_atomic', 'packaged_settings', 'read_ini',
-           'settings_candidates', 'find_settings', 'read_preset', 'options_of']
+__all__ = ['UserError', 'UsageError', 'get_device', 'cpu_name', 'set_seed', 'rng_states', 'set_rng_states', 'check_positive',
+           'check_prob', 'check_bptt', 'check_number', 'check_choice', 'naming', 'write_text_atomic',
+           'packaged_settings', 'read_ini', 'settings_candidates', 'find_settings', 'read_preset', 'options_of']
 
 # %% ../nbs/00_core.ipynb #c0e11a02
 class UserError(ValueError):
@@ -43,6 +43,30 @@ def get_device(device=None):
     if dev.type == 'mps' and not (hasattr(torch.backends, 'mps') and torch.backends.mps.is_available()):
         raise UsageError(f"--device {device}: MPS is not available on this machine; use --device cpu")
     return dev
+
+# %% ../nbs/00_core.ipynb #ea00d6b6
+def _amd_generation(family:int, model:int) -> str:
+    if family == 26: return 'Zen 5'
+    if family == 25: return 'Zen 4' if 0x10 <= model <= 0x1f or 0x60 <= model <= 0xaf else 'Zen 3'
+    if family == 23: return 'Zen 2' if model >= 0x30 else 'Zen 1'
+    return ''
+
+def cpu_name(cpuinfo:str|None=None) -> str:
+    "This machine's CPU: model name, AMD generation (family and model), AVX-512 or not, cores this process may use"
+    import platform
+    if cpuinfo is None:
+        try: cpuinfo = Path('/proc/cpuinfo').read_text()
+        except OSError: cpuinfo = ''
+    first = cpuinfo.split('\n\n')[0]
+    f = dict((k.strip(), v.strip()) for k, _, v in (l.partition(':') for l in first.splitlines()) if k.strip())
+    name = re.sub(r'\s+', ' ', f.get('model name', '')).strip() or platform.processor() or platform.machine() or 'unknown CPU'
+    parts = [name]
+    if f.get('vendor_id') == 'AuthenticAMD' and f.get('cpu family', '').isdigit() and f.get('model', '').isdigit():
+        fam, mod = int(f['cpu family']), int(f['model'])
+        parts.append(f"family {fam} model {mod}" + (f": {_amd_generation(fam, mod)}" if _amd_generation(fam, mod) else ''))
+    if 'flags' in f: parts.append('AVX-512' if 'avx512f' in f['flags'].split() else 'no AVX-512')
+    n = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+    return f"{parts[0]} ({', '.join(parts[1:] + [f'{n} cores'])})" if len(parts) > 1 else f"{name} ({n} cores)"
 
 # %% ../nbs/00_core.ipynb #c1c60223
 def set_seed(seed:int):

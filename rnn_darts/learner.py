@@ -21,7 +21,7 @@ from fastai.metrics import Perplexity
 from fastai.optimizer import SGD
 import fastai.callback.schedule  # adds Learner.lr_find and fit_one_cycle
 from fastai.callback.progress import CSVLogger
-from rnn_darts.core import rng_states, set_rng_states, read_preset
+from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
 from callbacks.arch import ArchParamUpdate, RandomArch
@@ -57,7 +57,7 @@ def flat_splitter(model):
 # %% ../nbs/07_learner.ipynb #62f13612
 def device_name(device) -> str:
     d = torch.device(device)
-    return torch.cuda.get_device_name(d) if d.type == 'cuda' else 'cpu'
+    return torch.cuda.get_device_name(d) if d.type == 'cuda' else f"cpu: {cpu_name()}"
 
 def run_genotype(learn):
     "The run's cell: derived from α (DARTS), the chosen candidate (random search: None until `choose_cell`), or the one trained"
