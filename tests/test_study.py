@@ -93,6 +93,9 @@ def test_study_runs_every_stage_and_tells_the_truth(done):
     report = (s/'report'/'report.md').read_text()
     assert all(st in report for st in STAGES[2:5]) and (s/'report'/'candidates.png').stat().st_size > 1000
     assert f"test {w.final_test_ppl:.2f}" in report
+    (s/'report'/'report.md').unlink()
+    cli.run_command(['report', str(s)])                                # `rnn-darts report STUDY` writes it again
+    assert (s/'report'/'report.md').read_text() == report
 
 def test_a_stage_is_the_run_the_command_makes(done, tmp_path):
     "search-first-1 equals `rnn-darts search` with the search preset, seed 1 and --mode first: same log, same cell"
