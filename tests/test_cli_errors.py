@@ -247,7 +247,7 @@ def test_debug_shows_the_traceback(monkeypatch, tmp_path):
     with pytest.raises(UsageError): cli.run_command(['search', *NUM, '--lr', '0'])
 
 def test_commands(capsys):
-    fails(capsys, ['serach'], 2, "unknown command 'serach' (did you mean search?); commands: search, train, evaluate, bench, report")
+    fails(capsys, ['serach'], 2, "unknown command 'serach' (did you mean search?); commands: search, train, study, evaluate, bench, report")
     fails(capsys, ['--preset', 'quick'], 2, '--preset: give the command first')
     fails(capsys, ['report', 'x', '--fmt', 'pdf'], 2, "--fmt must be one of md, html; got 'pdf'")
     fails(capsys, ['bench', '--iters', '0'], 2, '--iters must be an integer >= 1')
