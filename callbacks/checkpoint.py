@@ -261,7 +261,16 @@ class Preemption(Callback):
         "Put back the signal handlers the fit found"
         for s, h in self.old.items(): signal.signal(s, h)
         self.old = {}
-    def after_fit(self): self.restore()
+
+    def after_fit(self):
+        self.restore()
+        if self.signum is None or self.learn.interrupted is not None or in_lr_find(self.learn): return
+        # the signal came after the last training batch: the fit ended whole, with its epoch checkpoint; stop all the same
+        ck = getattr(self.learn, 'checkpoint', None)
+        p = ck.newest() if isinstance(ck, Checkpoint) and rank_distrib() == 0 else None
+        n = len(self.learn.dls.train)
+        self.learn.interrupted = dict(signal=signal.Signals(self.signum).name, code=128 + self.signum, epoch=self.epoch,
+                                      batch=n, of=n, path=None if p is None else str(p))
 
     def on_signal(self, signum, frame):
         name = signal.Signals(signum).name

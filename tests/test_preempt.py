@@ -149,3 +149,24 @@ def test_a_real_full_disk(tmp_path, capsys):
         assert e.value.code == 1 and f"while writing checkpoint {mnt/'r'/'checkpoints'}" in err, err
         if (mnt/'r'/'run.json').exists(): json.loads((mnt/'r'/'run.json').read_text())
     finally: subprocess.run(['umount', '-l', str(mnt)])
+
+def test_a_signal_after_the_last_batch_still_stops_the_command(tmp_path):
+    "SIGTERM during the last epoch's validation: the fit ends whole, yet the command stops (143) instead of going on"
+    from fastai.callback.core import Callback
+    from rnn_darts.core import set_seed
+    from rnn_darts.data import numbers_corpus, lm_dls, search_stream
+    from rnn_darts.learner import search_learner
+    class LateSignal(Callback):
+        def before_validate(self):
+            if self.epoch == self.n_epoch - 1: signal.raise_signal(signal.SIGTERM)
+    set_seed(0)
+    c = numbers_corpus(0, 1500, 300, 300)
+    learn = search_learner(lm_dls(c, 8, 10, 'search', eval_bs=4, seed=0), search_stream(c, 8), emsize=8, nhid=8, mode='first',
+                           path=tmp_path, compile=False, curvature=False)
+    before = signal.getsignal(signal.SIGTERM)
+    with learn.no_bar(), learn.no_logging(): learn.fit(2, cbs=[LateSignal()])
+    n = len(learn.dls.train)
+    assert learn.interrupted == dict(signal='SIGTERM', code=143, epoch=1, batch=n, of=n, path=str(tmp_path/'checkpoints'/'epoch_0001.pth'))
+    assert signal.getsignal(signal.SIGTERM) is before
+    with pytest.raises(SystemExit) as e: cli.exit_if_interrupted(learn)
+    assert e.value.code == 143
