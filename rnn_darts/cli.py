@@ -265,6 +265,10 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
         if resume and (out/'run.json').exists():
             info = read_run_json(out/'run.json')
             if info['command'] != command: raise UsageError(f"--resume: {out} holds a {info['command']} run, not a {command} run")
+            done = len(info.get('epoch_times') or [])
+            if s.get('epochs') is not None and s['epochs'] < done:
+                raise UsageError(f"--epochs {s['epochs']}: {out} has done {done} epochs; --epochs is the total with --resume, so give "
+                                 f"{done} or more (a run is never cut back)")
             changes = settings_diff(info['settings'], s)
             moved = data_changes(info.get('data'), data or {})
             if moved and not override:

@@ -77,10 +77,13 @@ class RunInfo(TrainEpochEnd):
                              epoch_times=[], best_valid_loss=None, asgd_epoch=None, genotype=None,
                              **({} if self.data is None else dict(data=self.data)))
     def flat_device(self): return self.model.flat.data.device
-    def before_epoch(self): super().before_epoch(); self.t0 = time.time()
+    def before_epoch(self):
+        super().before_epoch()
+        self.t0, self.carried = time.time() - getattr(self, 'carried', 0.), 0.   # a resumed epoch counts its time before the stop
     def epoch_done(self):
         i = self.info
         i['epoch_times'] = i['epoch_times'][:self.epoch] + [time.time() - self.t0]
+        self.t0 = None
         v = valid_loss_of(self.learn)
         if math.isfinite(v) and (i['best_valid_loss'] is None or v < i['best_valid_loss']): i['best_valid_loss'] = v
         sw = getattr(self.learn, 'asgd_switch', None)
@@ -88,8 +91,8 @@ class RunInfo(TrainEpochEnd):
         g = run_genotype(self.learn)
         i['genotype'] = None if g is None else genotype_to_dict(g)
         if rank_distrib() == 0: write_json_atomic(i, Path(self.path)/self.fname)
-    def ckpt_state(self): return dict(info=self.info)
-    def load_ckpt_state(self, d): self.info = dict(d['info'])
+    def ckpt_state(self): return dict(info=self.info, epoch_seconds=time.time() - self.t0 if getattr(self, 't0', None) else 0.)
+    def load_ckpt_state(self, d): self.info, self.carried = dict(d['info']), d.get('epoch_seconds', 0.)
 
 # %% ../nbs/07_learner.ipynb #a1eb1dd6
 class SeqCrossEntropy(CrossEntropyLossFlat):

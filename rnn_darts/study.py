@@ -12,8 +12,8 @@ from rnn_darts.core import UsageError, UserError, find_settings, read_preset, ch
 
 # %% auto #0
 __all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'study_settings', 'check_study', 'Stage', 'plan_stages', 'stage_command',
-           'stage_record', 'stage_done', 'stage_seconds', 'select_winner', 'study_rows', 'run_stage', 'run_study',
-           'collect_study', 'plot_study', 'write_study_report']
+           'stage_record', 'stage_settings', 'stage_done', 'stage_seconds', 'select_winner', 'study_rows',
+           'check_stages', 'check_final', 'run_stage', 'run_study', 'collect_study', 'plot_study', 'write_study_report']
 
 # %% ../nbs/17_study.ipynb #160dffce
 STUDY_OPTIONS = dict(   # name -> (type, default): the defaults are the paper's protocol
@@ -57,7 +57,13 @@ def check_study(s:dict, src:dict|None=None) -> dict:
         try: load_genotype(r)
         except (FileNotFoundError, ValueError) as e: raise UsageError(f"{n('references')}: {e}") from None
     for k in ('short_epochs', 'final_epochs'): check_number(n(k), s[k], 1, integer=True)
-    return dict(methods=methods, seeds=seeds, references=refs)
+    lists = dict(methods=methods, seeds=seeds, references=refs)
+    names = [x.name for x in plan_stages(lists)]
+    for r in refs:                                                    # each reference trains in a folder of its own
+        name = f"short-{_folder_name(r)}"
+        if names.count(name) > 1: raise UsageError(f"{n('references')}: {r} would train in the stage folder {name}, which another "
+                                                   f"stage has; rename the file")
+    return lists
 
 # %% ../nbs/17_study.ipynb #ad2ab8ba
 @dataclass(frozen=True)
@@ -97,11 +103,16 @@ def stage_record(folder) -> dict|None:
     p = Path(folder)/'run.json'
     return read_run_json(p) if p.is_file() else None
 
+def stage_settings(command:str, flags:dict) -> tuple:
+    "The settings of a stage's run and where each came from, its preset and flags resolved as `rnn-darts search|train` does"
+    from rnn_darts.cli import settings_and_sources
+    return settings_and_sources(command, **{k: v for k, v in flags.items() if k != 'settings'}, settings_file=flags.get('settings'))
+
 def stage_done(rec:dict|None, command:str, flags:dict) -> bool:
     "Whether the run recorded in `rec` finished with the settings `flags` ask for (preset and flags resolved as the command does)"
     if not rec or not rec.get('finished'): return False
-    from rnn_darts.cli import settings_and_sources, settings_diff
-    want = settings_and_sources(command, **{k: v for k, v in flags.items() if k != 'settings'}, settings_file=flags.get('settings'))[0]
+    from rnn_darts.cli import settings_diff
+    want = stage_settings(command, flags)[0]
     return rec['settings'].get('epochs') == want['epochs'] and not settings_diff(rec['settings'], want)
 
 def stage_seconds(rec:dict|None) -> float|None:
@@ -181,6 +192,20 @@ def _study_record(study_dir:Path, s:dict, preset, override:bool) -> dict:
     write_text_atomic(json.dumps(rec, indent=1), p)
     return rec
 
+def check_stages(stages:list, s:dict, study_dir, settings_file=None):
+    "Check every stage's settings, corpus and batch sizes as its command will, before any stage runs or `study.json` is written"
+    from rnn_darts.cli import check_settings, load_corpus, check_fits
+    corpora = {}
+    for st in stages:
+        cmd, flags = stage_command(st, s, study_dir, settings_file, winner=stages[0].name)   # the final stage: any searched cell
+        run, src = stage_settings(cmd, flags)
+        try: check_settings(run, src)
+        except UsageError as e: raise UsageError(f"stage {st.name}: {e}") from None
+        key = (run['data'], run['files'], run['unk']) + ((run['seed'], run['n_train']) if run['data'] == 'numbers' else ())
+        if key not in corpora: corpora[key] = load_corpus(run)
+        try: check_fits(corpora[key], run, cmd, src)
+        except UsageError as e: raise UsageError(f"stage {st.name}: {e}") from None
+
 def _check_folder(study_dir:Path):
     if study_dir.exists() and not study_dir.is_dir(): raise UsageError(f"--out {study_dir} is a file, not a folder")
     rec = stage_record(study_dir) if (study_dir/'run.json').is_file() else None
@@ -203,11 +228,21 @@ def _final_source(st:Stage, stages:list, study_dir:Path) -> str|None:
     if i is None: raise UserError(f"no short training in {study_dir} ended with a finite validation loss: there is no cell to select")
     return next(x.source for x in stages if x.name == rows[i]['stage'])
 
+def check_final(study_dir, genotype, selected:str):
+    "Refuse a final training of another cell than `genotype`, the cell of the `selected` stage (the selection changed since it started)"
+    from rnn_darts.genotypes import load_genotype
+    fin = stage_record(Path(study_dir)/'final')
+    if fin and fin['settings'].get('genotype') and load_genotype(fin['settings']['genotype']) != load_genotype(genotype):
+        raise UserError(f"{Path(study_dir)/'final'} trained another cell than the selected one ({selected}); "
+                        f"delete {Path(study_dir)/'final'} to train the selected one")
+
 def run_stage(st:Stage, stages:list, s:dict, study_dir, settings_file=None, device=None, threads=None, override=False):
     "Run stage `st` as `rnn-darts search|train` would (resuming it if it started); returns the learner"
     from rnn_darts import cli
     study_dir = Path(study_dir)
-    cmd, flags = stage_command(st, s, study_dir, settings_file, _final_source(st, stages, study_dir))
+    winner = _final_source(st, stages, study_dir)
+    cmd, flags = stage_command(st, s, study_dir, settings_file, winner)
+    if winner is not None: check_final(study_dir, flags['genotype'], f"short-{winner}")
     fn = cli.search if cmd == 'search' else cli.train
     return fn(device=device, threads=threads, resume=bool(cli.run_files(flags['out'])), override=override, **flags)
 
@@ -231,30 +266,31 @@ def run_study(
         from rnn_darts.cli import known_options, setting_name
         try: read_preset(s[k], known_options(), find_settings(settings, s[k]))
         except KeyError as e: raise UsageError(f"{setting_name(k, src)}: {e.args[0]}") from None
+    check_stages(stages, s, study_dir, settings)
     _check_folder(study_dir)
     from rnn_darts.cli import RunLock
     with RunLock(study_dir) if stage is None else nullcontext():   # stage jobs run side by side: each locks its own run folder
-        _study_record(study_dir, s, preset, override)
         if stage is not None:
             st = stages[names.index(stage)]
             wait = _needs(st, stages, study_dir, s, settings)
             if wait: raise UsageError(f"--stage {stage} needs {', '.join(x.name for x in wait)} done first (rnn-darts study --stage NAME runs one)")
-            _run_logged(st, 1, 1, stages, s, study_dir, settings, device, threads, override, time.time())
-            return None
-        t0 = time.time()
-        for i, st in enumerate(stages):
+        _study_record(study_dir, s, preset, override)
+        t0, todo = time.time(), [stages[names.index(stage)]] if stage is not None else stages
+        for st in todo:
+            i, n = (stages.index(st) + 1, len(stages)) if stage is None else (1, 1)
             cmd, flags = stage_command(st, s, study_dir, settings, _final_source(st, stages, study_dir))
             if stage_done(stage_record(study_dir/st.name), cmd, flags):
-                print(f"study [{i+1}/{len(stages)}] {st.name}: done before, skipped", flush=True); continue
-            _run_logged(st, i + 1, len(stages), stages, s, study_dir, settings, device, threads, override, t0)
+                print(f"study [{i}/{n}] {st.name}: done before, skipped", flush=True); continue
+            left = [x for x in todo[todo.index(st):] if x.kind == 'final' or not (stage_record(study_dir/x.name) or {}).get('finished')]
+            _run_logged(st, i, n, left, stages, s, study_dir, settings, device, threads, override, t0)
+        if stage is not None: return None
         df = collect_study(study_dir, stages)
         write_study_report(study_dir, df)
         return df
 
 # %% ../nbs/17_study.ipynb #288fc733
-def _run_logged(st:Stage, i:int, n:int, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, t0:float):
-    "Run one stage between two progress lines: elapsed time, and the time left as far as finished stages tell"
-    left = [x for x in stages[i - 1:] if x.kind == 'final' or not (stage_record(study_dir/x.name) or {}).get('finished')]
+def _run_logged(st:Stage, i:int, n:int, left:list, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, t0:float):
+    "Run one stage between two progress lines: elapsed time, and the time the stages `left` take as far as finished stages tell"
     est = _estimate(left, study_dir, s)
     print(f"study [{i}/{n}] {st.name}: starts ({_fmt_time(time.time() - t0)} so far"
           f"{'; about ' + _fmt_time(est) + ' left' if est is not None else ''})", flush=True)
@@ -272,10 +308,7 @@ def collect_study(study_dir, stages:list):
         rows[i]['selected'] = True
         fin = stage_record(study_dir/'final')
         if fin and fin.get('finished'):
-            from rnn_darts.genotypes import load_genotype
-            if load_genotype(fin['settings'].get('genotype')) != load_genotype(rows[i]['genotype']):
-                raise UserError(f"{study_dir/'final'} trained another cell than the selected one ({rows[i]['stage']}); "
-                                f"delete {study_dir/'final'} to train the selected one")
+            check_final(study_dir, rows[i]['genotype'], rows[i]['stage'])
             rows[i].update(final_valid_ppl=_ppl(fin.get('best_valid_loss')), final_test_ppl=float(fin.get('test_ppl', float('nan'))))
     df = pd.DataFrame(rows, columns=list(STUDY_COLUMNS)).astype(dict(seed='Int64'))   # whole seeds; none for a reference
     write_text_atomic(df.to_csv(index=False), study_dir/'study.csv')

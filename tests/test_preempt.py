@@ -76,9 +76,12 @@ def test_signal_mid_epoch_then_resume_is_exact(reference, tmp_path, sig):
     assert not (run/'genotype.json').exists()                  # the search did not end
     mid = load_checkpoint(m[4])
     assert mid['epoch'] == int(m[1]) and mid['mid']['batches'] == int(m[2]) < int(m[3])
+    before = mid['cbs']['RunInfo']['epoch_seconds']            # the epoch's time before the signal, carried into the resumed run
+    assert 0.2 < before < 300
     r = launch(shlex.split(m[5])[1:]); out, err = r.communicate(timeout=600)   # the printed command, as a user would paste it
     assert r.returncode == 0, err
     assert f"(epoch {m[1]}, after batch {m[2]} of {m[3]})" in out
+    assert json.loads((run/'run.json').read_text())['epoch_times'][int(m[1])] > before
     same_run(ref, run)
     assert not (run/'checkpoints'/'mid_epoch.pth').exists()    # superseded by the later epoch checkpoints
 
@@ -105,6 +108,34 @@ def test_checkpoint_every_writes_mid_epoch_states(tmp_path):
     assert learn.preemption.every == pytest.approx(0.0006)
     assert not (tmp_path/'r'/'checkpoints'/'mid_epoch.pth').exists()   # written, then superseded at the epoch's end
     cli.run_command(args(data, tmp_path/'r', '--epochs', '2', '--resume'))   # no --override needed
+
+def test_a_resumed_epoch_counts_its_time_before_the_stop(tmp_path):
+    "run.json's epoch_times (a study's search time) hold a whole epoch's time: `RunInfo` saves the seconds so far mid-epoch"
+    from fastai.callback.core import Callback
+    from rnn_darts.data import numbers_corpus, lm_dls
+    from rnn_darts.learner import train_learner, RunInfo
+    from rnn_darts.genotypes import DARTS_V2
+    c = numbers_corpus(n_train=1_500, n_valid=600, n_test=400)
+    learn = train_learner(lm_dls(c, bs=8, bptt=10, phase='train', eval_bs=4), DARTS_V2, emsize=16, nhid=16, path=tmp_path, checkpoint=False)
+    ri, seen = RunInfo('train'), []
+    class Peek(Callback):
+        order = RunInfo.order + 1
+        def after_batch(self): seen.append(ri.ckpt_state()['epoch_seconds'])    # what a mid-epoch checkpoint would hold
+        def after_epoch(self): seen.append(ri.ckpt_state()['epoch_seconds'])    # an epoch's checkpoint: nothing to carry
+    with learn.no_bar(): learn.fit(1, cbs=[ri, Peek()])
+    assert 0 < seen[0] < seen[-2] <= ri.info['epoch_times'][0] and seen[-1] == 0
+    resumed = RunInfo('train'); resumed.load_ckpt_state(dict(info=ri.info, epoch_seconds=1000.))   # as `Checkpoint` resumes it
+    with learn.no_bar(): learn.fit(2, cbs=[resumed])
+    t = resumed.info['epoch_times']
+    assert 1000 < t[0] < 1000 + 60 and t[1] < 60                            # carried into the resumed epoch only
+
+def test_fewer_epochs_than_done_are_refused_on_resume(tmp_path, capsys):
+    data = corpus(tmp_path/'c', 300)
+    cli.run_command(args(data, tmp_path/'r', '--epochs', '2'))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e: cli.run_command(args(data, tmp_path/'r', '--epochs', '1', '--resume', '--override', 'true'))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count('\n') == 1 and f"--epochs 1: {tmp_path/'r'} has done 2 epochs" in err
 
 def test_changed_data_is_refused_on_resume(tmp_path, capsys):
     data = corpus(tmp_path/'c', 400)

@@ -129,7 +129,7 @@ def launch(argv):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGKILL])
-def test_killed_study_resumes_to_the_same_table(done, tmp_path, sig):
+def test_killed_study_resumes_to_the_same_table(done, tmp_path, sig, capsys):
     d, s, _ = done
     p = launch(study_args(d, tmp_path/'s'))
     for line in p.stdout:                                              # kill it inside the short training of the first cell
@@ -139,7 +139,9 @@ def test_killed_study_resumes_to_the_same_table(done, tmp_path, sig):
     assert p.returncode in ((143, -15) if sig == signal.SIGTERM else (-9,)), err   # -15: it came between two stages
     if p.returncode == 143:                                            # caught inside the fit: the resume line repeats the study command
         assert 'resume with: rnn-darts study --preset tiny-study' in err and '--resume' not in err
+    capsys.readouterr()
     cli.run_command(study_args(d, tmp_path/'s'))
+    if p.returncode == 143: assert 'resumed from' in capsys.readouterr().out   # the stopped stage went on from its mid-epoch state
     pd.testing.assert_frame_equal(table(tmp_path/'s'), table(s))
 
 def test_stages_alone_then_collected_give_the_same_table(done, tmp_path, capsys):
@@ -156,6 +158,19 @@ def test_stages_alone_then_collected_give_the_same_table(done, tmp_path, capsys)
     cli.run_command(study_args(d, out))                                # collects: runs what is left
     assert capsys.readouterr().out.count('skipped') == 3
     pd.testing.assert_frame_equal(table(out), table(s))
+    rec = (out/'search-first-1'/'run.json').read_text()
+    cli.run_command(study_args(d, out, '--stage', 'search-first-1'))   # a scheduler's retry of a finished stage
+    assert 'search-first-1: done before, skipped' in capsys.readouterr().out and (out/'search-first-1'/'run.json').read_text() == rec
+
+def test_a_final_training_of_another_cell_is_refused(done, tmp_path, capsys):
+    "The selection changed after the final training ran (say, --override with more seeds): the study says to delete it"
+    from rnn_darts.genotypes import DARTS_V1, genotype_to_dict
+    d, s, _ = done
+    s2 = tmp_path/'s'; shutil.copytree(s, s2)
+    rec = json.loads((s2/'final'/'run.json').read_text()); rec['settings']['genotype'] = json.dumps(genotype_to_dict(DARTS_V1))
+    (s2/'final'/'run.json').write_text(json.dumps(rec))
+    sel = table(s)[lambda df: df.selected].stage.iloc[0]
+    fails(capsys, study_args(d, s2), f"{s2/'final'} trained another cell than the selected one ({sel})", f"delete {s2/'final'}", code=1)
 
 def fails(capsys, argv, *parts, code=2):
     with pytest.raises(SystemExit) as e: cli.run_command(argv)
@@ -177,7 +192,14 @@ def test_bad_study_settings_get_one_line(tmp_path, capsys):
     fails(capsys, study_args(tmp_path, tmp_path/'a'), str(p), '[tiny-study]', "'short_epoch'", code=1)
     p.write_text(TINY.replace('seeds = 1', 'seeds = 1,1'))
     fails(capsys, study_args(tmp_path, tmp_path/'a'), f"{p}: [tiny-study] seeds names 1 twice")
+    p.write_text(TINY.replace('eval_bs = 4\ntest_bs = 4', 'eval_bs = 0\ntest_bs = 4'))   # a bad value in the train preset: found before any search runs
+    fails(capsys, study_args(tmp_path, tmp_path/'a'), 'stage short-search-first-1: ', f"{p}: [tiny-train] eval_bs")
     p.write_text(TINY)
+    fails(capsys, study_args(tmp_path, tmp_path/'a', '--data', str(tmp_path/'nowhere')), str(tmp_path/'nowhere'), code=1)
+    from rnn_darts.genotypes import DARTS_V2, save_genotype
+    for x in 'xy': (tmp_path/x).mkdir(); save_genotype(DARTS_V2, tmp_path/x/'cell.json')
+    fails(capsys, study_args(tmp_path, tmp_path/'a', '--references', f"{tmp_path/'x'/'cell.json'},{tmp_path/'y'/'cell.json'}"),
+          '--references', 'stage folder short-cell')
     run = tmp_path/'run'; run.mkdir(); (run/'run.json').write_text(json.dumps(dict(command='search', settings={})))
     fails(capsys, study_args(tmp_path, run), f"--out {run} is the run folder of an rnn-darts search")
     assert not (tmp_path/'a').exists() and not (run/'study.json').exists()   # nothing was written
