@@ -304,7 +304,7 @@ def export(self:DartsLearner, fname='export.pkl', pickle_module=None, pickle_pro
 # %% ../nbs/07_learner.ipynb #86906e9e
 def load_preset(name:str, settings=None) -> dict:
     "Preset `name` from `settings.ini` (the nearest one, or `settings`), typed and checked as the command line does"
-    from rnn_darts.cli import known_options   # the data options live with the command line
+    from rnn_darts.options import known_options
     return read_preset(name, known_options(), settings)
 
 _NOT_FROM_PRESETS = ('dls', 'search_dl', 'genotype', 'cbs', 'path', 'resume', 'device', 'ntoken')

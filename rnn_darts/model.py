@@ -4,19 +4,19 @@
 
 # %% ../nbs/03_model.ipynb #8dbd81eb
 from __future__ import annotations
-import ctypes, math, os, warnings
-from typing import NamedTuple
+import math, warnings
 from contextlib import contextmanager
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
+from rnn_darts import kernels
+from rnn_darts.kernels import mm_t, linear, tanh, DeferredWeight, WeightTap, _Tapped, _map, _collect
+
 
 # %% auto #0
-__all__ = ['ONEDNN', 'ONEDNN_MIN_MACS', 'ONEDNN_MIN_WEIGHT_GRAD_MACS', 'KEEP_FREED_MEMORY', 'ACTS', 'TAP_MIN_NUMEL', 'LOG2E',
-           'FlatParams', 'FlatModule', 'MaskBank', 'mm_t', 'onednn_mm_t', 'WeightTap', 'DeferredWeight', 'linear',
-           'tanh', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm', 'DartsCellSearch', 'ce_chunk_rows',
-           'LinearCrossEntropy', 'linear_cross_entropy', 'LanguageModel', 'DartsRnn', 'DartsRnnSearch',
-           'DartsRnnShared', 'n_weights']
+__all__ = ['ACTS', 'LOG2E', 'FlatParams', 'FlatModule', 'MaskBank', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm',
+           'DartsCellSearch', 'ce_chunk_rows', 'LinearCrossEntropy', 'linear_cross_entropy', 'LanguageModel',
+           'DartsRnn', 'DartsRnnSearch', 'DartsRnnShared', 'n_weights']
 
 # %% ../nbs/03_model.ipynb #3bef24ac
 class FlatParams:
@@ -101,187 +101,8 @@ class MaskBank:
         try: yield self
         finally: self.frozen, self.cache = False, {}
 
-# %% ../nbs/03_model.ipynb #68cc1122
-def _onednn_fp32() -> bool:
-    "Whether oneDNN's fp32 inner product runs here (and `RNN_DARTS_ONEDNN` is not `0`)"
-    if os.environ.get('RNN_DARTS_ONEDNN', '1') == '0' or not torch.backends.mkldnn.is_available(): return False
-    try: return torch.ops.mkldnn._linear_pointwise(torch.ones(2, 3), torch.ones(4, 3), None, 'none', [], '').shape == (2, 4)
-    except (AttributeError, RuntimeError): return False
-
-ONEDNN = _onednn_fp32()   # set to False to compare with aten's products
-ONEDNN_MIN_MACS = 5 * 2**18         # `linear` sends products at least this big to oneDNN (a 32-row state against 640 columns)
-ONEDNN_MIN_WEIGHT_GRAD_MACS = 2**21   # ... and their weight gradients `gᵀ a` this big (MKL was faster on 32-row ones here)
-
-def _on_onednn(a, b):
-    return ONEDNN and a.dtype == b.dtype == torch.float32 and a.device.type == 'cpu'
-
-def mm_t(a, b, bias=None):
-    "`a @ b.T (+ bias)` for 2-d `a`, `b` (any strides); float32 on a CPU through oneDNN, else `F.linear`"
-    if _on_onednn(a, b): return torch.ops.mkldnn._linear_pointwise(a, b, bias, 'none', [], '')
-    return F.linear(a, b, bias)
-
-# A plain operator, not a `torch.library.custom_op`: a compiled graph calls it with about 1 µs of overhead, a custom_op's Python wrapper cost 7
-if not hasattr(torch.ops.rnn_darts, 'mm_t'):   # defined once per process (the module may be imported after this notebook cell ran)
-    _LIB = torch.library.Library('rnn_darts', 'FRAGMENT')
-    _LIB.define('mm_t(Tensor a, Tensor b) -> Tensor')
-    _LIB.impl('mm_t', lambda a, b: torch.ops.mkldnn._linear_pointwise(a, b, None, 'none', [], ''), 'CPU')
-    torch.library.register_fake('rnn_darts::mm_t')(lambda a, b: a.new_empty(a.shape[0], b.shape[0]))
-
-class _OneDnnMmT(torch.autograd.Function):
-    "`a @ b.T` as the operator `rnn_darts::mm_t`, which `torch.compile` keeps opaque; its backward is differentiable again"
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return torch.ops.rnn_darts.mm_t(a, b)
-    @staticmethod
-    def backward(ctx, g):
-        a, b = ctx.saved_tensors
-        ga = onednn_mm_t(g, b.t()) if ctx.needs_input_grad[0] else None
-        if not ctx.needs_input_grad[1]: return ga, None
-        big = _macs(g.t(), a.t()) >= ONEDNN_MIN_WEIGHT_GRAD_MACS
-        return ga, onednn_mm_t(g.t().contiguous(), a.t()) if big else g.t() @ a   # a strided gᵀ ran up to 1.8× slower in oneDNN
-
-def onednn_mm_t(a, b):
-    "`a @ b.T` through oneDNN, with autograd"
-    return _OneDnnMmT.apply(a, b)
-
-def _macs(a, W): return a.numel() * W.shape[0]   # multiply-adds of `a @ W.T`
-def _big(a, W): return _macs(a, W) >= ONEDNN_MIN_MACS
-def _mm(a, W):
-    "`a @ W.T` without autograd: oneDNN for large float32 CPU products"
-    return mm_t(a, W) if _big(a, W) else F.linear(a, W)
-
-class _SummedGrad(torch.autograd.Function):
-    "A token that depends on `W`; its backward (after every step's) returns the gradient summed from the stashed products"
-    @staticmethod
-    def forward(ctx, W, dw):
-        ctx.dw = dw
-        return W.new_zeros(())
-    @staticmethod
-    def backward(ctx, _):
-        g, ctx.dw.grad = ctx.dw.flush(), None   # a second backward (retain_graph) sums afresh
-        return g, None
-
-class _StashedLinear(torch.autograd.Function):
-    "`a @ W.T` whose backward returns ∂/∂a and stashes `(a, g)` for `_SummedGrad` instead of making a per-step ∂/∂W"
-    @staticmethod
-    def forward(ctx, a, W, token, dw):
-        ctx.save_for_backward(a, W); ctx.dw = dw
-        return _mm(a, W)
-    @staticmethod
-    def backward(ctx, g):
-        a, W = ctx.saved_tensors
-        ctx.dw.add(a, g)
-        ga = _mm(g, W.t()) if ctx.needs_input_grad[0] else None
-        return ga, None, g.new_zeros(()), None
-
-class _Tap(torch.autograd.Function):
-    "A zero that a compiled step adds to the product of time step `t`: its backward receives that product's output gradient and stashes it"
-    @staticmethod
-    def forward(ctx, token, dw, t, shape):
-        ctx.dw, ctx.t = dw, t
-        return token.new_zeros(()).expand(shape)
-    @staticmethod
-    def backward(ctx, g):
-        ctx.dw.add(ctx.dw.inputs[ctx.t], g)
-        return g.new_zeros(()), None, None, None
-
-class WeightTap(NamedTuple):
-    "What a compiled step gets for a `DeferredWeight`: the detached weight and time step `t`'s tap"
-    W: torch.Tensor
-    tap: torch.Tensor
-
-class _Tapped:
-    "Inside a compiled step: `a Wᵀ + tap` with `W` detached (no per-step ∂W), keeping `a` for the summed one"
-    def __init__(self, wt): self.W, self.tap, self.a = wt.W, wt.tap, None
-    def __call__(self, a):
-        self.a = a.detach()
-        return linear(a, self.W) + self.tap
-
-class DeferredWeight:
-    "A weight every time step multiplies by, whose gradient is a few products over many time steps (once differentiable)"
-    steps_per_product = 8   # time steps stashed per product: inner dimension 8·bs, while the stash stays small
-    def __init__(self, W):
-        self.W, self.stash, self.grad, self.inputs = W.detach(), [], None, []
-        self.token = _SummedGrad.apply(W, self)
-    def __call__(self, a): return _StashedLinear.apply(a, self.W, self.token, self)
-    def tap(self, t, bs):
-        "Time step `t`'s `WeightTap` for a compiled step (which hands back the product's input `a`, kept in `inputs[t]`)"
-        return WeightTap(self.W, _Tap.apply(self.token, self, t, (bs, self.W.shape[0])))
-    def add(self, a, g):
-        self.stash.append((a, g))
-        if len(self.stash) == self.steps_per_product: self.flush()
-    def flush(self):
-        "Add Σ g_tᵀ a_t over the stash to the gradient; returns the gradient so far"
-        if self.stash:
-            A, GT = torch.cat([a for a, _ in self.stash]), torch.cat([g.t() for _, g in self.stash], 1)   # Gᵀ contiguous: see `_mm_t_backward`
-            self.stash = []
-            gW = mm_t(GT, A.t())
-            self.grad = gW if self.grad is None else self.grad.add_(gW)
-        return self.grad
-
-def linear(a, W):
-    "`a @ W.T` with autograd, `a` of any leading shape; large float32 CPU products (forward and backward) through oneDNN"
-    if isinstance(W, (DeferredWeight, _Tapped)): return W(a)
-    if _on_onednn(a, W) and _big(a, W):
-        return onednn_mm_t(a.reshape(-1, a.shape[-1]), W).view(*a.shape[:-1], W.shape[0])
-    return F.linear(a, W)
-
-# %% ../nbs/03_model.ipynb #ad001d2f
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # glibc's mallopt parameters (malloc.h)
-
-def _keep_freed_memory() -> bool:
-    "On glibc: blocks under 32 MB from the heap, which is never trimmed (`RNN_DARTS_MALLOC=0`: malloc's defaults)"
-    if os.environ.get('RNN_DARTS_MALLOC', '1') == '0': return False
-    try: libc = ctypes.CDLL(None); libc.gnu_get_libc_version
-    except (OSError, AttributeError, TypeError): return False   # not glibc
-    return libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, -1) == 1
-
-KEEP_FREED_MEMORY = _keep_freed_memory()
-
 # %% ../nbs/03_model.ipynb #b5c901dc
-# Eigen's rational approximation of float32 tanh on |x| ≤ 7.905 (odd numerator, even denominator, in x²): within 3e-7 relative
-_TANH_P = (4.89352455891786e-03, 6.37261928875436e-04, 1.48572235717979e-05, 5.12229709037114e-08,
-           -8.60467152213735e-11, 2.00018790482477e-13, -2.76076847742355e-16)
-_TANH_Q = (4.89352518554385e-03, 2.26843463243900e-03, 1.18534705686654e-04, 1.19825839466702e-06)
-
-def _poly(x, cs):
-    "Σ cs[k] xᵏ by Horner's rule"
-    out = cs[-1]
-    for c in reversed(cs[:-1]): out = out * x + c
-    return out
-
-class _RationalTanh(torch.autograd.Function):
-    "tanh as `_TANH_P`/`_TANH_Q`, with torch's backward `g (1 − y²)` from the output"
-    @staticmethod
-    def forward(ctx, x):
-        x = x.clamp(-7.90531110763549805, 7.90531110763549805)
-        x2 = x * x
-        y = x * _poly(x2, _TANH_P) / _poly(x2, _TANH_Q)
-        ctx.save_for_backward(y)
-        return y
-    @staticmethod
-    def backward(ctx, g):
-        y, = ctx.saved_tensors
-        return g * (1 - y * y)
-
-def tanh(x):
-    "tanh; in a graph compiled for a CPU `_RationalTanh`: forward and backward 3× faster than Inductor's CPU tanh (0.77 vs 2.4 ns per float)"
-    return _RationalTanh.apply(x) if torch.compiler.is_compiling() and x.device.type == 'cpu' else torch.tanh(x)
-
 ACTS = dict(tanh=tanh, relu=torch.relu, sigmoid=torch.sigmoid, identity=lambda x: x)
-
-TAP_MIN_NUMEL = 2**17   # compiled steps tap weights this big: a second-order step at nhid 300 took 7% less, at nhid 64 nothing
-
-def _map(ctx, cls, f):
-    "`ctx` (nested plain tuples) with each `cls` instance `x` replaced by `f(x)`"
-    if type(ctx) is tuple: return tuple(_map(c, cls, f) for c in ctx)
-    return f(ctx) if isinstance(ctx, cls) else ctx
-
-def _collect(ctx, cls):
-    "The `cls` instances in `ctx` (nested plain tuples), in `_map`'s order"
-    if type(ctx) is tuple: return [x for c in ctx for x in _collect(c, cls)]
-    return [ctx] if isinstance(ctx, cls) else []
 
 class PackedCell(nn.Module):
     "Shared machinery: the packed weight `block`, its views, masks and the time loop"
@@ -324,7 +145,7 @@ class PackedCell(nn.Module):
     def step_weight(self, W):
         "`W` (out × in) as the time steps of this forward multiply by it: a `DeferredWeight` in a forward with its gradient, outside autocast (compiled: if `TAP_MIN_NUMEL` big)"
         defer = self.defer and torch.is_grad_enabled() and W.requires_grad and not torch.is_autocast_enabled(W.device.type)
-        return DeferredWeight(W) if defer and (self._compiled is None or W.numel() >= TAP_MIN_NUMEL) else W
+        return DeferredWeight(W) if defer and (self._compiled is None or W.numel() >= kernels.TAP_MIN_NUMEL) else W
     def per_sequence(self):
         "Tensors every time step uses, sliced once per sequence (slicing inside the loop costs a backward copy per step)"
         return (self.step_weight(self.W0[self.ninp:].t()),)

@@ -42,7 +42,7 @@ def _unique(name, xs):
 # %% ../nbs/17_study.ipynb #da17d9b5
 def check_study(s:dict, src:dict|None=None) -> dict:
     "Raise a `UsageError` naming the flag or preset key of the first bad study setting; returns `methods`, `seeds`, `references` as lists"
-    from rnn_darts.cli import setting_name, CHOICES
+    from rnn_darts.options import setting_name, CHOICES
     from rnn_darts.genotypes import load_genotype
     n = lambda k: setting_name(k, src)
     methods = _unique(n('methods'), _items(s['methods']))
@@ -99,19 +99,19 @@ def stage_command(st:Stage, s:dict, study_dir, settings_file=None, winner:str|No
 
 def stage_record(folder) -> dict|None:
     "The stage's `run.json`, or None if it has not written one"
-    from rnn_darts.cli import read_run_json
+    from rnn_darts.runs import read_run_json
     p = Path(folder)/'run.json'
     return read_run_json(p) if p.is_file() else None
 
 def stage_settings(command:str, flags:dict) -> tuple:
     "The settings of a stage's run and where each came from, its preset and flags resolved as `rnn-darts search|train` does"
-    from rnn_darts.cli import settings_and_sources
+    from rnn_darts.options import settings_and_sources
     return settings_and_sources(command, **{k: v for k, v in flags.items() if k != 'settings'}, settings_file=flags.get('settings'))
 
 def stage_done(rec:dict|None, command:str, flags:dict) -> bool:
     "Whether the run recorded in `rec` finished with the settings `flags` ask for (preset and flags resolved as the command does)"
     if not rec or not rec.get('finished'): return False
-    from rnn_darts.cli import settings_diff
+    from rnn_darts.runs import settings_diff
     want = stage_settings(command, flags)[0]
     return rec['settings'].get('epochs') == want['epochs'] and not settings_diff(rec['settings'], want)
 
@@ -175,7 +175,7 @@ def _estimate(stages:list, study_dir:Path, s:dict) -> float|None:
 
 def _study_record(study_dir:Path, s:dict, preset, override:bool) -> dict:
     "Write `study.json`, or check this study's settings against it (refused if they differ, unless `override`)"
-    from rnn_darts.cli import settings_diff, _fmt_changes
+    from rnn_darts.runs import settings_diff, _fmt_changes
     p = study_dir/'study.json'
     if p.is_file():
         try: rec = json.loads(p.read_text())
@@ -194,7 +194,8 @@ def _study_record(study_dir:Path, s:dict, preset, override:bool) -> dict:
 
 def check_stages(stages:list, s:dict, study_dir, settings_file=None):
     "Check every stage's settings, corpus and batch sizes as its command will, before any stage runs or `study.json` is written"
-    from rnn_darts.cli import check_settings, load_corpus, check_fits
+    from rnn_darts.options import check_settings, check_fits
+    from rnn_darts.runs import load_corpus
     corpora = {}
     for st in stages:
         cmd, flags = stage_command(st, s, study_dir, settings_file, winner=stages[0].name)   # the final stage: any searched cell
@@ -238,13 +239,13 @@ def check_final(study_dir, genotype, selected:str):
 
 def run_stage(st:Stage, stages:list, s:dict, study_dir, settings_file=None, device=None, threads=None, override=False):
     "Run stage `st` as `rnn-darts search|train` would (resuming it if it started); returns the learner"
-    from rnn_darts import cli
+    from rnn_darts import runs
     study_dir = Path(study_dir)
     winner = _final_source(st, stages, study_dir)
     cmd, flags = stage_command(st, s, study_dir, settings_file, winner)
     if winner is not None: check_final(study_dir, flags['genotype'], f"short-{winner}")
-    fn = cli.search if cmd == 'search' else cli.train
-    return fn(device=device, threads=threads, resume=bool(cli.run_files(flags['out'])), override=override, **flags)
+    fn = runs.search if cmd == 'search' else runs.train
+    return fn(device=device, threads=threads, resume=bool(runs.run_files(flags['out'])), override=override, **flags)
 
 # %% ../nbs/17_study.ipynb #9f8eec5f
 def run_study(
@@ -263,12 +264,12 @@ def run_study(
     if stage is not None and stage not in names:
         raise UsageError(f"--stage {stage}: this study has no such stage; its stages: {', '.join(names)}")
     for k in ('search_preset', 'train_preset'):   # both presets exist, before anything runs
-        from rnn_darts.cli import known_options, setting_name
+        from rnn_darts.options import known_options, setting_name
         try: read_preset(s[k], known_options(), find_settings(settings, s[k]))
         except KeyError as e: raise UsageError(f"{setting_name(k, src)}: {e.args[0]}") from None
     check_stages(stages, s, study_dir, settings)
     _check_folder(study_dir)
-    from rnn_darts.cli import RunLock
+    from rnn_darts.runs import RunLock
     with RunLock(study_dir) if stage is None else nullcontext():   # stage jobs run side by side: each locks its own run folder
         if stage is not None:
             st = stages[names.index(stage)]

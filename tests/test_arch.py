@@ -8,6 +8,7 @@ from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.learner import search_learner, train_learner, DartsLearner, flat_splitter, evaluate
 from callbacks.arch import ArchParamUpdate, hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
 from callbacks.training import SeqLenLR, FlatGradClip, ASGDSwitch
+from tests._reference import plain_from, plain_hypergrad_second
 
 NODROP = dict(dropout=0., dropouth=0., dropoutx=0., dropouti=0., dropoute=0.)
 
@@ -32,34 +33,13 @@ def test_first_order_is_grad_of_val_loss():
         with m.streaming('search'): ref = torch.autograd.grad(ce(m, *val), m.alpha)[0]
     torch.testing.assert_close(g, ref)
 
-def plain_second_order(model, trn, val, eta, wd, clip, r=0.01):
-    "The paper's eq. 7-8 the straightforward way: model copies, per-parameter loops, a state_dict copy"
-    params = lambda mm: [p for n, p in mm.named_parameters() if n != 'alpha']
-    def clipped(gs):
-        norm = torch.sqrt(sum((g ** 2).sum() for g in gs)); c = min(1., clip / (norm.item() + 1e-6))
-        return [g * c for g in gs], c
-    g, c = clipped(torch.autograd.grad(ce(model, *trn), params(model)))
-    unrolled = copy.deepcopy(model)
-    with torch.no_grad():
-        for p, gp in zip(params(unrolled), g): p.sub_(eta * (gp + wd * p))
-    loss = ce(unrolled, *val)
-    grads = torch.autograd.grad(loss, params(unrolled) + [unrolled.alpha])
-    dalpha, v = grads[-1], list(grads[:-1])
-    v, _ = clipped(v)
-    R = r / torch.sqrt(sum((x ** 2).sum() for x in v))
-    def alpha_grad_at(sign):
-        mm = copy.deepcopy(model)
-        with torch.no_grad():
-            for p, vp in zip(params(mm), v): p.add_(sign * R * vp)
-        return torch.autograd.grad(ce(mm, *trn), mm.alpha)[0]
-    return dalpha - eta * c * (alpha_grad_at(1) - alpha_grad_at(-1)) / (2 * R)
-
 def test_second_order_equals_plain_implementation():
     m, trn, val = tiny(1)
     m.alpha.requires_grad_(True)
     with m.arch_pass():
         m.reset(); g, _ = hypergrad_second(m, trn, val, eta=2., wd=1e-3, clip=0.25)
-        ref = plain_second_order(m, trn, val, eta=2., wd=1e-3, clip=0.25)
+        p = plain_from(m); p.bn_update = False                         # the tests' reference: a fresh model for the unrolled step
+        ref = plain_hypergrad_second(p, trn, val, None, None, 2., 1e-3, 0.25)[0]
     torch.testing.assert_close(g, ref, rtol=2e-3, atol=1e-6)
 
 @pytest.mark.parametrize('seed', [0, 1, 2])

@@ -17,7 +17,7 @@ from rnn_darts.core import set_seed
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.genotypes import PRIMITIVES, STEPS, edge_slices
 from rnn_darts.learner import search_learner
-from rnn_darts.bench import plain_from, plain_hypergrad_first, plain_hypergrad_second
+from tests._reference import plain_from, plain_hypergrad_first, plain_hypergrad_second
 
 # the weights' steps are clipped to lr · clip = 5 as with the paper's lr 20 and clip 0.25, but α's hypergradient (~1e-2) is
 # above the clip: clipping it before Adam would change it (see the guard)

@@ -1,9 +1,9 @@
-"The benchmark's plain implementation computes the same math as ours; run_bench returns well-formed results."
+"The tests' plain reference (`tests/_reference.py`) computes the same math as ours; run_bench returns well-formed results."
 import json
 import pytest, torch
 from rnn_darts.model import DartsRnnSearch
-from rnn_darts.bench import (PlainSearchRnn, PlainSearchStep, plain_from, plain_hypergrad_first, plain_hypergrad_second,
-                             run_bench, print_table, search_step, arch_updater, _batches, STEP_NAMES)
+from rnn_darts.bench import run_bench, print_table, search_step, arch_updater, _batches, STEP_NAMES
+from tests._reference import PlainSearchStep, plain_from, plain_hypergrad_first, plain_hypergrad_second
 from callbacks.arch import hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
 
 NO_DROP = dict(dropout=0, dropouth=0, dropoutx=0, dropouti=0)
@@ -61,34 +61,35 @@ def test_plain_step_matches_ours_over_a_few_steps():
 def test_run_bench_tiny(tmp_path, capsys):
     tiny = dict(bs=3, bptt=4, nhid=6, ntoken=40)
     res = run_bench(small=True, iters=1, warmup=0, shape=tiny, train_shape=dict(tiny, nhid=8), eval_bs=2,
-                    modes=('second', 'first', 'exact', 'weight', 'random'), json_path=tmp_path/'b.json')
+                    modes=('second', 'first', 'exact', 'weight', 'random'), json_path=tmp_path/'b.json',
+                    baseline=lambda m, mode: PlainSearchStep(plain_from(m), mode))   # the reference, timed beside ours
     assert {'device', 'device_name', 'torch', 'threads', 'small', 'iters', 'warmup', 'mem_kind', 'shapes', 'rows',
             'ratios'} <= set(res)
     assert res['device'] == 'cpu' and res['shapes']['search'] == tiny and res['shapes']['eval_bs'] == 2
     impls = [(r['name'], r['impl']) for r in res['rows']]
-    assert len(impls) == 5 + 2 + 1 + 2 and sum(i == 'plain' for _, i in impls) == 2
+    assert len(impls) == 5 + 2 + 1 + 2 and sum(i == 'base' for _, i in impls) == 2
     for r in res['rows']:
         assert {'name', 'impl', 'bs', 'bptt', 'nhid', 'ntoken', 'ms', 'ms_min', 'tok_s', 'mem_mb', 'ops'} <= set(r)
         assert r['ms'] > 0 and r['ms_min'] > 0 and r['tok_s'] > 0 and r['mem_mb'] > 0 and r['ops'] > 0
         assert r['first_ms'] is None   # no warm-up call
     ops = {(r['name'], r['impl']): r['ops'] for r in res['rows']}
     for mode in ('second', 'first'):   # the plain code asks the device for over 5x as many operators (launches on a GPU)
-        assert ops[STEP_NAMES[mode], 'plain'] > 5 * ops[STEP_NAMES[mode], 'ours']
+        assert ops[STEP_NAMES[mode], 'base'] > 5 * ops[STEP_NAMES[mode], 'ours']
     assert set(res['ratios']) == set(res['ratios_min']) == {'second', 'first'} and all(v > 0 for v in res['ratios'].values())
     assert json.loads((tmp_path/'b.json').read_text())['rows'] == res['rows']
     print_table(res)
     out = capsys.readouterr().out
-    assert 'plain / ours' in out and 'ms/batch' in out
+    assert 'baseline / ours' in out and 'ms/batch' in out
 
 def test_run_bench_options():
     tiny = dict(bs=2, bptt=3, nhid=4, ntoken=20)
-    res = run_bench(small=True, iters=1, warmup=0, shape=tiny, modes=('first',), plain=False, train=False, evaluate=False)
+    res = run_bench(small=True, iters=1, warmup=0, shape=tiny, modes=('first',), train=False, evaluate=False)
     assert [r['impl'] for r in res['rows']] == ['ours'] and res['ratios'] == {}
     with pytest.raises(ValueError, match='unknown modes'): run_bench(modes=('fourth',))
 
 def test_run_bench_bf16_times_and_measures_agreement(capsys):
     tiny = dict(bs=3, bptt=4, nhid=6, ntoken=40)
-    res = run_bench(small=True, iters=1, warmup=0, shape=tiny, modes=('first', 'second'), plain=False, train=False,
+    res = run_bench(small=True, iters=1, warmup=0, shape=tiny, modes=('first', 'second'), train=False,
                     evaluate=False, bf16=True)
     assert res['bf16'] and set(res['bf16_agreement']) == {'first', 'second'}
     ag = res['bf16_agreement']

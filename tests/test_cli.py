@@ -44,22 +44,27 @@ def test_wheel_ships_the_presets(tmp_path):
     if r.returncode and 'No module named' in r.stderr: pytest.skip('pip wheel needs setuptools in this environment')
     assert r.returncode == 0, r.stderr
     whl, = tmp_path.glob('rnn_darts-*.whl')
-    with zipfile.ZipFile(whl) as z: assert z.read('rnn_darts/settings.ini').decode() == (root/'settings.ini').read_text()
+    with zipfile.ZipFile(whl) as z:
+        assert z.read('rnn_darts/settings.ini').decode() == (root/'settings.ini').read_text()
+        code = {n: z.read(n).decode() for n in z.namelist() if n.endswith('.py')}
+    assert 'rnn_darts/runs.py' in code and not any(n.startswith('tests/') for n in code)
+    for n, text in code.items():   # the tests' plain reference (tests/_reference.py) stays out of the package
+        assert 'PlainSearchRnn' not in text and 'plain_hypergrad' not in text, n
 
 def test_threads_default_is_the_idle_cores(monkeypatch, capsys):
     "On a CPU the default is the cores this process may use less the 1-minute load, at least 1; --threads decides outright"
     import os, torch
-    from rnn_darts import cli
+    from rnn_darts import runs
     monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: {0, 1, 2, 3})
     for load, want in ((0.1, 4), (1.4, 3), (2.6, 1), (3.6, 1), (40., 1)):
         monkeypatch.setattr(os, 'getloadavg', lambda: (load, 0., 0.))
-        assert cli.idle_cores() == want, (load, want)
+        assert runs.idle_cores() == want, (load, want)
     n = torch.get_num_threads()
     try:
         monkeypatch.setattr(os, 'getloadavg', lambda: (2.6, 0., 0.))
-        said = cli.set_threads(None, torch.device('cpu'))
+        said = runs.set_threads(None, torch.device('cpu'))
         assert torch.get_num_threads() == 1 and said.startswith('1 thread: the idle cores'), said
-        assert cli.set_threads(2, torch.device('cpu')) == '2 threads' and torch.get_num_threads() == 2
+        assert runs.set_threads(2, torch.device('cpu')) == '2 threads' and torch.get_num_threads() == 2
     finally: torch.set_num_threads(n)
 
 def test_readme_commands_parse():

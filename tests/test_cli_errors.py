@@ -4,7 +4,7 @@ are refused, locked, overwritten and resumed as documented; presets ship with th
 import errno, json, os, re, shutil, subprocess, sys, time
 from pathlib import Path
 import pytest
-from rnn_darts import cli
+from rnn_darts import cli, options, runs
 from rnn_darts.core import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,13 +123,13 @@ def test_settings_file_errors(capsys, tmp_path):
 def test_presets_ship_with_the_package(tmp_path, monkeypatch):
     "From a folder without settings.ini the packaged presets are read; a local settings.ini that has the preset wins"
     monkeypatch.chdir(tmp_path)
-    s, src = cli.settings_and_sources('search', 'quick')
+    s, src = options.settings_and_sources('search', 'quick')
     assert s['nhid'] == 64 and src['nhid'].endswith("settings.ini: [quick] nhid") and str(tmp_path) not in src['nhid']
     (tmp_path/'settings.ini').write_text('[quick]\nnhid = 24\nemsize = 24\n')
-    s, src = cli.settings_and_sources('search', 'quick')
+    s, src = options.settings_and_sources('search', 'quick')
     assert s['nhid'] == 24 and src['nhid'] == f"{tmp_path/'settings.ini'}: [quick] nhid" and s['bs'] == 256
     (tmp_path/'settings.ini').write_text('[other]\nnhid = 24\n')   # a local file without the preset does not hide the packaged one
-    assert cli.resolve_settings('search', 'quick')['nhid'] == 64
+    assert options.resolve_settings('search', 'quick')['nhid'] == 64
     assert (ROOT/'rnn_darts'/'settings.ini').read_text() == (ROOT/'settings.ini').read_text()
 
 def test_quick_preset_from_any_folder_by_subprocess(tmp_path):
@@ -178,7 +178,7 @@ def test_overwrite_clears_the_old_run(capsys, run_dir, tmp_path):
 
 def test_a_locked_run_folder_is_refused(capsys, tmp_path):
     data = small_corpus(tmp_path/'c')
-    with cli.RunLock(_mk(tmp_path/'o')):
+    with runs.RunLock(_mk(tmp_path/'o')):
         fails(capsys, ['search', '--data', data, *TINY, '--out', str(tmp_path/'o')], 1,
               f'run folder {tmp_path/"o"} is in use by pid {os.getpid()} on ')
     assert (tmp_path/'o'/'.lock').read_text() == ''   # released
@@ -237,7 +237,7 @@ def test_nan_with_on_nan_stop(capsys, tmp_path):
 # --- what is a user error, and --debug -----------------------------------------------------------------------------------
 def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
     def buggy(*a, **k): return {}['missing']   # a KeyError from a lookup, not one of our messages
-    monkeypatch.setattr(cli, 'check_fits', buggy)
+    monkeypatch.setattr(runs, 'check_fits', buggy)   # where the run reads it
     with pytest.raises(KeyError, match='missing'): cli.run_command(['search', *NUM, '--out', str(tmp_path/'o')])
 
 def test_debug_shows_the_traceback(monkeypatch, tmp_path):
@@ -330,7 +330,7 @@ def test_help_is_fast_and_does_not_import_torch():
 @pytest.mark.parametrize('cmd', list(cli.COMMANDS))
 def test_every_flag_has_help_and_its_default(cmd):
     p = cli.command_parser(cmd)
-    defaults = cli.code_defaults(cmd) if cmd in ('search', 'train') else {}
+    defaults = options.code_defaults(cmd) if cmd in ('search', 'train') else {}
     for a in p._actions:
         if a.dest == 'help': continue
         assert a.help, (cmd, a.dest)

@@ -4,41 +4,8 @@ from pathlib import Path
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.genotypes import PRIMITIVES, DARTS_V1, DARTS_V2, ENAS
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsCell, DartsCellSearch, FlatParams, FlatModule
-import rnn_darts.model as model_mod
-
-ACT = dict(tanh=torch.tanh, relu=torch.relu, sigmoid=torch.sigmoid, identity=lambda x: x)
-
-def plain_init(x_t, h, W0, mx, mh):
-    c0, h0 = (torch.cat([x_t * mx, h * mh], -1) @ W0).chunk(2, -1)
-    return h + c0.sigmoid() * (h0.tanh() - h)
-
-def plain_search_step(x_t, h, W0, Ws, probs, mx, mh, bn):
-    "Paper equations, one matmul per edge and one term per op"
-    states = [bn(plain_init(x_t, h, W0, mx, mh))]
-    row = 0
-    for i in range(1, len(Ws) + 1):
-        s = 0
-        for j in range(i):
-            c, hh = ((states[j] * mh) @ Ws[i - 1]).chunk(2, -1)
-            for k, op in enumerate(PRIMITIVES):
-                if op == 'none': continue
-                s = s + probs[row + j, k] * (states[j] + c.sigmoid() * (ACT[op](hh) - states[j]))
-        row += i
-        states.append(bn(s))
-    return torch.stack(states[1:]).mean(0)
-
-def plain_derived_step(x_t, h, W0, Ws, genotype, mx, mh):
-    states = [plain_init(x_t, h, W0, mx, mh)]
-    for i, (op, pred) in enumerate(genotype.recurrent):
-        c, hh = ((states[pred] * mh) @ Ws[i]).chunk(2, -1)
-        states.append(states[pred] + c.sigmoid() * (ACT[op](hh) - states[pred]))
-    return torch.stack([states[i] for i in genotype.concat]).mean(0)
-
-def run_plain(step, x, h):
-    outs = []
-    for t in range(x.shape[0]):
-        h = step(x[t], h); outs.append(h)
-    return torch.stack(outs)
+import rnn_darts.kernels as kernels
+from tests._reference import plain_search_step, plain_derived_step, run_plain
 
 def batch_bn(s): return F.batch_norm(s, None, None, training=True, eps=1e-5)
 
@@ -60,7 +27,7 @@ def test_search_cell_equals_plain(training):
         fresh = lambda s: s / (1 + 1e-5) ** 0.5                           # fresh running stats: mean 0, var 1
         bn = batch_bn if training else (lambda s: fresh(s) / fresh(s).pow(2).mean().sqrt().clamp(min=1))   # eval: mean square at most 1
         Ws = [cell.W(i) for i in range(1, 9)]
-        ref = run_plain(lambda xt, h: plain_search_step(xt, h, cell.W0, Ws, probs, mx, mh, bn), x, h0)
+        ref = run_plain(lambda xt, h: plain_search_step(xt, h, cell.W0, Ws, probs, mx, mh, lambda s, i: bn(s)), x, h0)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     # gradients w.r.t. the mixing weights and the packed block agree too
     g1 = torch.autograd.grad(out.pow(2).sum(), [probs, cell.block])
@@ -402,7 +369,7 @@ def ops_seen(fn):
     with Seen() as s: fn()
     return s.names
 
-@pytest.mark.skipif(not model_mod.ONEDNN, reason="oneDNN's fp32 inner product is not available here")
+@pytest.mark.skipif(not kernels.ONEDNN, reason="oneDNN's fp32 inner product is not available here")
 @pytest.mark.parametrize('mode', ['first', 'second', 'exact'])
 def test_onednn_products_give_aten_hypergradients(mode, monkeypatch):
     "Every hypergradient and the weight gradient with oneDNN's products equal aten's (float32 rounding); the products did go to oneDNN"
@@ -416,12 +383,12 @@ def test_onednn_products_give_aten_hypergradients(mode, monkeypatch):
     names = ops_seen(run)
     assert {'rnn_darts.mm_t', 'mkldnn._linear_pointwise'} <= names, names
     fast = run()
-    monkeypatch.setattr(model_mod, 'ONEDNN', False)
+    monkeypatch.setattr(kernels, 'ONEDNN', False)
     assert 'rnn_darts.mm_t' not in ops_seen(run)
     for a, b in zip(fast, run()): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
 
 @pytest.mark.slow
-@pytest.mark.skipif(not model_mod.ONEDNN, reason="oneDNN's fp32 inner product is not available here")
+@pytest.mark.skipif(not kernels.ONEDNN, reason="oneDNN's fp32 inner product is not available here")
 def test_compiled_step_with_onednn_products_equals_eager(monkeypatch):
     "The compiled step keeps the oneDNN product as one opaque operator and gives aten's eager numbers"
     m, trn, val = onednn_search(T=4)
@@ -430,9 +397,9 @@ def test_compiled_step_with_onednn_products_equals_eager(monkeypatch):
         loss = m.loss(*trn, advance=False)
         return [loss.detach()] + list(torch.autograd.grad(loss, [m.alpha, m.cell.block]))
     with m.frozen_masks():
-        monkeypatch.setattr(model_mod, 'ONEDNN', False)
+        monkeypatch.setattr(kernels, 'ONEDNN', False)
         eager = grads()
-        monkeypatch.setattr(model_mod, 'ONEDNN', True)
+        monkeypatch.setattr(kernels, 'ONEDNN', True)
         m.cell.compile_step()
         compiled = grads()
     for a, b in zip(eager, compiled): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
@@ -443,7 +410,7 @@ def test_compiled_step_with_onednn_products_equals_eager(monkeypatch):
 def test_deferred_weight_gradients_equal_autograds_per_step_ones(nhid, derived, compiled, monkeypatch):
     "Forwards with gradients stash the products and sum the weight gradient every 8 steps (compiled: through taps); it equals autograd's per-step sum"
     from rnn_darts.model import DeferredWeight
-    monkeypatch.setattr(model_mod, 'TAP_MIN_NUMEL', 0)   # compiled: every weight tapped, at both sizes
+    monkeypatch.setattr(kernels, 'TAP_MIN_NUMEL', 0)   # compiled: every weight tapped, at both sizes
     torch.manual_seed(0)
     drop = dict(dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1)
     m = (DartsRnn(50, DARTS_V2, nhid, nhid, **drop) if derived else DartsRnnSearch(50, nhid, nhid, **drop)).train()
@@ -491,7 +458,8 @@ def test_deferred_weight_gradients_again_with_retain_graph():
 
 def test_compiled_steps_tap_only_large_weights():
     "Compiled forwards defer the gradients of weights of at least TAP_MIN_NUMEL elements only; eager ones of all"
-    from rnn_darts.model import DeferredWeight, TAP_MIN_NUMEL
+    from rnn_darts.model import DeferredWeight
+    from rnn_darts.kernels import TAP_MIN_NUMEL
     m = DartsRnnSearch(50, 128, 128)   # W0ₕᵀ: 256 × 128; the successors of node j: (8 − j)·256 × 128
     def deferred():
         m.prepare(); W0hT, Wsuf = m.cell.per_sequence()[:2]; m.release()

@@ -4,7 +4,7 @@ whole files; changed data is refused; a failed write names its file."""
 import errno, json, os, re, shlex, signal, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
-from rnn_darts import cli
+from rnn_darts import cli, runs
 from callbacks.checkpoint import load_checkpoint, latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,5 +199,5 @@ def test_a_signal_after_the_last_batch_still_stops_the_command(tmp_path):
     n = len(learn.dls.train)
     assert learn.interrupted == dict(signal='SIGTERM', code=143, epoch=1, batch=n, of=n, path=str(tmp_path/'checkpoints'/'epoch_0001.pth'))
     assert signal.getsignal(signal.SIGTERM) is before
-    with pytest.raises(SystemExit) as e: cli.exit_if_interrupted(learn)
+    with pytest.raises(SystemExit) as e: runs.exit_if_interrupted(learn)
     assert e.value.code == 143
