@@ -11,7 +11,8 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.torch_core import rank_distrib
 from rnn_darts.core import rng_states, set_rng_states, naming
 from rnn_darts.genotypes import genotype_to_dict
-from callbacks.training import FlatGradClip, TrainEpochEnd, valid_loss_of, in_lr_find
+from callbacks.training import FlatGradClip
+from callbacks.epochs import TrainEpochEnd, valid_loss_of, in_lr_find
 
 # %% auto #0
 __all__ = ['KEPT', 'MID_EPOCH', 'model_meta', 'check_meta', 'stateful_cbs', 'mid_epoch_state', 'learner_state', 'named_floats',

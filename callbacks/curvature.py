@@ -10,7 +10,7 @@ import torch
 from fastai.callback.core import Callback, CancelFitException
 from fastai.torch_core import rank_distrib
 from rnn_darts.data import batchify
-from callbacks.training import TrainEpochEnd, in_lr_find
+from callbacks.epochs import TrainEpochEnd, in_lr_find
 from callbacks.checkpoint import Checkpoint, DivergenceGuard, save_atomic, load_checkpoint
 
 # %% auto #0

@@ -21,7 +21,8 @@ _API = {
                             'save_genotype', 'check_genotype', 'derive_genotype', 'sample_genotype'],
     'rnn_darts.core': ['set_seed', 'get_device', 'read_preset'],
     'callbacks.arch': ['ArchParamUpdate', 'RandomArch'],
-    'callbacks.training': ['SeqLenLR', 'FlatGradClip', 'FusedDecoderLoss', 'ASGDSwitch'],
+    'callbacks.training': ['SeqLenLR', 'FlatGradClip', 'FusedDecoderLoss'],
+    'callbacks.asgd': ['ASGDSwitch'],
     'callbacks.checkpoint': ['Checkpoint', 'DivergenceGuard'],
 }
 _WHERE = {name: mod for mod, names in _API.items() for name in names}

@@ -26,7 +26,11 @@ from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
 from callbacks.arch import ArchParamUpdate, RandomArch
 from callbacks.curvature import Curvature, CurvatureStop
-from callbacks.training import SeqLenLR, FlatGradClip, ASGDSwitch, GenotypeLogger, TrainEpochEnd, RNNRegularizer, write_json_atomic, valid_loss_of, BF16Autocast, FusedDecoderLoss, AutoCompile, CompileNotice
+from callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer, FusedDecoderLoss
+from callbacks.asgd import ASGDSwitch
+from callbacks.logs import GenotypeLogger, write_json_atomic
+from callbacks.epochs import TrainEpochEnd, valid_loss_of
+from callbacks.speed import BF16Autocast, AutoCompile, CompileNotice
 from callbacks.checkpoint import Checkpoint, DivergenceGuard, Preemption
 
 # %% auto #0

@@ -11,7 +11,8 @@ from fastprogress.fastprogress import progress_bar
 from fastai.torch_core import rank_distrib
 from rnn_darts.genotypes import PRIMITIVES, sample_genotype, genotype_to_dict, save_genotype
 from rnn_darts.data import batchify
-from callbacks.training import write_json_atomic, write_text_atomic
+from callbacks.logs import write_json_atomic
+from rnn_darts.core import write_text_atomic
 
 # %% auto #0
 __all__ = ['SCREEN_ROWS', 'TOP', 'default_candidates', 'space_size', 'draw_candidates', 'cell_text', 'stream_loss', 'weights_key',

@@ -128,7 +128,7 @@ def record_overrides_cb(settings:dict, changes:dict, data:dict|None=None):
     "A callback for `fit(cbs=...)`: after a resume restored `RunInfo`, put the new settings in `run.json` and record `changes`"
     from fastai.callback.core import Callback
     from fastai.torch_core import rank_distrib
-    from callbacks.training import write_json_atomic
+    from callbacks.logs import write_json_atomic
     class RecordOverrides(Callback):
         order = 91   # after Checkpoint (90) resumed
         def before_fit(self):
@@ -211,7 +211,7 @@ def exit_if_interrupted(learn):
     raise SystemExit(it['code'])
 
 def _report_end(learn, out, extra):
-    from callbacks.training import write_json_atomic
+    from callbacks.logs import write_json_atomic
     p = out/'run.json'
     info = read_run_json(p) if p.exists() else {}
     info.update(extra, finished=True); write_json_atomic(info, p)   # `finished`: the command ended (a study skips such a stage)
@@ -268,7 +268,7 @@ def search(
         from rnn_darts.learner import search_learner, RunInfo
         from rnn_darts.genotypes import save_genotype, genotype_to_dict
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
-        from callbacks.training import RunLogger
+        from callbacks.logs import RunLogger
         s, dev, out, corpus = r.s, r.dev, r.out, r.corpus
         if r.rank == 0: print(f"search on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
@@ -339,7 +339,7 @@ def train(
         from rnn_darts.data import lm_dls, test_dl
         from rnn_darts.learner import train_learner, evaluate, RunInfo
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
-        from callbacks.training import RunLogger
+        from callbacks.logs import RunLogger
         s, dev, out, corpus, g = r.s, r.dev, r.out, r.corpus, r.genotype
         if r.rank == 0: print(f"train {g} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)

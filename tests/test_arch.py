@@ -7,7 +7,8 @@ from rnn_darts.model import DartsRnnSearch
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.learner import search_learner, train_learner, DartsLearner, flat_splitter, evaluate
 from callbacks.arch import ArchParamUpdate, hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
-from callbacks.training import SeqLenLR, FlatGradClip, ASGDSwitch
+from callbacks.training import SeqLenLR, FlatGradClip
+from callbacks.asgd import ASGDSwitch
 from tests._reference import plain_from, plain_hypergrad_second
 
 NODROP = dict(dropout=0., dropouth=0., dropoutx=0., dropouti=0., dropoute=0.)
@@ -188,7 +189,7 @@ def test_arch_passes_stay_fp32_under_bf16_autocast_unless_asked(mode):
 
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_learners_with_bf16_train_fp32_weights(kind):
-    from callbacks.training import BF16Autocast
+    from callbacks.speed import BF16Autocast
     learn = small_of_kind(kind, bf16=True)
     assert any(isinstance(cb, BF16Autocast) for cb in learn.cbs)
     w0 = learn.model.flat.data.clone()

@@ -9,7 +9,7 @@ from rnn_darts.core import set_seed
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.learner import search_learner
 from rnn_darts.model import DartsRnnSearch
-from callbacks.training import RunLogger
+from callbacks.logs import RunLogger
 from callbacks.curvature import Curvature, CurvatureStop, curvature_batches, hessian_extremes
 
 def full_hessian(m, batches, seed=0):

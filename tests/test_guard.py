@@ -184,7 +184,7 @@ def test_resume_removes_temporary_files_of_dead_writers(tmp_path, capsys):
 # ---------------------------------------------------------------- log.csv in process
 def test_runlogger_in_process(tmp_path, capsys):
     "Resume from an earlier checkpoint: later rows dropped; validate() leaves the log alone; other columns are an error"
-    from callbacks.training import RunLogger
+    from callbacks.logs import RunLogger
     learn = tiny_train(tmp_path, cbs=[RunLogger('log.csv', append=True)]); fit(learn, 3)
     log = (tmp_path/'log.csv').read_text().splitlines()
     assert log[0].startswith('epoch,train_loss,valid_loss') and [l.split(',')[0] for l in log[1:]] == ['0', '1', '2']

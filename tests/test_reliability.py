@@ -20,7 +20,8 @@ from rnn_darts.model import DartsRnn, DartsRnnSearch
 from rnn_darts.learner import search_learner, train_learner
 from callbacks.checkpoint import (Checkpoint, DivergenceGuard, latest_checkpoint, epoch_checkpoints, load_checkpoint,
                                   restore, save_atomic)
-from callbacks.training import ASGDSwitch, RNNRegularizer
+from callbacks.asgd import ASGDSwitch
+from callbacks.training import RNNRegularizer
 from tests._resume_script import build, weights_hash
 
 HERE = Path(__file__).parent
@@ -103,7 +104,7 @@ def log_rows(run):
 def test_kill_between_log_row_and_checkpoint(tmp_path):
     """Killed after epoch 1's log row but before its checkpoint (in process: an exception no callback sees, like a kill), then a torn half line (a kill inside a write): the resumed run redoes epoch 1, and its
     log equals the uninterrupted run's (no orphan, duplicate or torn row)"""
-    from callbacks.training import RunLogger
+    from callbacks.logs import RunLogger
     class Killed(BaseException): pass
     class Kill(Callback):
         order = 89   # after the log row (Recorder, 50), before Checkpoint (90)
