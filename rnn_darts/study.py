@@ -32,6 +32,10 @@ def study_settings(preset:str|None=None, settings_file=None, **flags) -> tuple:
         if v is not None: s[k], src[k] = v, 'flag'
     return s, src
 
+def _folder_name(ref:str) -> str:
+    "The stage folder name of reference cell `ref` (a published name, or a genotype file's stem)"
+    return re.sub(r'[^A-Za-z0-9_.-]+', '_', Path(ref).stem if ref.endswith('.json') else ref)
+
 def _items(v) -> list: return [x.strip() for x in str(v).split(',') if x.strip()]
 
 def _unique(name, xs):
@@ -57,22 +61,19 @@ def check_study(s:dict, src:dict|None=None) -> dict:
         try: load_genotype(r)
         except (FileNotFoundError, ValueError) as e: raise UsageError(f"{n('references')}: {e}") from None
     for k in ('short_epochs', 'final_epochs'): check_number(n(k), s[k], 1, integer=True)
-    lists = dict(methods=methods, seeds=seeds, references=refs)
-    names = [x.name for x in plan_stages(lists)]
+    taken = {f"short-search-{m}-{x}" for m in methods for x in seeds}
     for r in refs:                                                    # each reference trains in a folder of its own
         name = f"short-{_folder_name(r)}"
-        if names.count(name) > 1: raise UsageError(f"{n('references')}: {r} would train in the stage folder {name}, which another "
-                                                   f"stage has; rename the file")
-    return lists
+        if name in taken: raise UsageError(f"{n('references')}: {r} would train in the stage folder {name}, which another stage has; "
+                                           f"rename the file")
+        taken.add(name)
+    return dict(methods=methods, seeds=seeds, references=refs)
 
 # %% ../nbs/17_study.ipynb #ad2ab8ba
 @dataclass(frozen=True)
 class Stage:
     "One run of a study: `kind` search, short (a short training) or final; `source` is the search stage or the reference cell it trains"
     name:str; kind:str; method:str=''; seed:int|None=None; source:str=''
-
-def _folder_name(ref:str) -> str:
-    return re.sub(r'[^A-Za-z0-9_.-]+', '_', Path(ref).stem if ref.endswith('.json') else ref)
 
 def plan_stages(lists:dict) -> list:
     "The stages of a study with these `methods`, `seeds` and `references` (`check_study`), in the order they run"
