@@ -11,7 +11,8 @@ from pathlib import Path
 # %% auto #0
 __all__ = ['UserError', 'UsageError', 'get_device', 'cpu_name', 'set_seed', 'rng_states', 'set_rng_states', 'check_positive',
            'check_prob', 'check_bptt', 'check_number', 'check_choice', 'naming', 'write_text_atomic',
-           'packaged_settings', 'read_ini', 'settings_candidates', 'find_settings', 'read_preset', 'options_of']
+           'packaged_settings', 'read_ini', 'settings_candidates', 'find_settings', 'read_preset', 'option_type',
+           'options_of']
 
 # %% ../nbs/00_core.ipynb #c0e11a02
 class UserError(ValueError):
@@ -215,12 +216,16 @@ def read_preset(name:str, known:dict, path=None) -> dict:
 
 _ANNOTATED = dict(int=int, float=float, bool=bool)
 
+def option_type(default, annotation='') -> type:
+    "An option's type: its default's, or for a None (or list) default its annotation's first type (`int|None`: int), else str"
+    if default is not None and not isinstance(default, (list, tuple)): return type(default)
+    return _ANNOTATED.get(str(annotation).split('|')[0].strip(), str)
+
 def options_of(*fns) -> dict:
     "The options (name -> type of default) that the functions `fns` accept"
     res = {}
     for f in fns:
         for k, prm in inspect.signature(f).parameters.items():
             if prm.default is inspect.Parameter.empty or prm.kind in (prm.VAR_KEYWORD, prm.VAR_POSITIONAL): continue
-            d, anno = prm.default, str(prm.annotation).split('|')[0].strip()   # `x:int|None=None`: an int
-            res[k] = type(d) if d is not None and not isinstance(d, (list, tuple)) else _ANNOTATED.get(anno, str)
+            res[k] = option_type(prm.default, prm.annotation)
     return res

@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect, os
 from functools import lru_cache
 from pathlib import Path
-from rnn_darts.core import UsageError, UserError, read_preset, check_number, check_choice, _ANNOTATED
+from rnn_darts.core import UsageError, UserError, read_preset, check_number, check_choice, option_type
 
 # %% auto #0
 __all__ = ['DATA_DEFAULTS', 'TRAIN_DEFAULTS', 'NOT_SETTINGS', 'CHOICES', 'learner_options', 'known_options',
@@ -33,8 +33,7 @@ def learner_options(command:str) -> dict:
     for arg, node in pairs:
         try: d = ast.literal_eval(node)
         except ValueError: raise TypeError(f"{fn}({arg.arg}=...): a default must be a literal, for the settings to read it") from None
-        anno = ast.unparse(arg.annotation).split('|')[0].strip() if arg.annotation is not None else ''
-        res[arg.arg] = (d, type(d) if d is not None and not isinstance(d, (list, tuple)) else _ANNOTATED.get(anno, str))
+        res[arg.arg] = (d, option_type(d, ast.unparse(arg.annotation) if arg.annotation is not None else ''))
     return res
 
 def known_options() -> dict:
