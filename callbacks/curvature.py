@@ -63,11 +63,12 @@ def hessian_extremes(model, batches, k:int=8, seed:int=0) -> torch.Tensor:
 
 # %% ../nbs/16_curvature.ipynb #36c148bb
 class Curvature(Callback):
-    "λ_max of ∇²_α L_valid after every training epoch, on fixed seeded validation windows (`lambda_max` in the log)"
+    "λ_max of ∇²_α L_valid after every training epoch: the median over `windows` fixed, seeded validation windows, each measured alone (`lambda_max` in the log)"
     order = DivergenceGuard.order + 1   # after the guard's epoch check: a rolled-back state is the one measured
-    def __init__(self, n_batches:int=1, bs:int=16, k:int=8, seed:int=0):
-        self.n_batches, self.bs, self.k, self.seed = n_batches, bs, k, seed
-        self.batches, self.history, self.value = None, [], float('nan')
+    def __init__(self, windows:int=9, bs:int=16, k:int=8, seed:int=0):
+        if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1: raise ValueError(f"windows must be a whole number >= 1, got {windows!r}")
+        self.windows, self.bs, self.k, self.seed = windows, bs, k, seed
+        self.batches, self.history, self.value, self.per_window = None, [], float('nan'), []
 
     def before_fit(self):
         if not hasattr(self.model, 'alpha'): raise ValueError("Curvature measures the Hessian in α: it needs a DARTS search model")
@@ -75,14 +76,20 @@ class Curvature(Callback):
             vdl, dev = self.dls.valid, self.model.alpha.device
             ids = vdl.data.reshape(-1)
             bs = max(1, min(self.bs, len(ids) // (vdl.bptt + 1)))
-            self.batches = [(x.to(dev), y.to(dev)) for x, y in curvature_batches(ids, bs, vdl.bptt, self.n_batches, self.seed)]
+            self.batches = [(x.to(dev), y.to(dev)) for x, y in curvature_batches(ids, bs, vdl.bptt, self.windows, self.seed)]
 
-    def before_epoch(self): self.value = float('nan')
+    def measure(self) -> torch.Tensor:
+        "(λ_min, λ_max) of each window alone, one row per window (window i's dropout masks from `seed + i`)"
+        return torch.stack([hessian_extremes(self.model, [b], self.k, self.seed + i) for i, b in enumerate(self.batches)])
+
+    def before_epoch(self): self.value, self.per_window = float('nan'), []
     def after_train(self):
         if in_lr_find(self.learn): return
-        lo, hi = hessian_extremes(self.model, self.batches, self.k, self.seed).tolist()
-        self.value = hi
-        self.history = [h for h in self.history if h['epoch'] < self.epoch] + [dict(epoch=self.epoch, lambda_max=hi, lambda_min=lo)]
+        ev = self.measure().cpu()                              # the one host sync
+        lo, hi = torch.quantile(ev, 0.5, dim=0).tolist()      # the median: one window's heavy tail does not move it (a NaN does)
+        self.value, self.per_window = hi, ev[:, 1].tolist()
+        self.history = [h for h in self.history if h['epoch'] < self.epoch] + [
+            dict(epoch=self.epoch, lambda_max=hi, lambda_min=lo, lambda_max_windows=self.per_window)]
 
     def lambda_max(self): return self.value
     def values(self) -> list: return [h['lambda_max'] for h in self.history]

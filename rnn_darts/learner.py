@@ -138,8 +138,8 @@ def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=
                    dropoute=0., lr=20., wd=5e-7, clip=0.25, alpha=0., beta=1e-3, mode='second', arch_lr=3e-3,
                    arch_wd=1e-3, relax='softmax', same_masks=True, zero_one=0., op_decay=0., on_nan='rollback', path='.',
                    checkpoint=True, keep=2, resume=None, cbs=None, device=None, ntoken=None, compile:bool|None=None, bf16=False,
-                   arch_bf16=False, fused_loss=True, candidates:int|None=None, top=10, curvature=True, early_stop=False,
-                   checkpoint_every:float|None=None) -> DartsLearner:
+                   arch_bf16=False, fused_loss=True, candidates:int|None=None, top=10, curvature=True, curvature_windows=9,
+                   early_stop=False, checkpoint_every:float|None=None) -> DartsLearner:
     "A `Learner` for the search phase, with the paper's defaults: DARTS (`mode` second|first|exact), or random search with weight sharing (`mode='random'`: `search_dl` unused, `candidates` and `top` for `choose_cell`)"
     if mode not in SEARCH_MODES: raise ValueError(f"mode must be one of {', '.join(map(repr, SEARCH_MODES))}, got {mode!r}")
     rnd = mode == 'random'
@@ -159,7 +159,7 @@ def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=
         arch = ArchParamUpdate(search_dl, mode, arch_lr, arch_wd=arch_wd, same_masks=same_masks, zero_one=zero_one, op_decay=op_decay,
                                arch_bf16=arch_bf16)
         learn.metrics.append(ValueMetric(arch.search_loss, 'search_loss'))
-        curv = [Curvature()] if curvature else []
+        curv = [Curvature(curvature_windows)] if curvature else []
         for cb in curv: learn.metrics.append(ValueMetric(cb.lambda_max, 'lambda_max'))
         own = [arch, GenotypeLogger()] + curv + ([CurvatureStop()] if early_stop else [])
     learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss, checkpoint_every) + own + list(L(cbs)))

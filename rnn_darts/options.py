@@ -71,8 +71,8 @@ def resolve_settings(command, preset=None, settings_file=None, **flags) -> dict:
 # %% ../nbs/07a_options.ipynb #c11c0002
 CHOICES = dict(mode=('second', 'first', 'exact', 'random'), relax=('softmax', 'sigmoid'), on_nan=('rollback', 'stop', 'skip'),
                split=('test', 'valid'), fmt=('md', 'html'))
-_POS_INT = ('epochs', 'bs', 'eval_bs', 'test_bs', 'n_train', 'emsize', 'nhid', 'nonmono', 'keep', 'threads', 'iters', 'candidates', 'top')
-_ALPHA_ONLY = ('arch_lr', 'arch_wd', 'relax', 'op_decay', 'zero_one', 'arch_bf16', 'same_masks', 'curvature', 'early_stop')   # DARTS settings random search has no use for
+_POS_INT = ('epochs', 'bs', 'eval_bs', 'test_bs', 'n_train', 'emsize', 'nhid', 'nonmono', 'keep', 'threads', 'iters', 'candidates', 'top', 'curvature_windows')
+_ALPHA_ONLY = ('arch_lr', 'arch_wd', 'relax', 'op_decay', 'zero_one', 'arch_bf16', 'same_masks', 'curvature', 'curvature_windows', 'early_stop')   # DARTS settings random search has no use for
 
 def check_random(s:dict, src:dict|None=None):
     "Raise a `UsageError` for flags that do not fit the search mode: α's with --mode random, --candidates/--top without it"
@@ -115,6 +115,8 @@ def check_settings(s:dict, src:dict|None=None) -> dict:
     if 'mode' in s: check_random(s, src)
     if s.get('early_stop') and s.get('curvature') is False:
         raise UsageError(f"{n('early_stop')} true needs {n('curvature')} true: DARTS-ES stops on λ_max")
+    if s.get('curvature') is False and (src or {}).get('curvature_windows') == 'flag':
+        raise UsageError(f"{n('curvature_windows')} sets how λ_max is measured, and {n('curvature')} is false")
     if s.get('emsize') is not None and s.get('nhid') is not None and s['emsize'] != s['nhid']:
         raise UsageError(f"{n('emsize')} ({s['emsize']}) must equal {n('nhid')} ({s['nhid']}): the decoder is tied to the embedding")
     if s.get('data') in ('numbers', 'ptb'):

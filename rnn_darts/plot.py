@@ -335,8 +335,14 @@ def plot_curvature(log, history=None, early_stop:dict|None=None, path=None):
     df = log_frame(log)
     if 'lambda_max' not in df or not df['lambda_max'].notna().any(): raise ValueError("the log has no lambda_max values (a search with curvature on writes them)")
     fig = _figure(7, 3.4); ax = fig.subplots()
-    ax.plot(df['epoch'], df['lambda_max'], marker='.', color='C2', label='λ_max of ∇²_α L_valid')
     h = load_history(history) if history is not None else []
+    win = [(e['epoch'], min(e['lambda_max_windows']), max(e['lambda_max_windows'])) for e in h if e.get('lambda_max_windows')]
+    if win:
+        ep, lo, hi = zip(*win)
+        ax.fill_between(ep, lo, hi, color='C2', alpha=0.15, lw=0, label=f"range over the {len(h[-1].get('lambda_max_windows') or [])} windows")
+    ax.plot(df['epoch'], df['lambda_max'], marker='.', color='C2', label='λ_max of ∇²_α L_valid' + (' (median over windows)' if win else ''))
+    v = df['lambda_max'][df['lambda_max'].notna()]
+    if (v > 0).all() and v.max() > 100 * v.min(): ax.set_yscale('log')   # PTB's values span orders of magnitude
     changed = [b['epoch'] for a, b in zip(h, h[1:]) if a['genotype'] != b['genotype']]
     for i, e in enumerate(changed): ax.axvline(e, color='0.6', ls=':', lw=1, label='the derived cell changed' if i == 0 else None)
     if early_stop:

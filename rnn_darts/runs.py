@@ -249,6 +249,7 @@ def search(
     candidates:int=None,  # --mode random: cells to score with the shared weights after training (default: 1,000 per 10,000 training batches, at least 100)
     top:int=None,         # --mode random: the best cells of the screening pass scored again on the full valid split
     curvature:bool_arg=None, # λ_max of the validation Hessian in α after every epoch, logged as lambda_max (default: on)
+    curvature_windows:int=None, # validation windows of 16 rows λ_max is measured on, each alone; the median is logged (default: 9)
     early_stop:bool_arg=None, # DARTS-ES: stop when λ_max's 5-epoch average grows more than 1.3x over 4 epochs; α and weights go back 6 epochs
     arch_lr:float=None,   # learning rate of α (Adam), > 0
     arch_wd:float=None,   # weight decay of α

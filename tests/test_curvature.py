@@ -1,6 +1,6 @@
 """λ_max of ∇²_α L_valid (callbacks.curvature): equal to the full Hessian's, logged without changing the search; DARTS-ES
 stops at the right epoch with the earlier α and weights, and a resume inside its window is exact."""
-import json
+import json, statistics
 from pathlib import Path
 import pytest, torch
 from fastai.callback.core import Callback
@@ -45,8 +45,8 @@ def test_lambda_max_is_the_full_hessians(tmp_path, trained):
     assert torch.equal(hessian_extremes(m, batches), lam)             # deterministic
 
 def test_logged_every_epoch_without_changing_the_search(tmp_path):
-    "lambda_max in log.csv and history.json is the value at the epoch's end; the search's losses and α are those of a search without it"
-    a = learner(tmp_path/'a', cbs=[RunLogger('log.csv')])
+    "lambda_max in log.csv and history.json is the median over the windows at the epoch's end; the search's losses and α are those of a search without it"
+    a = learner(tmp_path/'a', cbs=[RunLogger('log.csv')], curvature_windows=3)
     with a.no_bar(): a.fit(2)
     b = learner(tmp_path/'b', curvature=False)
     with b.no_bar(): b.fit(2)
@@ -57,7 +57,27 @@ def test_logged_every_epoch_without_changing_the_search(tmp_path):
     hist = json.loads((tmp_path/'a'/'history.json').read_text())
     lam = [h['lambda_max'] for h in hist]
     assert lam == [r[-1] for r in va] == a.curvature.values() and all(v > 0 for v in lam)
-    assert hessian_extremes(a.model, a.curvature.batches)[1].item() == lam[-1]   # the final weights and α, measured again
+    m, wins = a.model, a.curvature.batches
+    again = [hessian_extremes(m, [b], 8, i)[1].item() for i, b in enumerate(wins)]   # the final weights and α, window i alone, masks from seed i
+    assert len(wins) == 3 and hist[-1]['lambda_max_windows'] == pytest.approx(again, rel=1e-6)
+    assert lam[-1] == pytest.approx(statistics.median(again), rel=1e-6)
+    assert len(set(again)) == 3                                        # three different windows, not one measured thrice
+
+def test_the_median_ignores_one_wild_window(tmp_path):
+    "One window whose λ_max is 1,000 times the others' (as PTB gave) moves the median not at all, and a non-finite one makes it NaN"
+    learn = learner(tmp_path, curvature_windows=5, checkpoint=False)
+    curv = learn.curvature
+    vals = [[0., 1.], [0., 2.], [0., 3.], [0., 4.], [0., 5.]]
+    curv.measure = lambda: torch.tensor(vals)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert curv.value == 3. and curv.per_window == [1., 2., 3., 4., 5.]
+    vals[4][1] = 5000.
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert curv.value == 3.
+    vals[0][1] = float('nan')
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert curv.value != curv.value
+    with pytest.raises(ValueError, match='windows must be a whole number >= 1, got 0'): Curvature(0)
 
 class Planted(Curvature):
     "λ_max read from a planted list instead of measured"
