@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_checkpoint.ipynb #ddca2e40
 from __future__ import annotations
-import os, re, errno, math, signal, sys, threading, time
+import os, re, errno, signal, sys, threading, time
 from pathlib import Path
 import torch
 from fastai.callback.core import Callback, CancelFitException
@@ -12,7 +12,7 @@ from fastai.torch_core import rank_distrib
 from rnn_darts.core import rng_states, set_rng_states, naming
 from rnn_darts.genotypes import genotype_to_dict
 from callbacks.training import FlatGradClip
-from callbacks.epochs import TrainEpochEnd, valid_loss_of, in_lr_find
+from callbacks.epochs import TrainEpochEnd, best_tracker, in_lr_find
 
 # %% auto #0
 __all__ = ['KEPT', 'MID_EPOCH', 'model_meta', 'check_meta', 'stateful_cbs', 'mid_epoch_state', 'learner_state', 'named_floats',
@@ -173,13 +173,13 @@ class Checkpoint(TrainEpochEnd):
     def __init__(self, dirname='checkpoints', every=1, keep=2, save_best=True, resume=None):
         if keep < 1: raise ValueError(f"keep must be >= 1, got {keep}")
         self.dirname, self.every, self.keep, self.save_best, self.resume = dirname, every, keep, save_best, resume
-        self.best, self.written = None, []   # `written`: this run's epoch checkpoints (names), oldest first
+        self.written = []   # `written`: this run's epoch checkpoints (names), oldest first
 
     @property
     def folder(self): return Path(self.path)/self.dirname
 
     def before_fit(self):
-        self.mid = None
+        self.mid, self.tracker = None, best_tracker(self.learn, 'Checkpoint')
         if rank_distrib() == 0:
             gone = remove_stale_tmp(self.folder, r'epoch_\d+\.pth|best\.pth|mid_epoch\.pth|es_epoch_\d+\.pth') + remove_stale_tmp(Path(self.path), r'[^/]+\.json|[^/]+\.csv')
             if gone: print(f"removed temporary files left by a killed run: {', '.join(gone)}")
@@ -189,7 +189,8 @@ class Checkpoint(TrainEpochEnd):
         state = load_checkpoint(p)
         restore(self.learn, state, str(p))
         d = state['cbs'].get('Checkpoint', {})
-        self.best, written = d.get('best', self.best), d.get('written')
+        if 'best' in d and 'BestValidLoss' not in state['cbs']: self.tracker.load_ckpt_state(dict(best=d['best']))   # an older version's checkpoint
+        written = d.get('written')
         if p.parent.resolve() != self.folder.resolve(): written = []     # another folder's files are not this run's
         elif written is None: written = [q.name for q in epoch_checkpoints(self.folder) if epoch_of(q) <= state['epoch']]
         self.written = list(written)[-self.keep:]
@@ -214,19 +215,17 @@ class Checkpoint(TrainEpochEnd):
         self.mid = None
 
     def epoch_done(self):
-        v = valid_loss_of(self.learn)
-        improved = math.isfinite(v) and (self.best is None or v < self.best)
+        improved = self.tracker.new_best
         due = (self.epoch + 1) % self.every == 0
         if not (due or improved): return
-        name, old, gone = f'epoch_{self.epoch:04d}.pth', (self.best, self.written), []
-        if improved: self.best = v
+        name, old, gone = f'epoch_{self.epoch:04d}.pth', self.written, []
         if due:
             w = [n for n in self.written if n != name] + [name]
             self.written, gone = w[-self.keep:], w[:-self.keep]
         state = learner_state(self.learn)
         bad = kept_nonfinite(state)    # every rank decides alike (their states are equal)
         if bad:
-            self.best, self.written = old
+            self.written = old
             print(f"epoch {self.epoch}: no checkpoint written: non-finite values in {short_list(bad)}; the previous checkpoints are kept")
             return
         if rank_distrib() != 0: return   # one writer: rank 0
@@ -240,8 +239,10 @@ class Checkpoint(TrainEpochEnd):
         "This run's epoch checkpoints, newest first"
         return [self.folder/n for n in reversed(self.written) if (self.folder/n).is_file()]
 
-    def ckpt_state(self): return dict(best=self.best, written=list(self.written))
-    def load_ckpt_state(self, d): self.best, self.written = d['best'], list(d.get('written') or [])
+    @property
+    def best(self) -> float|None: return self.tracker.value   # the run's best validation loss (`BestValidLoss`)
+    def ckpt_state(self): return dict(written=list(self.written))
+    def load_ckpt_state(self, d): self.written = list(d.get('written') or [])
 
 # %% ../nbs/06_checkpoint.ipynb #835fcbd9
 class Preemption(Callback):

@@ -4,10 +4,13 @@
 
 # %% ../nbs/05a_epochs.ipynb #000116b1
 from __future__ import annotations
+import math
 from fastai.callback.core import Callback
+from fastai.callback.tracker import TrackerCallback
+from fastai.learner import Recorder
 
 # %% auto #0
-__all__ = ['in_lr_find', 'TrainEpochEnd', 'valid_loss_of']
+__all__ = ['in_lr_find', 'TrainEpochEnd', 'valid_loss_of', 'BestValidLoss', 'best_tracker']
 
 # %% ../nbs/05a_epochs.ipynb #043e6bd3
 def in_lr_find(learn) -> bool:
@@ -27,3 +30,23 @@ def valid_loss_of(learn):
     names = list(learn.recorder.metric_names[1:])
     return learn.final_record[names.index('valid_loss')]
 
+# %% ../nbs/05a_epochs.ipynb #79e6a6ee
+class BestValidLoss(TrainEpochEnd, TrackerCallback):
+    "The run's best validation loss (fastai's `TrackerCallback` on `valid_loss`): over the epochs that trained, finite values only, kept across fits and resumes"
+    order = Recorder.order + 1   # as soon as the Recorder has the epoch's loss: `RunInfo` and `Checkpoint` read it
+    def __init__(self): super().__init__('valid_loss', reset_on_fit=False)
+    def before_epoch(self): super().before_epoch(); self.new_best = False
+    def epoch_done(self):
+        v = valid_loss_of(self.learn)
+        self.new_best = math.isfinite(v) and v < self.best   # NaN and ±inf are never best (TrackerCallback's `np.less` takes -inf)
+        if self.new_best: self.best = v
+    @property
+    def value(self) -> float|None: return self.best if self.best is not None and math.isfinite(self.best) else None
+    def ckpt_state(self): return dict(best=self.value)
+    def load_ckpt_state(self, d): self.best = math.inf if d['best'] is None else d['best']
+
+def best_tracker(learn, who:str) -> BestValidLoss:
+    "The learner's `BestValidLoss`, which `who` reads; a clear error without it"
+    t = getattr(learn, 'best_valid_loss', None)
+    if not isinstance(t, BestValidLoss): raise ValueError(f"{who} reads the best validation loss from the BestValidLoss callback: add it to the learner's callbacks")
+    return t

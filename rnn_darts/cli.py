@@ -11,7 +11,7 @@ from fastcore.script import bool_arg
 from fastcore.docments import docments
 from fastcore.imports import in_notebook
 from rnn_darts.core import UserError, UsageError, get_device, check_number, check_choice
-from rnn_darts.options import CHOICES, code_defaults
+from rnn_darts.options import CHOICES, FLAGS, SWITCHES, code_defaults, command_flags, flag_default
 from rnn_darts import runs
 from rnn_darts.runs import search, train, evaluate_run, set_threads, read_run_json
 
@@ -25,12 +25,12 @@ def study(
     settings:str=None,    # settings.ini to read the study's preset and its stages' presets from (default: ./settings.ini or a parent's if it has the preset, else the packaged one)
     out:str=None,         # study folder, a run folder per stage inside (default: runs/study)
     stage:str=None,       # run only this stage (search-second-1, short-search-second-1, short-DARTS_V2, final, ...): one job of a scheduler; rnn-darts study then collects
-    device:str=None,      # cpu | cuda | cuda:N (default: CUDA when present)
+    device:str=None,
     override:bool_arg=False, # continue although the study's settings differ from its study.json (recorded there)
-    threads:int=None,     # CPU threads for torch (default on a CPU: the idle cores, i.e. cores less the load average, at least 1)
+    threads:int=None,
     data:str=None,        # corpus of every stage, over the presets' own: numbers | ptb | a folder (default: each preset's)
-    files:str=None,       # train,valid,test file names inside the corpus folder, if not train.txt,valid.txt,test.txt
-    unk:str=None,         # token for words of valid/test that train lacks (PTB: '<unk>'); default: such a word is an error
+    files:str=None,
+    unk:str=None,
     methods:str=None,     # search methods, comma-separated: second, first, exact, random
     seeds:str=None,       # search seeds, comma-separated (the paper ran 4)
     references:str=None,  # published cells (DARTS_V2, ENAS, ...) or genotype files trained beside the searched ones as yardsticks, never selected; '' for none
@@ -46,12 +46,12 @@ def study(
 
 def bench(
     small:bool=False,     # the small CPU shape: bs 32, nhid 64 (search), nhid 128 (derived cell)
-    device:str=None,      # cpu | cuda | cuda:N (default: CUDA when present)
+    device:str=None,
     json_path:str=None,   # also write the results as JSON here
     iters:int=None,       # timed iterations per measurement (default: the benchmark's own)
     compile:bool=False,   # time the steps with the torch.compile'd recurrent step
     bf16:bool=False,      # time our steps in bf16 autocast, and measure bf16's effect on the hypergradient
-    threads:int=None,     # CPU threads for torch (default on a CPU: the idle cores, i.e. cores less the load average, at least 1)
+    threads:int=None,
 ):
     "Time search steps (second, first, exact), derived-cell training steps and evaluation"
     if iters is not None: check_number('--iters', iters, 1, integer=True)
@@ -132,21 +132,26 @@ def _study_defaults() -> dict:
     from rnn_darts.study import STUDY_OPTIONS
     return {k: d for k, (_, d) in STUDY_OPTIONS.items()}
 
+def _arguments(cmd:str):
+    "(name, annotation, default, help) of each argument of `rnn-darts CMD`: search and train from the settings schema's `FLAGS`, the others from their function's signature and comments"
+    if cmd in ('search', 'train'):
+        for k, (t, h) in command_flags(cmd).items(): yield k, ((bool if k in SWITCHES else bool_arg) if t is bool else t), flag_default(k), h
+        return
+    for k, d in docments(COMMANDS[cmd], full=True, returns=False, eval_str=True).items(): yield k, d.anno, d.default, d.docment or FLAGS.get(k, '')
+
 def command_parser(cmd:str) -> argparse.ArgumentParser:
-    "The argument parser of `rnn-darts CMD`, from the command function's signature and comments"
-    fn = COMMANDS[cmd]
+    "The argument parser of `rnn-darts CMD`"
     defaults = code_defaults(cmd) if cmd in ('search', 'train') else _study_defaults() if cmd == 'study' else {}
-    p = _Parser(prog=f'rnn-darts {cmd}', description=fn.__doc__, allow_abbrev=False,
+    p = _Parser(prog=f'rnn-darts {cmd}', description=COMMANDS[cmd].__doc__, allow_abbrev=False,
                 epilog="--debug (or RNN_DARTS_DEBUG=1) shows the traceback of an error.")
-    for k, d in docments(fn, full=True, returns=False, eval_str=True).items():
-        help = d.docment or ''
-        if d.default is inspect.Parameter.empty: p.add_argument(k, help=help); continue
-        kw = dict(dest=k, default=d.default)
-        if d.anno is bool: kw['action'] = 'store_true'
-        elif d.anno is bool_arg: kw.update(type=bool_arg, metavar='true|false')
-        else: kw.update(type=d.anno if d.anno in (int, float) else str, metavar=k.upper())
+    for k, anno, default, help in _arguments(cmd):
+        if default is inspect.Parameter.empty: p.add_argument(k, help=help); continue
+        kw = dict(dest=k, default=default)
+        if anno is bool: kw['action'] = 'store_true'
+        elif anno is bool_arg: kw.update(type=bool_arg, metavar='true|false')
+        else: kw.update(type=anno if anno in (int, float) else str, metavar=k.upper())
         if k in CHOICES: kw['metavar'] = '|'.join(CHOICES[k])
-        p.add_argument('--' + k.replace('_', '-'), help=help + ('' if kw.get('action') else _default_text(k, d.default, defaults)), **kw)
+        p.add_argument('--' + k.replace('_', '-'), help=help + ('' if kw.get('action') else _default_text(k, default, defaults)), **kw)
     p.add_argument('--debug', action='store_true', help="show the traceback of an error")
     return p
 

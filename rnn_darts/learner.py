@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_learner.ipynb #3b6c7827
 from __future__ import annotations
-import time, json, inspect, math
+import time, json, inspect
 from contextlib import contextmanager, nullcontext, ExitStack
 from pathlib import Path
 import torch
@@ -29,7 +29,7 @@ from callbacks.curvature import Curvature, CurvatureStop
 from callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer, FusedDecoderLoss
 from callbacks.asgd import ASGDSwitch
 from callbacks.logs import GenotypeLogger, write_json_atomic
-from callbacks.epochs import TrainEpochEnd, valid_loss_of
+from callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker
 from callbacks.speed import BF16Autocast, AutoCompile, CompileNotice
 from callbacks.checkpoint import Checkpoint, DivergenceGuard, Preemption
 
@@ -88,8 +88,7 @@ class RunInfo(TrainEpochEnd):
         i = self.info
         i['epoch_times'] = i['epoch_times'][:self.epoch] + [time.time() - self.t0]
         self.t0 = None
-        v = valid_loss_of(self.learn)
-        if math.isfinite(v) and (i['best_valid_loss'] is None or v < i['best_valid_loss']): i['best_valid_loss'] = v
+        i['best_valid_loss'] = best_tracker(self.learn, 'RunInfo').value
         sw = getattr(self.learn, 'asgd_switch', None)
         if sw is not None and sw.active: i['asgd_epoch'] = sw.switch_epoch
         g = run_genotype(self.learn)
@@ -114,7 +113,7 @@ def _ntoken(dls, ntoken):
     return len(dls.vocab)
 
 def _common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss, checkpoint_every=None):
-    cbs = [ModelResetter(), RNNCallback(), RNNRegularizer(alpha, beta), SeqLenLR(), FlatGradClip(clip), DivergenceGuard(on_nan)]
+    cbs = [ModelResetter(), RNNCallback(), RNNRegularizer(alpha, beta), SeqLenLR(), FlatGradClip(clip), DivergenceGuard(on_nan), BestValidLoss()]
     if fused_loss: cbs.append(FusedDecoderLoss())
     if checkpoint: cbs += [Checkpoint(keep=keep, resume=resume), Preemption(None if checkpoint_every is None else 60 * checkpoint_every)]
     elif checkpoint_every: raise ValueError("checkpoint_every needs checkpoint=True")

@@ -161,11 +161,11 @@ class PackedCell(nn.Module):
         c, hh = ch.chunk(2, dim=-1)
         return h + c.sigmoid() * (tanh(hh) - h)
 
-    def forward(self, x, h, bank, key='train'):
-        "Run the cell over `x` (T, bs, ninp) from state `h` (bs, nhid); returns all outputs (T, bs, nhid) and the last"
+    def forward(self, x, h, bank, key='train', **inputs):
+        "Run the cell over `x` (T, bs, ninp) from state `h` (bs, nhid); returns all outputs (T, bs, nhid) and the last. `inputs`: the search cell's `probs`"
         mx, mh = self.masks(bank, key, x.shape[1], x)
         xw = linear(x if mx is None else x * mx, self.W0[:self.ninp].t())
-        ctx = self.per_sequence()
+        ctx = self.per_sequence(**inputs)
         if self._compiled is not None and torch.is_grad_enabled() and not h.requires_grad:
             h = h.detach().requires_grad_()   # the first step's state needs a gradient like the later ones': one graph, not two
         step, outs = self.runner(ctx), []
@@ -275,7 +275,7 @@ class DartsCellSearch(PackedCell):
         super().__init__(ninp, nhid, steps, dropoutx, dropouth)
         self.bn = NodeNorm(steps + 1, nhid)   # s0 and every node: their own running statistics
         self.bn_update = True
-        self.probs = None   # set by the model before each forward: (edges, ops) mixing weights
+        self.probs = None   # the mixing weights of a forward not given `probs` (a cell run on its own)
         offs = [s.start for s in edge_slices(steps)]
         # rows of α for the edges leaving node j, towards nodes j+1..steps
         for j in range(steps): self.register_buffer(f'rows{j}', torch.tensor([offs[i - 1] + j for i in range(j + 1, steps + 1)]), persistent=False)
@@ -284,12 +284,14 @@ class DartsCellSearch(PackedCell):
         "Normalise node `i` (0 is s0); architecture passes (`bn_update=False`) leave the running statistics alone"
         return self.bn(s, i, self.bn_update)
 
-    def per_sequence(self):
+    def per_sequence(self, probs=None):
         """Once per sequence: per node j, the rows of all downstream matrices, and the weights (tanh, relu, sigmoid,
-        identity; each (downstream, 1)) and non-`none` sum of the edges leaving j"""
+        identity; each (downstream, 1)) and non-`none` sum of the edges leaving j, from the mixing weights `probs` (edges, ops)"""
         n2, steps = 2 * self.nhid, self.n_nodes
+        probs = self.probs if probs is None else probs
+        if probs is None: raise ValueError("the search cell mixes its ops by `probs` (edges, ops): pass probs=... (the model passes softmax(α))")
         Wsuf = tuple(self.WhT[j * n2:] for j in range(steps))
-        w = [self.probs[getattr(self, f'rows{j}')].t()[1:, :, None] for j in range(steps)]
+        w = [probs[getattr(self, f'rows{j}')].t()[1:, :, None] for j in range(steps)]
         return (*super().per_sequence(), tuple(self.step_weight(W) for W in Wsuf), tuple(tuple(p.unbind(0)) for p in w), tuple(p.sum(0) for p in w))
 
     def step(self, xw_t, h, mh, ctx):
@@ -404,12 +406,12 @@ class LanguageModel(FlatModule):
     def init_hidden(self, bs, like):
         return like.new_zeros(bs, self.nhid)
 
-    def prepare(self): "Called before every forward (the search model computes its mixing weights here)"
-    def release(self): "Called after the cell ran (drops what `prepare` made, so the model stays copyable)"
+    def cell_inputs(self) -> dict:
+        "What the cell takes besides its input and state, as arguments of each forward (the search model: its mixing weights)"
+        return {}
 
     def hidden_stream(self, x, stream):
         "Embed `x` (bs, T) and run the cell from `stream`'s state: raw and dropped outputs, time-major, and the new state"
-        self.prepare()
         bs = x.shape[0]
         w = self.encoder.weight
         if self.training and self.dropoute:
@@ -418,8 +420,7 @@ class LanguageModel(FlatModule):
         if self.training and self.dropouti: emb = emb * self.masks((stream, 'i'), (1, bs, self.emsize), self.dropouti, emb)
         h = self.hidden.get(stream)
         if h is None or h.shape[0] != bs or h.device != x.device: h = self.init_hidden(bs, emb)
-        raw, h = self.cell(emb, h, self.masks, stream)
-        self.release()
+        raw, h = self.cell(emb, h, self.masks, stream, **self.cell_inputs())
         out = raw * self.masks((stream, 'o'), (1, bs, self.nhid), self.dropout, raw) if self.training and self.dropout else raw
         return raw, out, h
 
@@ -479,8 +480,7 @@ class DartsRnnSearch(LanguageModel):
     def arch_weights(self):
         "The mixing weights: softmax(α) over ops (DARTS) or sigmoid(α) (Fair DARTS)"
         return F.softmax(self.alpha, dim=-1) if self.relax == 'softmax' else torch.sigmoid(self.alpha)
-    def prepare(self): self.cell.probs = self.arch_weights()
-    def release(self): self.cell.probs = None
+    def cell_inputs(self): return dict(probs=self.arch_weights())
     def genotype(self) -> Genotype:
         "The DARTS rule applied to the current mixing weights"
         return derive_genotype(self.arch_weights(), self.steps)

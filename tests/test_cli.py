@@ -81,3 +81,19 @@ def test_readme_commands_parse():
         cmd = argv[0]
         assert cmd in cli.COMMANDS, line
         cli.command_parser(cmd).parse_args([a for a in argv[1:] if a != '--debug'])
+
+def test_search_and_train_flags_come_from_one_table(tmp_path, capsys):
+    "-h lists every flag of `options.FLAGS` with its command's text; Python's `runs.search` takes the same names and refuses others"
+    from rnn_darts import runs
+    from rnn_darts.options import FLAGS, command_flags
+    for cmd in ('search', 'train'):
+        with pytest.raises(SystemExit): cli.run_command([cmd, '-h'])
+        said = ' '.join(capsys.readouterr().out.split())
+        for k, (_, h) in command_flags(cmd).items(): assert f"--{k.replace('_', '-')}" in said and ' '.join(h.split()) in said, (cmd, k)
+        for k in set(FLAGS) - set(command_flags(cmd)): assert f"--{k.replace('_', '-')} " not in said, (cmd, k)   # the other command's own
+    with pytest.raises(TypeError, match=r"search\(\) got an unexpected keyword argument 'epoch' \(it takes the flags of rnn-darts search -h\)"):
+        runs.search(epoch=1)
+    learn = runs.search(data='numbers', n_train=3000, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=8, nhid=8, device='cpu', mode='first',
+                        curvature_windows=2, out=str(tmp_path/'s'))
+    assert learn.curvature.windows == 2 and len(learn.curvature.history[-1]['lambda_max_windows']) == 2
+    assert json.loads((tmp_path/'s'/'run.json').read_text())['settings']['curvature_windows'] == 2

@@ -33,8 +33,8 @@ class Poison(Callback):
         with torch.no_grad(): t.view(-1)[0] = self.value
 
 class SetValid(Callback):
-    "Pretend the validation loss of `epoch` was `v` (before ASGDSwitch, RunInfo and Checkpoint read it)"
-    order = 55
+    "Pretend the validation loss of `epoch` was `v` (after the Recorder, before BestValidLoss, ASGDSwitch, RunInfo and Checkpoint read it)"
+    order = 50.5
     def __init__(self, epoch, v): self.e, self.v = epoch, v
     def after_epoch(self):
         if self.training is False and self.epoch == self.e: self.learn.final_record[1] = self.v
@@ -61,7 +61,23 @@ def test_minus_inf_valid_loss_is_never_best(tmp_path):
     valid = [r[1] for r in learn.recorder.values]
     best = load_checkpoint(tmp_path/'checkpoints'/'best.pth')
     assert valid[1] == -INF and best['epoch'] != 1
-    assert best['cbs']['Checkpoint']['best'] == min(valid[0], valid[2]) == learn.checkpoint.best
+    assert best['cbs']['BestValidLoss']['best'] == min(valid[0], valid[2]) == learn.checkpoint.best == learn.best_valid_loss.value
+
+def test_one_tracker_of_the_best_validation_loss(tmp_path):
+    "run.json, Checkpoint and best.pth all read BestValidLoss; validate() leaves it alone; a resume keeps it, from an older checkpoint too"
+    import json
+    from rnn_darts.learner import RunInfo
+    learn = tiny_train(tmp_path, cbs=[SetValid(1, 0.5), RunInfo('train')]); fit(learn, 3)
+    valid = [r[1] for r in learn.recorder.values]
+    assert valid[1] == 0.5 == learn.best_valid_loss.value == learn.checkpoint.best == json.loads((tmp_path/'run.json').read_text())['best_valid_loss']
+    assert load_checkpoint(tmp_path/'checkpoints'/'best.pth')['epoch'] == 1
+    learn.validate(); assert learn.best_valid_loss.value == 0.5
+    p = tmp_path/'checkpoints'/'epoch_0002.pth'
+    old = load_checkpoint(p); old['cbs']['Checkpoint']['best'] = old['cbs'].pop('BestValidLoss')['best']; save_atomic(old, p)   # as an older version wrote it
+    resumed = tiny_train(tmp_path, resume=True); fit(resumed, 4)
+    assert resumed.first_epoch == 3 and resumed.best_valid_loss.value == 0.5            # epoch 3's own loss is far above 0.5
+    bare = tiny_train(tmp_path/'x'); bare.remove_cb(bare.best_valid_loss)
+    with pytest.raises(ValueError, match='Checkpoint reads the best validation loss from the BestValidLoss callback'): fit(bare, 1)
 
 # ---------------------------------------------------------------- no checkpoint is written with a non-finite state
 @pytest.mark.parametrize('target', ['buffer', 'weight', 'alpha', 'arch_adam', 'asgd_ax'])
@@ -222,7 +238,7 @@ def test_lr_find_leaves_the_resume_to_the_fit(tmp_path, capsys):
 def test_run_info_never_takes_a_non_finite_valid_loss_as_best(tmp_path):
     import json
     from rnn_darts.learner import RunInfo
-    sv = SetValid(0, INF); sv.order = RunInfo.order - 0.5   # after the Recorder, before RunInfo reads the loss
+    sv = SetValid(0, INF)
     learn = tiny_train(tmp_path, cbs=[sv, RunInfo('train')]); fit(learn, 1)
     text = (tmp_path/'run.json').read_text()
     assert json.loads(text)['best_valid_loss'] is None and 'Infinity' not in text   # `v == v` let inf in (and wrote `Infinity`)

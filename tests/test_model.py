@@ -16,12 +16,11 @@ def test_search_cell_equals_plain(training):
     cell = DartsCellSearch(ninp, nhid, dropoutx=0.3, dropouth=0.4).train(training)
     cell.bn_update = False
     probs = F.softmax(torch.randn(36, 5), -1).requires_grad_()
-    cell.probs = probs
     x, h0 = torch.randn(T, bs, ninp), torch.randn(bs, nhid)
     from rnn_darts.model import MaskBank
     bank = MaskBank()
     with bank.freeze():
-        out, _ = cell(x, h0, bank, 'train')
+        out, _ = cell(x, h0, bank, 'train', probs=probs)
         ones = torch.ones(bs, nhid)
         mx, mh = (bank.cache[('train', 'x')], bank.cache[('train', 'h')]) if training else (ones, ones)
         fresh = lambda s: s / (1 + 1e-5) ** 0.5                           # fresh running stats: mean 0, var 1
@@ -420,9 +419,8 @@ def test_deferred_weight_gradients_equal_autograds_per_step_ones(nhid, derived, 
         tapped = m.cell.compile_step()._compiled_tapped
         m.cell._compiled_tapped = lambda *a: calls.append(1) or tapped(*a)
     def grads():
-        m.reset(); m.prepare()
-        ctx = m.cell.per_sequence()
-        m.release()
+        m.reset()
+        ctx = m.cell.per_sequence(**m.cell_inputs())
         loss = m.loss(x, y, advance=False)
         return ctx, [loss.detach(), *torch.autograd.grad(loss, m.flat.params)]
     with m.frozen_masks():
@@ -432,7 +430,7 @@ def test_deferred_weight_gradients_equal_autograds_per_step_ones(nhid, derived, 
         with m.cell.eager(): ctx, per_step = grads()
         assert not isinstance(ctx[0], DeferredWeight) and len(calls) == (19 if compiled else 0)
     with torch.no_grad():
-        m.prepare(); assert not isinstance(m.cell.per_sequence()[0], DeferredWeight); m.release()
+        assert not isinstance(m.cell.per_sequence(**m.cell_inputs())[0], DeferredWeight)
     for a, b in zip(deferred, per_step): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 @pytest.mark.slow
@@ -462,7 +460,7 @@ def test_compiled_steps_tap_only_large_weights():
     from rnn_darts.kernels import TAP_MIN_NUMEL
     m = DartsRnnSearch(50, 128, 128)   # W0ₕᵀ: 256 × 128; the successors of node j: (8 − j)·256 × 128
     def deferred():
-        m.prepare(); W0hT, Wsuf = m.cell.per_sequence()[:2]; m.release()
+        W0hT, Wsuf = m.cell.per_sequence(**m.cell_inputs())[:2]
         return [isinstance(w, DeferredWeight) for w in (W0hT, *Wsuf)]
     assert all(deferred())
     m.cell.compile_step()

@@ -374,7 +374,7 @@ def test_rotation_keeps_last_k_and_best(tmp_path):
     assert files == ['best.pth', 'epoch_0003.pth', 'epoch_0004.pth']
     valid = [v[1] for v in learn.recorder.values]
     best = load_checkpoint(tmp_path/'checkpoints'/'best.pth')
-    assert best['epoch'] == valid.index(min(valid)) and best['cbs']['Checkpoint']['best'] == min(valid)
+    assert best['epoch'] == valid.index(min(valid)) and best['cbs']['BestValidLoss']['best'] == min(valid)
 
 def test_disk_full_while_saving(tmp_path, monkeypatch):
     learn = tiny_train(tmp_path, keep=2); fit(learn, 1)
