@@ -209,12 +209,23 @@ def _device(device):
     if device is None: return 'cuda' if torch.cuda.is_available() else 'cpu'
     return str(device)
 
-def cpu_kernels() -> str:
-    "Which kernels the CPU's float32 matrix products use (`rnn_darts.kernels`' routing)"
+def cpu_kernels() -> dict:
+    "How this process routed the CPU's float32 matrix products: the rule, the table of measurements, and each product's choice with both kernels' µs"
     from rnn_darts import kernels
-    if not kernels.ONEDNN: return 'aten (MKL) for every product (oneDNN off: RNN_DARTS_ONEDNN=0 or not built)'
-    return (f"oneDNN inner product for a·Wᵀ of >= {kernels.ONEDNN_MIN_MACS:,} multiply-adds and weight gradients of >= "
-            f"{kernels.ONEDNN_MIN_WEIGHT_GRAD_MACS:,}; aten (MKL) below")
+    if not kernels.ONEDNN: rule = 'aten (MKL) for every product (oneDNN off: RNN_DARTS_ONEDNN=0 or not built)'
+    elif kernels.KERNEL != 'measured': rule = f"{kernels.KERNEL} for every product (rnn_darts.kernels.KERNEL)"
+    else: rule = 'for each product shape and layout, the faster of oneDNN and aten (MKL) as measured on this machine'
+    return dict(rule=rule, table=str(kernels.kernel_table()), machine=kernels.machine_key(),
+                choices=sorted(kernels.kernel_choices(), key=lambda c: -max(c['onednn_us'], c['aten_us'])))
+
+def _kernel_lines(k, top:int=12) -> list:
+    "`cpu_kernels()` as lines of text: how many products went to oneDNN, then the `top` slowest products' choices"
+    cs = k['choices']
+    if not cs: return []
+    out = [f"CPU kernels chosen: oneDNN for {sum(c['kernel'] == 'onednn' for c in cs)} of {len(cs)} product shapes (table: {k['table']}); "
+           f"the {min(top, len(cs))} slowest{f' (all {len(cs)} in --json)' if len(cs) > top else ''}:",
+           f"  {'product a·bᵀ (ᵀ: stored by columns)':<44} {'kernel':<7} {'oneDNN µs':>10} {'aten µs':>10}"]
+    return out + [f"  {c['product']:<44} {c['kernel']:<7} {c['onednn_us']:>10.1f} {c['aten_us']:>10.1f}" for c in cs[:top]]
 
 def _device_name(device):
     if torch.device(device).type == 'cuda': return torch.cuda.get_device_name(device)
@@ -252,7 +263,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     ebs = eval_bs or base['eval_bs']
     iters = iters if iters is not None else (3 if small else 10)
     warmup = warmup if warmup is not None else (1 if small else 3)
-    res = dict(device=dev, device_name=_device_name(dev), kernels=cpu_kernels() if dev == 'cpu' else None, torch=torch.__version__, threads=torch.get_num_threads(),
+    res = dict(device=dev, device_name=_device_name(dev), kernels=None, torch=torch.__version__, threads=torch.get_num_threads(),
                small=small, iters=iters, warmup=warmup, compile=compile, bf16=bf16, mem_kind=mem_kind(dev),
                shapes=dict(search=S, train=dict(TS, genotype='DARTS_V2'), eval_bs=ebs), step=dict(STEP), rows=[],
                ratios={}, ratios_min={},
@@ -320,6 +331,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     if bf16 and hyper:
         res['bf16_agreement'] = bf16_agreement(search_model(), [_batches(S['ntoken'], S['bs'], S['bptt'], 2, dev, seed + 3 + i)
                                                                 for i in range(3)], hyper)
+    if torch.device(dev).type == 'cpu': res['kernels'] = cpu_kernels()   # after the rows: the choices their products made
     if json_path: write_json(res, json_path)
     return res
 
@@ -329,7 +341,7 @@ def print_table(results: dict, file=None):
     r = results
     out = [f"device: {r['device']} ({r['device_name']}), torch {r['torch']}, {r['threads']} threads; "
            f"{r['warmup']} warm-up + {r['iters']} timed iterations per row",
-           *([f"CPU kernels: {r['kernels']}"] if r.get('kernels') else []),
+           *([f"CPU kernels: {r['kernels']['rule']}"] if r.get('kernels') else []),
            f"memory: {r['mem_kind']}; ops: {r.get('ops_kind', 'operators per step (op_count)')}",
            "first ms: the first (warm-up) call; with --compile it includes compiling that row's graphs not compiled before",
            f"{'what':<34} {'impl':<6} {'bs':>4} {'bptt':>4} {'nhid':>5} {'ntoken':>6} {'ms/batch':>10} {'min ms':>9} {'first ms':>9} {'tok/s':>10} {'mem MiB':>9} {'ops':>8}"]
@@ -341,4 +353,5 @@ def print_table(results: dict, file=None):
         out.append(f"baseline / ours, {STEP_NAMES[k]}: {v:.2f}x (mean), {r.get('ratios_min', {}).get(k, float('nan')):.2f}x (fastest)")
     for k, v in r.get('bf16_agreement', {}).items():
         out.append(f"bf16 vs fp32 hypergradient, {STEP_NAMES[k]}: cosine {v['mean']:.3f} (mean), {v['min']:.3f} (worst of 3, at initialisation)")
+    out += _kernel_lines(r['kernels']) if r.get('kernels') else []
     print('\n'.join(out), file=file)

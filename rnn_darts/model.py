@@ -10,7 +10,7 @@ import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
 from rnn_darts import kernels
-from rnn_darts.kernels import mm_t, linear, tanh, DeferredWeight, WeightTap, _Tapped, _map, _collect
+from rnn_darts.kernels import mm_t, fastest, linear, tanh, DeferredWeight, WeightTap, _Tapped, _map, _collect
 
 
 # %% auto #0
@@ -340,17 +340,17 @@ class LinearCrossEntropy(torch.autograd.Function):
         dt, acc = x.dtype, torch.promote_types(x.dtype, torch.float32)
         total = x.new_zeros((), dtype=acc)
         Wd, bd = W.to(dt), b.to(dt)
-        WT = Wd.t().contiguous() if need_x else None       # ∂/∂x = p W as an inner product with Wᵀ's rows
+        WT = Wd.t().contiguous() if need_x else None       # W by columns: for ∂/∂x = p W and the logits, where it is faster here
         gx = torch.empty_like(x) if need_x else None
         gWbT = W.new_zeros(W.shape[1] + 1, W.shape[0]) if need_W or need_b else None   # (∂/∂[W|b])ᵀ: one product per chunk
         ones = x.new_ones(1, min(rows, x.shape[0]), dtype=W.dtype)
         for s in range(0, x.shape[0], rows):
             xc, yc = x[s:s + rows], y[s:s + rows, None]
-            logits = _chunk_logits(xc, Wd, bd)
+            logits = _chunk_logits(xc, Wd if WT is None else fastest(xc, Wd, WT.t(), bias=bd), bd)   # W by rows or by columns
             e, z, loss = _softmax_parts_(logits, yc)           # one max, one exp, one sum: the softmax and the loss
             total += loss
             p = e.div_(z).scatter_add_(1, yc, e.new_full(yc.shape, -1.))   # softmax − onehot
-            if need_x: gx[s:s + rows] = mm_t(p.to(dt), WT)
+            if need_x: gx[s:s + rows] = mm_t(p.to(dt), fastest(p, WT, Wd.t()))
             if gWbT is not None:                               # [xc | 1]ᵀ p: the bias's gradient is the last row
                 xc1T = torch.cat([xc.t().to(W.dtype), ones[:, :xc.shape[0]]])
                 gWbT += mm_t(xc1T, p.t().to(W.dtype))

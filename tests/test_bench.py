@@ -80,6 +80,13 @@ def test_run_bench_tiny(tmp_path, capsys):
     print_table(res)
     out = capsys.readouterr().out
     assert 'baseline / ours' in out and 'ms/batch' in out
+    from rnn_darts import kernels
+    if kernels.ONEDNN:   # the kernels each product shape ran in, measured here; the decoder's (40 words, nhid 6) among them
+        cs = res['kernels']['choices']
+        assert any('40x6' in c['product'] for c in cs), cs
+        assert all(c['kernel'] == min(('onednn', 'aten'), key=lambda k: c[f"{k}_us"]) for c in cs)
+        assert f"CPU kernels chosen: oneDNN for {sum(c['kernel'] == 'onednn' for c in cs)} of {len(cs)} product shapes" in out
+        assert cs[0]['product'] in out and res['kernels']['machine'] == kernels.machine_key()
 
 def test_run_bench_options():
     tiny = dict(bs=2, bptt=3, nhid=4, ntoken=20)
