@@ -134,10 +134,12 @@ class PackedCell(nn.Module):
     def __getstate__(self):   # a compiled function does not pickle: copies run eager until compiled again
         return {**self.__dict__, '_compiled': None, '_compiled_tapped': None}
 
+    def W0_of(self, block): return block[:(self.ninp + self.nhid) * 2 * self.nhid].view(self.ninp + self.nhid, 2 * self.nhid)
+    def WhT_of(self, block): return block[(self.ninp + self.nhid) * 2 * self.nhid:].view(self.n_nodes * 2 * self.nhid, self.nhid)
     @property
-    def W0(self): return self.block[:(self.ninp + self.nhid) * 2 * self.nhid].view(self.ninp + self.nhid, 2 * self.nhid)
+    def W0(self): return self.W0_of(self.block)
     @property
-    def WhT(self): return self.block[(self.ninp + self.nhid) * 2 * self.nhid:].view(self.n_nodes * 2 * self.nhid, self.nhid)
+    def WhT(self): return self.WhT_of(self.block)
     def W(self, i):
         "The matrix of node `i` (1-based), `nhid × 2·nhid`, a view of the block"
         k = self.col[i - 1]; n2 = 2 * self.nhid
@@ -146,9 +148,9 @@ class PackedCell(nn.Module):
         "`W` (out × in) as the time steps of this forward multiply by it: a `DeferredWeight` in a forward with its gradient, outside autocast (compiled: if `TAP_MIN_NUMEL` big)"
         defer = self.defer and torch.is_grad_enabled() and W.requires_grad and not torch.is_autocast_enabled(W.device.type)
         return DeferredWeight(W) if defer and (self._compiled is None or W.numel() >= kernels.TAP_MIN_NUMEL) else W
-    def per_sequence(self):
-        "Tensors every time step uses, sliced once per sequence (slicing inside the loop costs a backward copy per step)"
-        return (self.step_weight(self.W0[self.ninp:].t()),)
+    def per_sequence(self, block=None):
+        "Tensors every time step uses, sliced once per sequence from `block` (default: the weights; slicing inside the loop costs a backward copy per step)"
+        return (self.step_weight(self.W0_of(self.block if block is None else block)[self.ninp:].t()),)
 
     def masks(self, bank, key, bs, like):
         if not self.training: return None, None
@@ -161,11 +163,13 @@ class PackedCell(nn.Module):
         c, hh = ch.chunk(2, dim=-1)
         return h + c.sigmoid() * (tanh(hh) - h)
 
-    def forward(self, x, h, bank, key='train', **inputs):
-        "Run the cell over `x` (T, bs, ninp) from state `h` (bs, nhid); returns all outputs (T, bs, nhid) and the last. `inputs`: the search cell's `probs`"
+    def forward(self, x, h, bank, key='train', weight_grads=True, **inputs):
+        """Run the cell over `x` (T, bs, ninp) from state `h` (bs, nhid); returns all outputs (T, bs, nhid) and the last.
+        `weight_grads=False`: its weights as constants (a pass that needs ∂/∂α or ∂/∂x only makes no weight gradient). `inputs`: the search cell's `probs`"""
         mx, mh = self.masks(bank, key, x.shape[1], x)
-        xw = linear(x if mx is None else x * mx, self.W0[:self.ninp].t())
-        ctx = self.per_sequence(**inputs)
+        block = self.block if weight_grads else self.block.detach()
+        xw = linear(x if mx is None else x * mx, self.W0_of(block)[:self.ninp].t())
+        ctx = self.per_sequence(block, **inputs)
         if self._compiled is not None and torch.is_grad_enabled() and not h.requires_grad:
             h = h.detach().requires_grad_()   # the first step's state needs a gradient like the later ones': one graph, not two
         step, outs = self.runner(ctx), []
@@ -211,15 +215,15 @@ class DartsCell(PackedCell):
         self.kids = {p: [i for i in _by_predecessor(g) if g.recurrent[i - 1][1] == p] for p in range(self.n_nodes + 1)}
         return self
 
-    def kid_rows(self, kids):
+    def kid_rows(self, kids, block=None):
         "The rows of `WhT` holding the matrices of nodes `kids`: a view where they are adjacent (always, in a derived cell's own layout), else a copy"
-        n2, cols = 2 * self.nhid, [self.col[i - 1] for i in kids]
-        if cols == list(range(cols[0], cols[0] + len(cols))): return self.WhT[cols[0] * n2:(cols[-1] + 1) * n2]
-        return torch.cat([self.WhT[c * n2:(c + 1) * n2] for c in cols])
+        n2, cols, WhT = 2 * self.nhid, [self.col[i - 1] for i in kids], self.WhT_of(self.block if block is None else block)
+        if cols == list(range(cols[0], cols[0] + len(cols))): return WhT[cols[0] * n2:(cols[-1] + 1) * n2]
+        return torch.cat([WhT[c * n2:(c + 1) * n2] for c in cols])
 
-    def per_sequence(self):
+    def per_sequence(self, block=None):
         "`W0[ninp:]` and, per predecessor with children, the rows of all its children's matrices"
-        return (*super().per_sequence(), tuple(self.step_weight(self.kid_rows(k)) for k in self.kids.values() if k))
+        return (*super().per_sequence(block), tuple(self.step_weight(self.kid_rows(k, block)) for k in self.kids.values() if k))
 
     def step(self, xw_t, h, mh, ctx):
         W0hT, blocks = ctx
@@ -284,15 +288,16 @@ class DartsCellSearch(PackedCell):
         "Normalise node `i` (0 is s0); architecture passes (`bn_update=False`) leave the running statistics alone"
         return self.bn(s, i, self.bn_update)
 
-    def per_sequence(self, probs=None):
+    def per_sequence(self, block=None, probs=None):
         """Once per sequence: per node j, the rows of all downstream matrices, and the weights (tanh, relu, sigmoid,
         identity; each (downstream, 1)) and non-`none` sum of the edges leaving j, from the mixing weights `probs` (edges, ops)"""
         n2, steps = 2 * self.nhid, self.n_nodes
         probs = self.probs if probs is None else probs
         if probs is None: raise ValueError("the search cell mixes its ops by `probs` (edges, ops): pass probs=... (the model passes softmax(α))")
-        Wsuf = tuple(self.WhT[j * n2:] for j in range(steps))
+        WhT = self.WhT_of(self.block if block is None else block)
+        Wsuf = tuple(WhT[j * n2:] for j in range(steps))
         w = [probs[getattr(self, f'rows{j}')].t()[1:, :, None] for j in range(steps)]
-        return (*super().per_sequence(), tuple(self.step_weight(W) for W in Wsuf), tuple(tuple(p.unbind(0)) for p in w), tuple(p.sum(0) for p in w))
+        return (*super().per_sequence(block), tuple(self.step_weight(W) for W in Wsuf), tuple(tuple(p.unbind(0)) for p in w), tuple(p.sum(0) for p in w))
 
     def step(self, xw_t, h, mh, ctx):
         W0hT, Wsuf, edge_w, edge_sum = ctx
@@ -410,17 +415,17 @@ class LanguageModel(FlatModule):
         "What the cell takes besides its input and state, as arguments of each forward (the search model: its mixing weights)"
         return {}
 
-    def hidden_stream(self, x, stream):
-        "Embed `x` (bs, T) and run the cell from `stream`'s state: raw and dropped outputs, time-major, and the new state"
+    def hidden_stream(self, x, stream, weight_grads=True):
+        "Embed `x` (bs, T) and run the cell from `stream`'s state: raw and dropped outputs, time-major, and the new state; `weight_grads=False`: weights as constants"
         bs = x.shape[0]
-        w = self.encoder.weight
+        w = self.encoder.weight if weight_grads else self.encoder.weight.detach()
         if self.training and self.dropoute:
             w = w * self.masks((stream, 'e'), (self.ntoken, 1), self.dropoute, w)
         emb = F.embedding(x.t(), w)                                                   # (T, bs, emsize)
         if self.training and self.dropouti: emb = emb * self.masks((stream, 'i'), (1, bs, self.emsize), self.dropouti, emb)
         h = self.hidden.get(stream)
         if h is None or h.shape[0] != bs or h.device != x.device: h = self.init_hidden(bs, emb)
-        raw, h = self.cell(emb, h, self.masks, stream, **self.cell_inputs())
+        raw, h = self.cell(emb, h, self.masks, stream, weight_grads, **self.cell_inputs())
         out = raw * self.masks((stream, 'o'), (1, bs, self.nhid), self.dropout, raw) if self.training and self.dropout else raw
         return raw, out, h
 
@@ -442,8 +447,8 @@ class LanguageModel(FlatModule):
         return F.cross_entropy(F.linear(out, W, b), y)
 
     def loss(self, x, y, stream='train', advance=True, weight_grads=True):
-        "Cross-entropy of `y` given `x` on `stream`; `advance=False` keeps the stream's state"
-        _, out, h = self.hidden_stream(x, stream)
+        "Cross-entropy of `y` given `x` on `stream`; `advance=False` keeps the stream's state; `weight_grads=False`: no gradient reaches the weights (∂/∂α passes)"
+        _, out, h = self.hidden_stream(x, stream, weight_grads)
         if advance: self.hidden[stream] = h.detach()
         return self.decoder_loss(out, y, weight_grads)
 

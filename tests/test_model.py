@@ -515,3 +515,24 @@ def test_training_and_architecture_passes_never_use_the_bound(monkeypatch):
     with m.arch_pass(): m.loss(x[:, :-1], x[:, 1:], 'search')
     m.eval()
     with pytest.raises(AssertionError, match='the bound ran'): m.loss(x[:, :-1], x[:, 1:], 'valid')
+
+@pytest.mark.parametrize('compiled', [False, True])
+def test_alpha_only_passes_make_no_weight_gradient_products(compiled, monkeypatch):
+    "loss(weight_grads=False), as the ∂/∂α passes call it: the same ∂/∂α, and about two thirds of the FLOPs (forward and ∂/∂x, no ∂/∂W)"
+    from torch.utils.flop_counter import FlopCounterMode
+    monkeypatch.setattr(kernels, 'KERNEL', 'aten')   # aten's products, which the FLOP counter sees
+    if compiled: torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = DartsRnnSearch(300, 32, 32, dropouth=0.2, dropoutx=0.2).train()
+    if compiled: m.cell.compile_step()
+    x, y = torch.randint(0, 300, (8, 12)), torch.randint(0, 300, (8, 12))
+    def alpha_grad(weight_grads):
+        m.reset()
+        with FlopCounterMode(display=False) as fc:
+            g = torch.autograd.grad(m.loss(x, y, advance=False, weight_grads=weight_grads), m.alpha)[0]
+        return g, fc.get_total_flops()
+    with m.frozen_masks():
+        alpha_grad(False); alpha_grad(True)   # compiled: both variants traced before counting
+        (g0, f0), (g1, f1) = alpha_grad(False), alpha_grad(True)
+    torch.testing.assert_close(g0, g1, rtol=1e-5, atol=1e-7)
+    if not compiled: assert f0 < 0.75 * f1, (f0, f1)   # a dispatch mode cannot count inside a compiled graph
