@@ -62,8 +62,9 @@ def _remember(machine, key, rec):
     "Add `rec` to the table in memory and on disk (re-read first, written atomically: other processes share the file)"
     path = kernel_table()
     tab = _read_table(path)
-    rec = tab.get(machine, {}).get(key, rec)   # another process decided meanwhile: take its choice, the same everywhere
-    tab.setdefault(machine, {})[key] = rec
+    if not isinstance(tab.get(machine), dict): tab[machine] = {}
+    if _complete(tab[machine].get(key)): rec = tab[machine][key]   # another process decided meanwhile: take its choice, the same everywhere
+    tab[machine][key] = rec
     _TABLE.setdefault(machine, {}).update(tab[machine])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,12 +93,17 @@ def time_kernels(M, K, N, a_rows=True, b_rows=True, bias=False) -> dict:
             rounds += 1
     return {k: round(1e6 * t, 2) for k, t in best.items()}
 
+def _complete(rec) -> bool:
+    "Whether `rec` is a whole record: a kernel named and both kernels' times"
+    return (isinstance(rec, dict) and rec.get('kernel') in ('onednn', 'aten')
+            and all(isinstance(rec.get(f"{k}_us"), (int, float)) for k in ('onednn', 'aten')))
+
 def _record(M, K, N, a_rows, b_rows, bias) -> dict:
     "This machine's measured record of a product: from memory, the table's file, or measured now and added to both"
     machine, key = machine_key(), product_key(M, K, N, a_rows, b_rows, bias)
     if machine not in _TABLE: _TABLE[machine] = _read_table(kernel_table()).get(machine, {})
     rec = _TABLE[machine].get(key)
-    if rec is None:
+    if not _complete(rec):   # not measured yet (or a damaged entry): measure
         us = time_kernels(M, K, N, a_rows, b_rows, bias)
         rec = _remember(machine, key, dict(kernel=min(us, key=us.get), **{f"{k}_us": v for k, v in us.items()}))
     return rec

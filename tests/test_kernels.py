@@ -92,6 +92,16 @@ def test_an_unreadable_table_is_measured_again_with_a_warning(table, monkeypatch
         torch.testing.assert_close(mm_t(torch.ones(2, 3), torch.ones(4, 3)), torch.full((2, 4), 3.))
     assert json.loads(table.read_text())[machine_key()][product_key(2, 3, 4, True, True, False)]['kernel'] == 'aten'
 
+def test_a_damaged_entry_is_measured_again(table, monkeypatch):
+    "An entry without a kernel or without both times (a hand-edited table) is measured again and replaced"
+    planted(monkeypatch, 'onednn', calls := [])
+    table.write_text(json.dumps({machine_key(): {product_key(2, 3, 4, True, True, False): dict(kernel='mkl'),
+                                                 product_key(3, 3, 4, True, True, False): dict(kernel='aten', onednn_us='fast', aten_us=1.)}}))
+    for M in (2, 3): mm_t(torch.ones(M, 3), torch.ones(4, 3))
+    assert [c[0] for c in calls] == [2, 3]
+    saved = json.loads(table.read_text())[machine_key()]
+    assert all(saved[product_key(M, 3, 4, True, True, False)] == dict(kernel='onednn', onednn_us=1.0, aten_us=2.0) for M in (2, 3))
+
 def test_kernel_can_be_set_for_every_product(table, monkeypatch):
     "kernels.KERNEL = 'onednn' / 'aten' routes every product that way without measuring; a wrong value is refused"
     planted(monkeypatch, 'aten', calls := [])
