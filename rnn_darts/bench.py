@@ -223,7 +223,7 @@ def _kernel_lines(k, top:int=12) -> list:
     cs = k['choices']
     if not cs: return []
     out = [f"CPU kernels chosen: oneDNN for {sum(c['kernel'] == 'onednn' for c in cs)} of {len(cs)} product shapes (table: {k['table']}); "
-           f"the {min(top, len(cs))} slowest{f' (all {len(cs)} in --json)' if len(cs) > top else ''}:",
+           f"the {min(top, len(cs))} slowest{f' (all {len(cs)} in --json-path)' if len(cs) > top else ''}:",
            f"  {'product a·bᵀ (ᵀ: stored by columns)':<44} {'kernel':<7} {'oneDNN µs':>10} {'aten µs':>10}"]
     return out + [f"  {c['product']:<44} {c['kernel']:<7} {c['onednn_us']:>10.1f} {c['aten_us']:>10.1f}" for c in cs[:top]]
 
