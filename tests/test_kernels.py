@@ -4,6 +4,7 @@ import pytest, torch, torch.nn.functional as F
 from rnn_darts import kernels
 from rnn_darts.kernels import linear, mm_t, machine_key, product_key, kernel_choices, fastest
 from rnn_darts.model import DartsRnnSearch, linear_cross_entropy
+from tests.test_model import ops_seen
 
 pytestmark = pytest.mark.skipif(not kernels.ONEDNN, reason="oneDNN's fp32 inner product is not available here")
 
@@ -21,16 +22,6 @@ def planted(monkeypatch, faster, calls=None):
         if calls is not None: calls.append((M, K, N, a_rows, b_rows, bias))
         return dict(onednn=1.0, aten=2.0) if faster == 'onednn' else dict(onednn=2.0, aten=1.0)
     monkeypatch.setattr(kernels, 'time_kernels', time_kernels)
-
-def ops_seen(fn):
-    "Names of the operators `fn` dispatches (forward and backward)"
-    from torch.utils._python_dispatch import TorchDispatchMode
-    class Seen(TorchDispatchMode):
-        def __init__(self): super().__init__(); self.names = set()
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(str(func.overloadpacket)); return func(*args, **(kwargs or {}))
-    with Seen() as s: fn()
-    return s.names
 
 @pytest.mark.parametrize('faster', ['onednn', 'aten'])
 def test_a_product_runs_in_the_kernel_measured_faster(faster, table, monkeypatch):
