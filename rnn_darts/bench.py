@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_bench.ipynb #54700977
 from __future__ import annotations
-import copy, gc, json, os, platform, resource, time
+import copy, gc, json, os, platform, re, resource, sys, tempfile, time
 from contextlib import contextmanager
 from functools import partial, lru_cache
 from pathlib import Path
@@ -19,8 +19,8 @@ from callbacks.arch import ArchParamUpdate, arch_grad, hypergrad
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'STEP_NAMES', 'mem_kind', 'time_fn',
            'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'arch_hypergrad', 'random_step',
-           'search_step', 'in_bf16', 'kernel_profile', 'launch_count', 'bf16_agreement', 'cpu_kernels', 'write_json',
-           'run_bench', 'print_table']
+           'search_step', 'in_bf16', 'kernel_profile', 'profiler_log_off', 'launch_count', 'bf16_agreement',
+           'cpu_kernels', 'write_json', 'run_bench', 'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 FULL_SHAPES = dict(search=dict(bs=256, bptt=35, nhid=300, ntoken=10000),
@@ -170,11 +170,27 @@ def _nested(e):
         p = p.cpu_parent
     return False
 
+_PROFILER_LOG = re.compile(r'(USDT|INFO|WARNING|ERROR):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp:\d+\] ')
+
+@contextmanager
+def profiler_log_off():
+    "Keep the profiler library's own log lines (kineto's `USDT: ... profiler_start`, `ERROR: ... gpuGetDeviceCount` on a CPU) off stderr; all else written there meanwhile passes on"
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)   # kineto writes to file descriptor 2 from C++: `sys.stderr` alone cannot hold it back
+        try: yield
+        finally:
+            sys.stderr.flush(); os.dup2(saved, 2); os.close(saved)
+            tmp.seek(0)
+            rest = [l for l in tmp.read().decode(errors='replace').splitlines(keepends=True) if not _PROFILER_LOG.match(l)]
+            if rest: sys.stderr.write(''.join(rest)); sys.stderr.flush()
+
 def launch_count(fn) -> dict:
     "Kernels one run of `fn` launches (run it once first, so compilation is done): `generated` (compiled kernels), `library` (aten/BLAS calls outside them), `total`"
     cuda = torch.cuda.is_available()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=acts) as prof: fn()
+    with profiler_log_off(), torch.profiler.profile(activities=acts) as prof: fn()
     _sync('cuda' if cuda else 'cpu')
     ev = prof.events()
     dev = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -54,9 +54,12 @@ def setup_distrib(backend:str|None=None, timeout:float=300., device=None):
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
     return rank, world, dev
 
-def cleanup_distrib():
-    "Leave the process group (if any)"
-    if dist.is_available() and dist.is_initialized(): dist.destroy_process_group()
+def cleanup_distrib(barrier:bool=True):
+    "Leave the process group (if any); with `barrier`, only once every process got here, so that none tears its connections down while another still runs (after a failure: `barrier=False`)"
+    if not (dist.is_available() and dist.is_initialized()): return
+    try:
+        if barrier and is_distrib(): _collective(dist.barrier, 'the barrier before leaving the process group')
+    finally: dist.destroy_process_group()
 
 # %% ../nbs/11_distrib.ipynb #d14cb7c3
 def _collective(fn, what):
@@ -162,9 +165,11 @@ def _worker(rank, world, port, fn, args, pg_timeout, threads, q):
     try:
         setup_distrib('gloo', timeout=pg_timeout, device='cpu')
         buf = io.BytesIO(); torch.save(fn(*args), buf)   # bytes, not shared-memory tensors: the process may exit first
-        q.put((rank, True, buf.getvalue()))
-    except BaseException as e: q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally: cleanup_distrib()
+        q.put((rank, True, buf.getvalue())); ok = True
+    except BaseException as e: q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")); ok = False
+    finally:
+        try: cleanup_distrib(barrier=ok)
+        except DistribError: pass   # a peer failed: its own error is the one reported
 
 def spawn_distrib(fn, world_size:int=2, args=(), timeout:float=300., pg_timeout:float=30., grace:float=10.,
                   threads:int|None=1, check:bool=True):

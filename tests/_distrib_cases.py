@@ -99,6 +99,14 @@ def die_or_hang(how, bad_rank=1):
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     return 'finished'
 
+def leave_after(delay_rank=0, delay=1.0, barrier=True):
+    "Rank `delay_rank` waits `delay` s (as rank 0 does while it writes the run's files), then every rank leaves the group: the seconds each spent in `cleanup_distrib`"
+    import time
+    from rnn_darts.distrib import cleanup_distrib
+    if rank_world()[0] == delay_rank: time.sleep(delay)
+    t0 = time.perf_counter(); cleanup_distrib(barrier=barrier)
+    return time.perf_counter() - t0
+
 BIG = 32   # per-rank batch 16: BatchNorm statistics over 16 rows instead of 32
 STEP_CASES = [('derived', 'first', 'batch', BS), ('search', 'first', 'off', BS), ('search', 'first', 'batch', BS),
               ('search', 'second', 'batch', BS), ('search', 'first', 'batch', BIG), ('search', 'second', 'off', BIG)]

@@ -141,6 +141,17 @@ def test_launch_count_agrees_with_op_count_on_eager_code():
     n, lc = op_count(f), launch_count(f)
     assert lc['generated'] == 0 and abs(lc['total'] - n) <= 0.05 * n, (lc, n)
 
+def test_launch_count_keeps_the_profiler_log_off_stderr(capfd):
+    "kineto's own lines (`USDT: ... profiler_start`, `ERROR: ... gpuGetDeviceCount`) stay off stderr; what the counted code writes there passes"
+    import sys
+    from rnn_darts.bench import launch_count
+    def f():
+        print('planted line from the counted code', file=sys.stderr)
+        return torch.ones(3).sum()
+    launch_count(f)
+    err = capfd.readouterr().err
+    assert err == 'planted line from the counted code\n', err
+
 @pytest.mark.slow
 def test_launch_count_of_a_compiled_step():
     "Compiled under kernel_profile(), a weight step launches generated kernels plus library calls (matmuls), far fewer than eager"

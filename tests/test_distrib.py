@@ -104,6 +104,13 @@ def test_random_search_ranks_draw_the_same_cells():
     assert a['cells'] == b['cells'] and len(set(a['cells'])) > 10 and torch.equal(a['w'], b['w'])
     assert C.random_fit()['cells'] == a['cells']
 
+def test_ranks_leave_the_group_together():
+    "`cleanup_distrib` waits for every rank (no rank tears its connections down while rank 0 still writes); `barrier=False` (after a failure) does not"
+    waited = [o['value'] for o in spawn_distrib(C.leave_after, 2, args=(0, 1.0), timeout=120)]
+    assert waited[1] > 0.8 and waited[0] < 0.5, waited
+    waited = [o['value'] for o in spawn_distrib(C.leave_after, 2, args=(0, 1.0, False), timeout=120)]
+    assert max(waited) < 0.5, waited
+
 @pytest.mark.parametrize('how', ['die', 'hang'])
 def test_failed_rank_does_not_hang(how):
     "Rank 1 dies or hangs: rank 0 stops with a DistribError naming the exchange, within the timeout, and no one waits forever"
