@@ -8,6 +8,7 @@ import ctypes, json, math, os, time, warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
+from filelock import FileLock
 import torch, torch.nn.functional as F
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -59,19 +60,21 @@ def _read_table(path) -> dict:
     return tab if isinstance(tab, dict) else {}
 
 def _remember(machine, key, rec):
-    "Add `rec` to the table in memory and on disk (re-read first, written atomically: other processes share the file)"
-    path = kernel_table()
-    tab = _read_table(path)
-    if not isinstance(tab.get(machine), dict): tab[machine] = {}
-    if _complete(tab[machine].get(key)): rec = tab[machine][key]   # another process decided meanwhile: take its choice, the same everywhere
-    tab[machine][key] = rec
-    _TABLE.setdefault(machine, {}).update(tab[machine])
+    "Add `rec` to the table in memory and on disk, under the file's lock: the first record written for a product stands, so all processes (the ranks of a run too) route it alike"
+    path, mine = kernel_table(), {key: rec}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(tab, indent=1, ensure_ascii=False))
-        os.replace(tmp, path)
+        with FileLock(f"{path}.lock", timeout=60):   # re-read, add, replace atomically: no process's record is lost or overruled
+            tab = _read_table(path)
+            if not isinstance(tab.get(machine), dict): tab[machine] = {}
+            if _complete(tab[machine].get(key)): rec = tab[machine][key]   # another process decided first: its choice
+            tab[machine][key] = rec
+            mine = tab[machine]
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(tab, indent=1, ensure_ascii=False))
+            os.replace(tmp, path)
     except OSError as e: warnings.warn(f"rnn_darts: cannot write the kernel table {path} ({e}); choices are kept for this process only")
+    _TABLE.setdefault(machine, {}).update(mine)
     return rec
 
 MEASURE_S = 0.02   # seconds of timing per product shape (at least 5 rounds of each kernel, at most 50)

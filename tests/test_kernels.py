@@ -76,6 +76,30 @@ kernels.onednn_faster(torch.randn(5, 7), W)
     tab = json.loads(table.read_text())
     assert len(tab) == 3 and tab['another CPU'] and key(5) in tab[machine_key().replace(f"{torch.get_num_threads()} threads", f"{torch.get_num_threads() + 1} threads")]
 
+RACER = """
+import json, sys, time, torch
+from pathlib import Path
+from rnn_darts import kernels
+me, folder = int(sys.argv[1]), Path(sys.argv[2])
+kernels.time_kernels = lambda *a, **k: dict(onednn=1.0, aten=2.0) if me == 0 else dict(onednn=2.0, aten=1.0)
+read = kernels._read_table
+def slow_read(path): tab = read(path); time.sleep(0.2); return tab   # a wide gap between reading the file and replacing it
+kernels._read_table = slow_read
+(folder / f'ready{me}').touch()
+while not all((folder / f'ready{r}').exists() for r in (0, 1)): time.sleep(0.005)
+print(json.dumps([kernels.onednn_faster(torch.randn(M, 7), torch.randn(3, 7)) for M in (11, 12, 13, 14)]))
+"""
+
+def test_processes_measuring_at_once_route_every_product_alike(table, tmp_path):
+    "Two processes (the ranks of a run) measure the same new products at once, each finding the other kernel faster: both take the first record written for each product, and the table keeps all of them"
+    ps = [subprocess.Popen([sys.executable, '-c', RACER, str(r), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+          for r in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in ps]
+    assert all(p.returncode == 0 for p in ps), [e for _, e in outs]
+    a, b = (json.loads(o) for o, _ in outs)
+    saved = json.loads(table.read_text())[machine_key()]
+    assert a == b == [saved[product_key(M, 7, 3, True, True, False)]['kernel'] == 'onednn' for M in (11, 12, 13, 14)]
+
 def test_an_unreadable_table_is_measured_again_with_a_warning(table, monkeypatch):
     planted(monkeypatch, 'aten')
     table.write_text('{not json')
