@@ -170,33 +170,32 @@ def _prepare(command, flags:dict) -> _Run:
     unknown = [k for k in flags if k not in known]
     if unknown: raise TypeError(f"{command}() got an unexpected keyword argument {unknown[0]!r} (it takes the flags of rnn-darts {command} -h)")
     flags = {k: flags.get(k, flag_default(k)) for k in known}
-    c = {k: flags.pop(k) for k in CONTROL}
-    preset, settings_file, device, url, threads, resume = c['preset'], c['settings'], c['device'], c['url'], c['threads'], c['resume']
+    c = {k: flags.pop(k) for k in CONTROL}   # the flags that steer the command, not settings of the run
     r = _Run()
-    r.resume = resume
-    if settings_file is not None and not preset: raise UsageError("--settings names the file to read --preset from; give --preset NAME too")
-    r.s, r.src = settings_and_sources(command, preset, settings_file, **flags)
+    r.resume = c['resume']
+    if c['settings'] is not None and not c['preset']: raise UsageError("--settings names the file to read --preset from; give --preset NAME too")
+    r.s, r.src = settings_and_sources(command, c['preset'], c['settings'], **flags)
     check_settings(r.s, r.src)
-    if threads is not None: check_number('--threads', threads, 1, integer=True)
-    if url is not None and r.s['data'] != 'ptb': raise UsageError(f"--url applies to --data ptb (it names a mirror to download it from), not --data {r.s['data']}")
+    if c['threads'] is not None: check_number('--threads', c['threads'], 1, integer=True)
+    if c['url'] is not None and r.s['data'] != 'ptb': raise UsageError(f"--url applies to --data ptb (it names a mirror to download it from), not --data {r.s['data']}")
     if flags.get('op_decay') is not None and 'op_decay' not in learner_options(command):
         raise UsageError("--op-decay: this version's search_learner has no op_decay")
-    dev = get_device(device)
+    dev = get_device(c['device'])
     if command == 'train':
         from rnn_darts.genotypes import load_genotype
         r.genotype = load_genotype(r.s['genotype'])
     from rnn_darts.distrib import setup_distrib
     r.rank, world, r.dev = setup_distrib(device=str(dev))
-    r.threads = set_threads(threads, r.dev)
+    r.threads = set_threads(c['threads'], r.dev)
     set_seed(r.s['seed'])
-    r.corpus = load_corpus(r.s, url)
+    r.corpus = load_corpus(r.s, c['url'])
     from rnn_darts.data import fingerprint
     r.data = fingerprint(r.corpus)
     check_fits(r.corpus, r.s, command, r.src)
     check_memory(r.s, len(r.corpus.vocab), command, r.dev)
     r.out = Path(r.s['out'] or f'runs/{command}')
     r.changes = {}
-    if r.rank == 0: r.lock, r.changes = prepare_run_dir(r.out, command, r.s, resume, c['overwrite'], c['override'], r.data)
+    if r.rank == 0: r.lock, r.changes = prepare_run_dir(r.out, command, r.s, c['resume'], c['overwrite'], c['override'], r.data)
     else: r.out.mkdir(parents=True, exist_ok=True)
     return r
 

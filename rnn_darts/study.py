@@ -61,13 +61,12 @@ def check_study(s:dict, src:dict|None=None) -> dict:
         try: load_genotype(r)
         except (FileNotFoundError, ValueError) as e: raise UsageError(f"{n('references')}: {e}") from None
     for k in ('short_epochs', 'final_epochs'): check_number(n(k), s[k], 1, integer=True)
-    taken = {f"short-search-{m}-{x}" for m in methods for x in seeds}
-    for r in refs:                                                    # each reference trains in a folder of its own
-        name = f"short-{_folder_name(r)}"
-        if name in taken: raise UsageError(f"{n('references')}: {r} would train in the stage folder {name}, which another stage has; "
-                                           f"rename the file")
-        taken.add(name)
-    return dict(methods=methods, seeds=seeds, references=refs)
+    lists, taken = dict(methods=methods, seeds=seeds, references=refs), set()
+    for st in plan_stages(lists):                                     # each reference trains in a folder of its own
+        if st.name in taken: raise UsageError(f"{n('references')}: {st.source} would train in the stage folder {st.name}, "
+                                              f"which another stage has; rename the file")
+        taken.add(st.name)
+    return lists
 
 # %% ../nbs/17_study.ipynb #ad2ab8ba
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ import json, sys, time, torch
 from pathlib import Path
 from rnn_darts import kernels
 me, folder = int(sys.argv[1]), Path(sys.argv[2])
+torch.set_num_threads(int(sys.argv[3]))   # the test's machine key
 kernels.time_kernels = lambda *a, **k: dict(onednn=1.0, aten=2.0) if me == 0 else dict(onednn=2.0, aten=1.0)
 read = kernels._read_table
 def slow_read(path): tab = read(path); time.sleep(0.2); return tab   # a wide gap between reading the file and replacing it
@@ -92,7 +93,7 @@ print(json.dumps([kernels.onednn_faster(torch.randn(M, 7), torch.randn(3, 7)) fo
 
 def test_processes_measuring_at_once_route_every_product_alike(table, tmp_path):
     "Two processes (the ranks of a run) measure the same new products at once, each finding the other kernel faster: both take the first record written for each product, and the table keeps all of them"
-    ps = [subprocess.Popen([sys.executable, '-c', RACER, str(r), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ps = [subprocess.Popen([sys.executable, '-c', RACER, str(r), str(tmp_path), str(torch.get_num_threads())], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
           for r in (0, 1)]
     outs = [p.communicate(timeout=300) for p in ps]
     assert all(p.returncode == 0 for p in ps), [e for _, e in outs]

@@ -137,10 +137,10 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- 2. in-process resume, train phase with NT-ASGD
 class Iterates(Callback):
     "The weights after every training step under averaged SGD (the iterates NT-ASGD averages)"
-    def __init__(self): self.ws, self.first_epoch = [], None
+    def __init__(self): self.ws, self.averaging_from = [], None   # not `first_epoch`: the learner has one
     def after_step(self):
         if self.learn.asgd_switch.active:
-            if self.first_epoch is None: self.first_epoch = self.epoch
+            if self.averaging_from is None: self.averaging_from = self.epoch
             self.ws.append(self.model.flat.data.clone())
 
 def test_train_resume_with_asgd_switch_equals_straight_run(tmp_path):
@@ -156,7 +156,7 @@ def test_train_resume_with_asgd_switch_equals_straight_run(tmp_path):
     valid = [r[1] for r in a.recorder.values]
     want_s = next(e for e in range(n) if e > 1 and valid[e] > min(valid[:e - 1]))   # nonmono 1: worse than all but the last
     assert s == want_s, (s, want_s, valid)
-    assert iterates.first_epoch == s + 1 and len(iterates.ws) > 10                   # averaging from the epoch after the switch
+    assert iterates.averaging_from == s + 1 and len(iterates.ws) > 10                   # averaging from the epoch after the switch
     mean = torch.stack(iterates.ws).double().mean(0).float()
     torch.testing.assert_close(sw.averages(), mean, rtol=1e-5, atol=1e-6)
     b = tiny_train(tmp_path/'b', nonmono=1); fit(b, s)
