@@ -11,7 +11,7 @@ from pathlib import Path
 from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_number, check_choice, write_text_atomic
 
 # %% auto #0
-__all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'study_settings', 'check_study', 'Stage', 'plan_stages', 'stage_command',
+__all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'study_settings', 'Stage', 'plan_stages', 'check_study', 'stage_command',
            'stage_record', 'stage_settings', 'stage_done', 'stage_seconds', 'select_winner', 'study_rows',
            'check_stages', 'check_final', 'run_stage', 'run_study', 'collect_study', 'plot_study', 'write_study_report']
 
@@ -43,6 +43,19 @@ def _unique(name, xs):
     if dup is not None: raise UsageError(f"{name} names {dup} twice")
     return xs
 
+# %% ../nbs/17_study.ipynb #ad2ab8ba
+@dataclass(frozen=True)
+class Stage:
+    "One run of a study: `kind` search, short (a short training) or final; `source` is the search stage or the reference cell it trains"
+    name:str; kind:str; method:str=''; seed:int|None=None; source:str=''
+
+def plan_stages(lists:dict) -> list:
+    "The stages of a study with these `methods`, `seeds` and `references` (`check_study`), in the order they run"
+    searches = [Stage(f"search-{m}-{x}", 'search', m, x) for m in lists['methods'] for x in lists['seeds']]
+    shorts = [Stage(f"short-{st.name}", 'short', st.method, st.seed, st.name) for st in searches]
+    shorts += [Stage(f"short-{_folder_name(r)}", 'short', 'reference', None, r) for r in lists['references']]
+    return searches + shorts + [Stage('final', 'final')]
+
 # %% ../nbs/17_study.ipynb #da17d9b5
 def check_study(s:dict, src:dict|None=None) -> dict:
     "Raise a `UsageError` naming the flag or preset key of the first bad study setting; returns `methods`, `seeds`, `references` as lists"
@@ -67,19 +80,6 @@ def check_study(s:dict, src:dict|None=None) -> dict:
                                               f"which another stage has; rename the file")
         taken.add(st.name)
     return lists
-
-# %% ../nbs/17_study.ipynb #ad2ab8ba
-@dataclass(frozen=True)
-class Stage:
-    "One run of a study: `kind` search, short (a short training) or final; `source` is the search stage or the reference cell it trains"
-    name:str; kind:str; method:str=''; seed:int|None=None; source:str=''
-
-def plan_stages(lists:dict) -> list:
-    "The stages of a study with these `methods`, `seeds` and `references` (`check_study`), in the order they run"
-    searches = [Stage(f"search-{m}-{x}", 'search', m, x) for m in lists['methods'] for x in lists['seeds']]
-    shorts = [Stage(f"short-{st.name}", 'short', st.method, st.seed, st.name) for st in searches]
-    shorts += [Stage(f"short-{_folder_name(r)}", 'short', 'reference', None, r) for r in lists['references']]
-    return searches + shorts + [Stage('final', 'final')]
 
 # %% ../nbs/17_study.ipynb #136b4300
 def _genotype_arg(p:Path) -> str:
