@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_checkpoint.ipynb #ddca2e40
 from __future__ import annotations
-import os, re, errno, signal, sys, threading, time
+import math, os, re, errno, signal, sys, threading, time
 from pathlib import Path
 import torch
 from fastai.callback.core import Callback, CancelFitException
@@ -12,13 +12,13 @@ from fastai.torch_core import rank_distrib
 from rnn_darts.core import rng_states, set_rng_states, naming
 from rnn_darts.genotypes import genotype_to_dict
 from callbacks.training import FlatGradClip
-from callbacks.epochs import TrainEpochEnd, best_tracker, in_lr_find
+from callbacks.epochs import TrainEpochEnd, best_tracker, in_lr_find, valid_loss_of
 
 # %% auto #0
-__all__ = ['KEPT', 'MID_EPOCH', 'model_meta', 'check_meta', 'stateful_cbs', 'mid_epoch_state', 'learner_state', 'named_floats',
-           'nonfinite', 'kept_nonfinite', 'short_list', 'save_atomic', 'load_checkpoint', 'epoch_of',
+__all__ = ['KEPT', 'MID_EPOCH', 'LOG_MAX', 'model_meta', 'check_meta', 'stateful_cbs', 'mid_epoch_state', 'learner_state',
+           'named_floats', 'nonfinite', 'kept_nonfinite', 'short_list', 'save_atomic', 'load_checkpoint', 'epoch_of',
            'epoch_checkpoints', 'latest_checkpoint', 'remove_stale_tmp', 'restore', 'Checkpoint', 'Preemption',
-           'skip_counters', 'cb_optimizers', 'DivergenceGuard']
+           'skip_counters', 'cb_optimizers', 'DivergenceGuard', 'finite_validation', 'FiniteValidation']
 
 # %% ../nbs/06_checkpoint.ipynb #88ff6c64
 def model_meta(model) -> dict:
@@ -376,3 +376,28 @@ class DivergenceGuard(Callback):
     def load_ckpt_state(self, d):
         self.events = list(d['events'])
         if d.get('n_skipped') is not None and self.n_skipped is not None: self.n_skipped.fill_(d['n_skipped'])   # inside an epoch: the steps skipped so far
+
+# %% ../nbs/06_checkpoint.ipynb #88832cb7
+LOG_MAX = math.log(sys.float_info.max)   # a loss above it has an infinite perplexity
+
+def finite_validation(loss:float) -> bool:
+    "Whether a validation loss and its perplexity are both finite"
+    return math.isfinite(loss) and loss < LOG_MAX
+
+class FiniteValidation(TrainEpochEnd):
+    "Stop a run whose validation perplexity was never finite; at the end of a fit, say which epoch last validated finitely if later ones did not"
+    order = 89   # after the epoch's logs and RunInfo, before Checkpoint (90)
+    def __init__(self): self.last_finite = None   # the last trained epoch with a finite validation perplexity, kept in checkpoints
+    def before_fit(self): self.last_valid = None
+    def epoch_done(self):
+        self.last_valid = v = valid_loss_of(self.learn)
+        if finite_validation(v): self.last_finite = self.epoch; return
+        if self.last_finite is None:
+            raise RuntimeError(f"epoch {self.epoch}: the validation loss is {v:.4g}, and no epoch of this run had a finite validation loss and "
+                               f"perplexity, so there is no state to go back to and no cell worth deriving; stopping. Try a smaller learning "
+                               f"rate (--lr) or gradient clip (--clip)")
+    def after_fit(self):
+        if self.last_valid is None or finite_validation(self.last_valid) or self.last_finite is None: return
+        print(f"the validation perplexity was last finite at epoch {self.last_finite}; the epochs after it, to epoch {self.epoch}, were not")
+    def ckpt_state(self): return dict(last_finite=self.last_finite)
+    def load_ckpt_state(self, d): self.last_finite = d.get('last_finite')

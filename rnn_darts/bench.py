@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 import torch, torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from rnn_darts.core import cpu_name
+from rnn_darts.core import cpu_name, naming
 from rnn_darts.genotypes import DARTS_V2, sample_genotype
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from callbacks.arch import ArchParamUpdate, arch_grad, hypergrad
@@ -255,7 +255,7 @@ def _row(name, impl, shape, t):
 def write_json(results: dict, path):
     "Write `results` (from `run_bench`) to `path` as JSON"
     p = Path(path); p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(results, indent=1) + '\n')
+    with naming(p): p.write_text(json.dumps(results, indent=1) + '\n')
     return p
 
 STEP_NAMES = dict(second='search step, 2nd order (fd)', first='search step, 1st order',

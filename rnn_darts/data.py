@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np, torch
 from fastai.data.load import DataLoader
 from fastai.data.core import DataLoaders
-from rnn_darts.core import check_positive, check_bptt, get_device
+from rnn_darts.core import check_positive, check_bptt, get_device, naming
 
 # %% auto #0
 __all__ = ['SPLITS', 'EOS', 'NUMBER_WORDS', 'PTB_URL', 'PTB_HASHES', 'POLICIES', 'Corpus', 'read_corpus', 'fingerprint',
@@ -135,7 +135,7 @@ def write_corpus(corpus:Corpus, dest) -> Path:
             if w == EOS: lines.append(' '.join(cur)); cur = []
             else: cur.append(w)
         if cur: lines.append(' '.join(cur))
-        (dest/f'{s}.txt').write_text(''.join(f' {l} \n' for l in lines), encoding='utf-8')
+        with naming(dest/f'{s}.txt'): (dest/f'{s}.txt').write_text(''.join(f' {l} \n' for l in lines), encoding='utf-8')
     return dest
 
 # %% ../nbs/01_data.ipynb #ea906241

@@ -159,11 +159,11 @@ def distrib_learner(learn, search_dl=None, rank:int|None=None, world:int|None=No
 def _free_port() -> int:
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
-def _worker(rank, world, port, fn, args, pg_timeout, threads, q):
+def _worker(rank, world, port, fn, args, pg_timeout, threads, q, device):
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if threads: torch.set_num_threads(threads)
     try:
-        setup_distrib('gloo', timeout=pg_timeout, device='cpu')
+        setup_distrib('gloo' if device == 'cpu' else 'nccl', timeout=pg_timeout, device=device)
         buf = io.BytesIO(); torch.save(fn(*args), buf)   # bytes, not shared-memory tensors: the process may exit first
         q.put((rank, True, buf.getvalue())); ok = True
     except BaseException as e: q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")); ok = False
@@ -172,12 +172,13 @@ def _worker(rank, world, port, fn, args, pg_timeout, threads, q):
         except DistribError: pass   # a peer failed: its own error is the one reported
 
 def spawn_distrib(fn, world_size:int=2, args=(), timeout:float=300., pg_timeout:float=30., grace:float=10.,
-                  threads:int|None=1, check:bool=True):
-    "Run `fn(*args)` on `world_size` spawned CPU processes in a gloo group; returns one dict per rank (`ok`, `value` or `error`, `exitcode`)"
+                  threads:int|None=1, check:bool=True, device:str='cpu'):
+    "Run `fn(*args)` on `world_size` spawned processes, CPU ones in a gloo group or (`device='cuda'`) one GPU each in an NCCL group; returns one dict per rank (`ok`, `value` or `error`, `exitcode`)"
+    if device not in ('cpu', 'cuda'): raise ValueError(f"spawn_distrib: device must be 'cpu' or 'cuda', got {device!r}")
     import torch.multiprocessing as mp
     ctx, port = mp.get_context('spawn'), _free_port()
     q = ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, pg_timeout, threads, q), daemon=True)
+    ps = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, pg_timeout, threads, q, device), daemon=True)
           for r in range(world_size)]
     for p in ps: p.start()
     got, t0, failed_at = {}, time.time(), None

@@ -21,7 +21,7 @@ from fastai.metrics import Perplexity
 from fastai.optimizer import SGD
 import fastai.callback.schedule  # adds Learner.lr_find and fit_one_cycle
 from fastai.callback.progress import CSVLogger
-from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name
+from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name, naming
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
 from callbacks.arch import ArchParamUpdate, RandomArch
@@ -31,7 +31,7 @@ from callbacks.asgd import ASGDSwitch
 from callbacks.logs import GenotypeLogger, write_json_atomic
 from callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker
 from callbacks.speed import BF16Autocast, AutoCompile, CompileNotice
-from callbacks.checkpoint import Checkpoint, DivergenceGuard, Preemption
+from callbacks.checkpoint import Checkpoint, DivergenceGuard, FiniteValidation, Preemption
 
 # %% auto #0
 __all__ = ['SEARCH_MODES', 'DartsLearner', 'flat_splitter', 'device_name', 'run_genotype', 'RunInfo', 'SeqCrossEntropy',
@@ -113,7 +113,8 @@ def _ntoken(dls, ntoken):
     return len(dls.vocab)
 
 def _common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss, checkpoint_every=None):
-    cbs = [ModelResetter(), RNNCallback(), RNNRegularizer(alpha, beta), SeqLenLR(), FlatGradClip(clip), DivergenceGuard(on_nan), BestValidLoss()]
+    cbs = [ModelResetter(), RNNCallback(), RNNRegularizer(alpha, beta), SeqLenLR(), FlatGradClip(clip), DivergenceGuard(on_nan), BestValidLoss(),
+           FiniteValidation()]
     if fused_loss: cbs.append(FusedDecoderLoss())
     if checkpoint: cbs += [Checkpoint(keep=keep, resume=resume), Preemption(None if checkpoint_every is None else 60 * checkpoint_every)]
     elif checkpoint_every: raise ValueError("checkpoint_every needs checkpoint=True")
@@ -302,7 +303,7 @@ def export(self:DartsLearner, fname='export.pkl', pickle_module=None, pickle_pro
         if arch is not None: swaps += [(arch, 'search_dl', None), (arch, 'arch_opt', None)]
         for o, k, v in swaps: st.enter_context(contextmanager(replacing_yield)(o, k, v))
         st.enter_context(self.removed_cbs([cb for cb in self.cbs if isinstance(cb, CSVLogger)]))   # open files do not pickle
-        torch.save(self, self.path/fname, pickle_module=pickle_module or cloudpickle, pickle_protocol=pickle_protocol)
+        with naming(self.path/fname): torch.save(self, self.path/fname, pickle_module=pickle_module or cloudpickle, pickle_protocol=pickle_protocol)
 
 # %% ../nbs/07_learner.ipynb #86906e9e
 def load_preset(name:str, settings=None) -> dict:

@@ -167,7 +167,8 @@ def plot_genotype(genotype, path=None, title:str|None=None, engine:str='auto'):
             if path is None:
                 from IPython.display import SVG
                 return SVG(data=data)
-            path = Path(path); path.parent.mkdir(parents=True, exist_ok=True); path.write_bytes(data)
+            path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+            with naming(path): path.write_bytes(data)
             return path
     return _out(_cell_figure(g, title), path)
 
@@ -274,8 +275,9 @@ def genotype_gif(history, path, fps:float=2):
         fig.canvas.draw()
         frames.append(Image.fromarray(np.asarray(fig.canvas.buffer_rgba())).convert('RGB'))
     path.parent.mkdir(parents=True, exist_ok=True)
-    frames[0].save(path, format='GIF', save_all=True, append_images=frames[1:], duration=int(round(1000 / fps)), loop=0,
-                   disposal=1)
+    with naming(path):
+        frames[0].save(path, format='GIF', save_all=True, append_images=frames[1:], duration=int(round(1000 / fps)), loop=0,
+                       disposal=1)
     return path
 
 # %% ../nbs/09_plot.ipynb #693d6678

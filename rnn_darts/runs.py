@@ -5,8 +5,9 @@
 # %% ../nbs/07b_runs.ipynb #b7e5b5b2
 from __future__ import annotations
 import json, os, socket, sys, time
+from contextlib import suppress
 from pathlib import Path
-from rnn_darts.core import UserError, UsageError, get_device, set_seed, check_number, check_choice
+from rnn_darts.core import UserError, UsageError, get_device, set_seed, check_number, check_choice, naming
 from rnn_darts.options import (DATA_DEFAULTS, TRAIN_DEFAULTS, CHOICES, CONTROL, learner_options, settings_and_sources, options_of_defaults,
                                check_settings, check_fits, check_memory, command_flags, flag_default, flags_signature)
 
@@ -47,12 +48,16 @@ class RunLock:
     def __init__(self, folder): self.path, self.f = Path(folder)/'.lock', None
     def acquire(self):
         import fcntl
-        f = open(self.path, 'a+')
+        with naming(self.path): f = open(self.path, 'a+')
         try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0); holder = f.read().strip() or 'another process'; f.close()
             raise UserError(f"run folder {self.path.parent} is in use by {holder}; wait for it to end, or choose another --out") from None
-        f.seek(0); f.truncate(); f.write(f"pid {os.getpid()} on {socket.gethostname()}\n"); f.flush()
+        try:
+            with naming(self.path): f.seek(0); f.truncate(); f.write(f"pid {os.getpid()} on {socket.gethostname()}\n"); f.flush()
+        except OSError:
+            with suppress(OSError): f.close()   # closing flushes what the full disk refused again
+            raise
         self.f = f
         return self
     def release(self):

@@ -23,14 +23,14 @@ def set_norm(model, bn, groups=2):
 
 def corpus(n_train=1500): return numbers_corpus(0, n_train, 600, 300)
 
-def build(kind='search', mode='first', bn='batch', seed=0, path=None, checkpoint=False, resume=None, bs=BS, n_train=1500):
+def build(kind='search', mode='first', bn='batch', seed=0, path=None, checkpoint=False, resume=None, bs=BS, n_train=1500, device='cpu'):
     path = path or tempfile.mkdtemp()   # the learners write their logs there: never into the working folder
     set_seed(seed)
     c = corpus(n_train)
-    dls = lm_dls(c, bs, BPTT, 'search' if kind == 'search' else 'train', eval_bs=4, seed=seed)
+    dls = lm_dls(c, bs, BPTT, 'search' if kind == 'search' else 'train', eval_bs=4, seed=seed, device=device)
     kw = dict(emsize=NHID, nhid=NHID, path=path, checkpoint=checkpoint, resume=resume, **NODROP,
               lr=2. if bn == 'off' else 20.)   # without normalisation lr 20 diverges (NaN) in the first epoch
-    if kind == 'search': learn = search_learner(dls, search_stream(c, bs), mode=mode, **kw)
+    if kind == 'search': learn = search_learner(dls, search_stream(c, bs, device=device), mode=mode, **kw)
     elif kind == 'random': learn = search_learner(dls, None, mode='random', **kw)
     else: learn = train_learner(dls, 'DARTS_V2', **kw)
     set_norm(learn.model, bn)
@@ -45,9 +45,9 @@ def state(learn, rec=None):
     return dict(w=m.flat.data.clone(), alpha=m.alpha.detach().clone() if hasattr(m, 'alpha') else None,
                 g=rec[0] if rec else None, buffers=[b.clone() for b in m.buffers() if b.is_floating_point()])
 
-def one_step(kind, mode='first', bn='batch', bs=BS):
+def one_step(kind, mode='first', bn='batch', bs=BS, device='cpu'):
     "One training batch (architecture step + weight step) on this process's share; the weights, α and α's hypergradient"
-    learn = distrib_learner(build(kind, mode, bn, bs=bs))
+    learn = distrib_learner(build(kind, mode, bn, bs=bs, device=device))
     rec, arch = [], getattr(learn, 'arch_param_update', None)
     if arch is not None:
         red = arch.reduce
@@ -111,7 +111,7 @@ BIG = 32   # per-rank batch 16: BatchNorm statistics over 16 rows instead of 32
 STEP_CASES = [('derived', 'first', 'batch', BS), ('search', 'first', 'off', BS), ('search', 'first', 'batch', BS),
               ('search', 'second', 'batch', BS), ('search', 'first', 'batch', BIG), ('search', 'second', 'off', BIG)]
 
-def step_cases(): return {c: one_step(*c) for c in STEP_CASES}
+def step_cases(device='cpu'): return {c: one_step(*c, device=device) for c in STEP_CASES}
 
 def search_and_resume(search_path, resume_path):
     "A 2-epoch second-order search from scratch, and a first-order run resumed from a 1-process checkpoint in `resume_path`"

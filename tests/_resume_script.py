@@ -1,7 +1,7 @@
 """Helper for tests/test_reliability.py: a tiny, seeded DARTS search run that resumes from its latest checkpoint.
 
-Usage: python tests/_resume_script.py RUN_DIR N_EPOCHS [SEED]
-Builds everything from SEED, calls `search_learner(..., resume=True, path=RUN_DIR).fit(N_EPOCHS)` with a
+Usage: python tests/_resume_script.py RUN_DIR N_EPOCHS [SEED [DEVICE]]
+Builds everything from SEED on DEVICE (default cpu), calls `search_learner(..., resume=True, path=RUN_DIR).fit(N_EPOCHS)` with a
 `RunLogger('log.csv', append=True)`, and writes `RUN_DIR/epoch_NNNN.json` (losses of each epoch, atomically, as it
 ends) and `RUN_DIR/result.json` at the end.
 """
@@ -17,14 +17,14 @@ from callbacks.logs import write_json_atomic, RunLogger
 
 torch.set_num_threads(1)  # the same reduction order in every process
 
-def build(path, seed=0, **kwargs):
-    "The tiny search learner every resume test uses, built from `seed`"
+def build(path, seed=0, device='cpu', **kwargs):
+    "The tiny search learner every resume test uses, built from `seed` on `device`"
     set_seed(seed)
     c = numbers_corpus(seed, 1500, 600, 300)
-    dls = lm_dls(c, 8, 10, 'search', eval_bs=8, seed=seed)
+    dls = lm_dls(c, 8, 10, 'search', eval_bs=8, seed=seed, device=device)
     kw = dict(emsize=16, nhid=16, mode='first', path=path, keep=2)
     kw.update(kwargs)
-    return search_learner(dls, search_stream(c, 8), **kw)
+    return search_learner(dls, search_stream(c, 8, device=device), **kw)
 
 def weights_hash(model):
     h = hashlib.sha256()
@@ -41,7 +41,8 @@ class EpochLog(Callback):
 if __name__ == '__main__':
     run, n = Path(sys.argv[1]), int(sys.argv[2])
     seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-    learn = build(run, seed, resume=True, cbs=[EpochLog(), RunLogger('log.csv', append=True)])
+    device = sys.argv[4] if len(sys.argv) > 4 else 'cpu'
+    learn = build(run, seed, device, resume=True, cbs=[EpochLog(), RunLogger('log.csv', append=True)])
     with learn.no_bar(), learn.no_logging(): learn.fit(n)
     write_json_atomic(dict(values=[[float(v) for v in r] for r in learn.recorder.values], first_epoch=learn.first_epoch,
                            genotype=genotype_to_dict(learn.model.genotype()), weights=weights_hash(learn.model),

@@ -10,6 +10,7 @@ from callbacks.arch import ArchParamUpdate, hypergrad_first, hypergrad_second, f
 from callbacks.training import SeqLenLR, FlatGradClip
 from callbacks.asgd import ASGDSwitch
 from tests._reference import plain_from, plain_hypergrad_second
+from tests._devices import ON_DEVICES
 
 NODROP = dict(dropout=0., dropouth=0., dropoutx=0., dropouti=0., dropoute=0.)
 
@@ -52,6 +53,26 @@ def test_finite_differences_agree_with_exact(seed):
         m.reset(); g_ex, _ = hypergrad_second(m, trn, val, 1., 5e-7, 0.25, hvp=exact_hvp)
     assert F.cosine_similarity(g_fd.flatten(), g_ex.flatten(), dim=0) >= 0.99
 
+HVPS = dict(first=None, second=fd_hvp, exact=exact_hvp)
+
+@ON_DEVICES
+@pytest.mark.parametrize('mode', ['first', 'second', 'exact'])
+def test_hypergradients_in_float64_equal_the_cpus(mode, device):
+    "In float64, each hypergradient on `device` is the CPU's within 1e-10 (relative): the same math wherever it runs"
+    def hypergrad(m, trn, val):
+        m.alpha.requires_grad_(True)
+        with m.arch_pass():
+            m.reset()
+            if mode == 'first': return hypergrad_first(m, trn, val)[0]
+            return hypergrad_second(m, trn, val, 2., 1e-3, 0.25, hvp=HVPS[mode])[0]
+    m, trn, val = tiny(4)
+    m = m.double()
+    on = copy.deepcopy(m).to(device)
+    ref = hypergrad(m, trn, val)
+    got = hypergrad(on, *[tuple(t.to(device) for t in b) for b in (trn, val)])
+    assert got.device.type == device and got.dtype == torch.float64 and ref.norm() > 0
+    assert ((got.cpu() - ref).norm() / ref.norm()).item() <= 1e-10
+
 def small_learner(mode='second', seed=0, **kw):
     set_seed(seed)
     c = numbers_corpus(seed=seed, n_train=3000, n_valid=1500, n_test=800)
@@ -92,6 +113,7 @@ class Spy(ArchParamUpdate.__mro__[1]):   # a plain fastai Callback
     def after_backward(self): self.rec.append(('grad', self.model.alpha.grad))
     def after_step(self): self.rec.append(('moved', not torch.equal(self.a, self.model.alpha)))
 
+@pytest.mark.slow
 def test_gradients_never_cross():
     learn, _ = small_learner('second')
     spy = Spy()
@@ -128,6 +150,7 @@ def run_losses(cb_order, seed=0):
     learn.fit(1, cbs=cbs)
     return [float(v) for v in learn.recorder.values[-1]], learn.model.alpha.detach().clone()
 
+@pytest.mark.slow
 def test_callbacks_work_in_any_order_of_the_list():
     (l1, a1), (l2, a2) = run_losses(0), run_losses(5)
     assert l1 == l2 and torch.equal(a1, a2)
@@ -137,6 +160,7 @@ class LrSpy(ArchParamUpdate.__mro__[1]):
     def before_fit(self): self.lrs = []
     def before_step(self): self.lrs.append((self.xb[0].shape[1], self.opt.hypers[0]['lr']))
 
+@pytest.mark.slow
 def test_seq_len_scales_learning_rate_and_clip_bounds_norm():
     learn, _ = small_learner('first')
     spy = LrSpy()
@@ -187,6 +211,7 @@ def test_arch_passes_stay_fp32_under_bf16_autocast_unless_asked(mode):
     low = hyper(arch_updater(m, mode, arch_bf16=True))
     assert low.dtype == torch.float32 and torch.isfinite(low).all() and not torch.equal(low, ref)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_learners_with_bf16_train_fp32_weights(kind):
     from callbacks.speed import BF16Autocast
@@ -198,6 +223,7 @@ def test_learners_with_bf16_train_fp32_weights(kind):
     assert all(v == v for v in learn.recorder.values[-1]), "losses and metrics are finite numbers"
     if kind == 'search': assert learn.model.alpha.dtype == torch.float32
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_fused_decoder_loss_trains_like_the_plain_loss(kind):
     "FusedDecoderLoss (the default) and the plain decoder + cross-entropy train alike: losses, weights (and α)"

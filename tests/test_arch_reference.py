@@ -101,6 +101,7 @@ def test_alpha_steps_of_a_fit_equal_the_reference(mode):
     for k, (s, want) in enumerate(zip(steps, reference_adam(steps, [s['adam_grad'] for s in steps]))):   # Adam's update
         torch.testing.assert_close(s['alpha_after'], want, rtol=1e-5, atol=1e-7, msg=lambda m: f"batch {k}: {m}")
 
+@pytest.mark.slow
 def test_second_order_term_is_large_enough_to_tell_eta_apart():
     "Guard of the test above: with η from `arch_lr`, or unscaled by seq_len, the reference hypergradient differs well beyond its tolerance"
     steps = record(learner('second'), n=4)
@@ -125,6 +126,7 @@ def reference_genotype(weights):
         rec.append([PRIMITIVES[best[2]], best[1]])
     return rec
 
+@pytest.mark.slow
 def test_derived_genotype_never_has_none_even_when_none_dominates(tmp_path):
     learn = learner('first', path=tmp_path, arch_lr=1e-4)
     with torch.no_grad(): learn.model.alpha[:, PRIMITIVES.index('none')] = 5.   # `none` wins every edge by far

@@ -44,6 +44,7 @@ class Around:
         return [Before(), After()]
 
 # ------------------------------------------------------------------ BatchNorm statistics frozen (arch_pass)
+@pytest.mark.slow
 @pytest.mark.parametrize('mode', ['first', 'second'])
 def test_arch_step_changes_alpha_only_never_the_bn_statistics_or_weights(mode):
     learn = learner(mode=mode)

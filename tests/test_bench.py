@@ -5,6 +5,7 @@ from rnn_darts.model import DartsRnnSearch
 from rnn_darts.bench import run_bench, print_table, search_step, arch_updater, _batches, STEP_NAMES
 from tests._reference import PlainSearchStep, plain_from, plain_hypergrad_first, plain_hypergrad_second
 from callbacks.arch import hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
+from tests._devices import ON_DEVICES
 
 NO_DROP = dict(dropout=0, dropouth=0, dropoutx=0, dropouti=0)
 
@@ -60,7 +61,7 @@ def test_plain_step_matches_ours_over_a_few_steps():
 
 def test_run_bench_tiny(tmp_path, capsys):
     tiny = dict(bs=3, bptt=4, nhid=6, ntoken=40)
-    res = run_bench(small=True, iters=1, warmup=0, shape=tiny, train_shape=dict(tiny, nhid=8), eval_bs=2,
+    res = run_bench(small=True, device='cpu', iters=1, warmup=0, shape=tiny, train_shape=dict(tiny, nhid=8), eval_bs=2,
                     modes=('second', 'first', 'exact', 'weight', 'random'), json_path=tmp_path/'b.json',
                     baseline=lambda m, mode: PlainSearchStep(plain_from(m), mode))   # the reference, timed beside ours
     assert {'device', 'device_name', 'torch', 'threads', 'small', 'iters', 'warmup', 'mem_kind', 'shapes', 'rows',
@@ -94,16 +95,20 @@ def test_run_bench_options():
     assert [r['impl'] for r in res['rows']] == ['ours'] and res['ratios'] == {}
     with pytest.raises(ValueError, match='unknown modes'): run_bench(modes=('fourth',))
 
-def test_run_bench_bf16_times_and_measures_agreement(capsys):
+@ON_DEVICES
+def test_run_bench_bf16_times_and_measures_agreement(capsys, device):
     tiny = dict(bs=3, bptt=4, nhid=6, ntoken=40)
-    res = run_bench(small=True, iters=1, warmup=0, shape=tiny, modes=('first', 'second'), train=False,
+    res = run_bench(small=True, device=device, iters=1, warmup=0, shape=tiny, modes=('first', 'second'), train=False,
                     evaluate=False, bf16=True)
+    assert res['device'] == device
     assert res['bf16'] and set(res['bf16_agreement']) == {'first', 'second'}
     ag = res['bf16_agreement']
     for v in ag.values(): assert -1 - 1e-6 <= v['min'] <= v['mean'] <= 1 + 1e-6
     # the bf16 picture at initialisation, at this tiny shape: first order keeps its direction (measured 0.9995), so
     # does second order (measured mean 0.993, min 0.986). It read -0.08 while the autocast cast cache kept a stale bf16
     # copy of the tied decoder weight across the in-place weight moves: bf16_agreement turns the cache off
+    if device == 'cuda':   # the GPU tier prints the agreement it measured, whatever it is
+        with capsys.disabled(): print(f"\nbf16 vs fp32 hypergradient cosine on {torch.cuda.get_device_name()}: {ag}")
     assert ag['first']['min'] > 0.99 and ag['second']['mean'] > 0.95
     print_table(res)
     assert 'bf16 vs fp32 hypergradient' in capsys.readouterr().out
@@ -183,3 +188,21 @@ def test_time_fn_and_time_pair_report_the_first_call_apart():
     ta, tb = time_pair(slow_once(), lambda: None, iters=2, warmup=1)
     assert ta['first_ms'] >= 200 and ta['ms'] < 100 and tb['first_ms'] < 100
     assert time_fn(slow_once(), iters=1, warmup=0)['first_ms'] is None
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_every_stage_and_reports_on_a_machine_without_a_gpu(tmp_path):
+    "tools/gpu-check.sh on a CPU: every stage runs under its limit and reports its exit; the GPU tier skips, CUDA runs are refused"
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    import os, sys
+    r = subprocess.run(['bash', str(root/'tools'/'gpu-check.sh'), str(tmp_path/'out')], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHON=sys.executable))
+    assert r.returncode == 0, r.stderr
+    for stage in ('versions', 'gpu-tier', 'bench-eager', 'bench-compiled', 'quick-search'):
+        assert f'== {stage} (at most ' in r.stdout and f'== {stage}: exit ' in r.stdout, stage
+        assert (tmp_path/'out'/f'{stage}.log').is_file()
+    assert 'no CUDA device visible' in r.stdout and 'torch' in (tmp_path/'out'/'versions.log').read_text()
+    assert ' skipped' in (tmp_path/'out'/'gpu-tier.log').read_text()
+    assert '--device cuda: CUDA was asked for' in (tmp_path/'out'/'bench-eager.log').read_text()
+    assert r.stdout.rstrip().splitlines()[-1].startswith('== GPU check done in ')

@@ -8,6 +8,7 @@ from callbacks.training import FusedDecoderLoss
 TINY = ['--data', 'numbers', '--n-train', '3000', '--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4',
         '--emsize', '8', '--nhid', '8', '--device', 'cpu']
 
+@pytest.mark.slow
 def test_search_with_bf16_flags(tmp_path):
     learn = cli.run_command(['search', *TINY, '--mode', 'first', '--bf16', 'true', '--out', str(tmp_path/'s')])
     assert any(isinstance(cb, BF16Autocast) for cb in learn.cbs) and not learn.arch_param_update.arch_bf16
@@ -17,6 +18,7 @@ def test_search_with_bf16_flags(tmp_path):
     settings = json.loads((tmp_path/'s'/'run.json').read_text())['settings']   # a search records its own settings only
     assert 'genotype' not in settings and 'test_bs' not in settings and settings['op_decay'] == 0
 
+@pytest.mark.slow
 def test_train_with_plain_loss_from_a_preset(tmp_path):
     ini = tmp_path/'settings.ini'
     ini.write_text('[plain]\nfused_loss = false\narch_bf16 = false\n')
@@ -82,6 +84,7 @@ def test_readme_commands_parse():
         assert cmd in cli.COMMANDS, line
         cli.command_parser(cmd).parse_args([a for a in argv[1:] if a != '--debug'])
 
+@pytest.mark.slow
 def test_search_and_train_flags_come_from_one_table(tmp_path, capsys):
     "-h lists every flag of `options.FLAGS` with its command's text; Python's `runs.search` takes the same names and refuses others"
     from rnn_darts import runs

@@ -135,6 +135,7 @@ def test_presets_ship_with_the_package(tmp_path, monkeypatch):
     assert options.resolve_settings('search', 'quick')['nhid'] == 64
     assert (ROOT/'rnn_darts'/'settings.ini').read_text() == (ROOT/'settings.ini').read_text()
 
+@pytest.mark.slow
 def test_quick_preset_from_any_folder_by_subprocess(tmp_path):
     env = {**os.environ, 'PYTHONPATH': str(ROOT), 'OMP_NUM_THREADS': '1'}
     r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', 'search', '--preset', 'quick', *NUM, '--out', 'q'],
@@ -156,6 +157,7 @@ def test_corpus_file_errors(capsys, tmp_path):
     fails(capsys, ['search', '--data', c, *TINY], 1, "test.txt: line 1: word 'zebra' is not in the vocabulary")
     fails(capsys, ['search', '--data', c, *TINY, '--files', 'train.txt,valid.txt'], 2, '--files must name 3 files')
 
+@pytest.mark.slow
 def test_byte_order_mark_never_reaches_the_vocabulary(tmp_path):
     c = Path(small_corpus(tmp_path/'c'))
     (c/'train.txt').write_text('\ufeff' + (c/'train.txt').read_text(), encoding='utf-8')   # as some editors save
@@ -163,6 +165,7 @@ def test_byte_order_mark_never_reaches_the_vocabulary(tmp_path):
     assert learn.dls.vocab[0] == 'one' and not any('\ufeff' in w for w in learn.dls.vocab)
 
 # --- run folders -------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_fresh_run_into_a_run_folder_is_refused(capsys, run_dir):
     run, data = run_dir
     before = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.name != '.lock'}
@@ -170,6 +173,7 @@ def test_fresh_run_into_a_run_folder_is_refused(capsys, run_dir):
           'pass --resume to continue it, --overwrite to replace it')
     assert {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.name != '.lock'} == before
 
+@pytest.mark.slow
 def test_overwrite_clears_the_old_run(capsys, run_dir, tmp_path):
     run, data = run_dir
     shutil.copytree(run, tmp_path/'r')
@@ -188,6 +192,7 @@ def test_a_locked_run_folder_is_refused(capsys, tmp_path):
 
 def _mk(p): p.mkdir(parents=True, exist_ok=True); return p
 
+@pytest.mark.slow
 def test_resume_with_other_settings(capsys, run_dir, tmp_path):
     run, data = run_dir
     shutil.copytree(run, tmp_path/'r')
@@ -210,6 +215,7 @@ def test_damaged_run_json(capsys, run_dir, tmp_path):
     p.write_text('[1, 2]')
     fails(capsys, ['evaluate', str(tmp_path/'r'), '--device', 'cpu'], 1, f'{p} is not a run record')
 
+@pytest.mark.slow
 def test_evaluate_errors(capsys, run_dir, tmp_path):
     run, data = run_dir
     fails(capsys, ['evaluate', str(run), '--split', 'train'], 2, "--split must be one of test, valid; got 'train'")
@@ -226,6 +232,7 @@ def test_evaluate_errors(capsys, run_dir, tmp_path):
     res = cli.run_command(['evaluate', str(run), '--split', 'valid', '--device', 'cpu'])
     assert res['ppl'] > 1
 
+@pytest.mark.slow
 def test_full_disk_while_checkpointing(capsys, tmp_path, monkeypatch):
     import callbacks.checkpoint as ck
     def no_space(*a, **k): raise OSError(errno.ENOSPC, 'No space left on device')
@@ -236,6 +243,16 @@ def test_full_disk_while_checkpointing(capsys, tmp_path, monkeypatch):
 def test_nan_with_on_nan_stop(capsys, tmp_path):
     fails(capsys, ['search', '--data', small_corpus(tmp_path/'c'), *TINY, '--lr', '1e38', '--clip', '1e38', '--on-nan', 'stop',
                    '--out', str(tmp_path/'o')], 1, 'had a non-finite loss or gradient and were not applied', "stopping (on_nan='stop')")
+
+@pytest.mark.parametrize('on_nan,says', [('skip', 'no epoch of this run had a finite validation loss and perplexity'),
+                                         ('rollback', 'no finite checkpoint to roll back to'), ('stop', "stopping (on_nan='stop')")])
+@pytest.mark.slow
+def test_a_search_that_never_validated_finitely_fails(capsys, tmp_path, on_nan, says):
+    "--lr 1e30 blows the supernet up at once: every --on-nan mode ends with one line and exit 1, and derives no cell"
+    out = tmp_path/'o'
+    line = fails(capsys, ['search', '--data', small_corpus(tmp_path/'c'), *NUM[2:], '--epochs', '3', '--lr', '1e30', '--on-nan', on_nan,
+                          '--out', str(out)], 1, says, 'stopping')
+    assert not (out/'genotype.json').exists(), line
 
 # --- what is a user error, and --debug -----------------------------------------------------------------------------------
 def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):

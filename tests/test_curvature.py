@@ -31,6 +31,7 @@ def learner(path, epochs_data=2000, **kw):
     kw = dict(dict(emsize=12, nhid=12, mode='first', dropout=0.2, dropouth=0.1, dropoutx=0.1, dropouti=0.1, path=path, compile=False), **kw)
     return search_learner(dls, search_stream(c, 8), **kw)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('trained', [False, True])
 def test_lambda_max_is_the_full_hessians(tmp_path, trained):
     "Within 1% of the largest eigenvalue of the full 180 x 180 Hessian (eigvalsh), at initialisation and after a short search"
@@ -44,6 +45,7 @@ def test_lambda_max_is_the_full_hessians(tmp_path, trained):
     assert abs(lam[1].item() - ev[-1].item()) < 0.01 * abs(ev[-1].item()), (lam, ev[[0, -1]])
     assert torch.equal(hessian_extremes(m, batches), lam)             # deterministic
 
+@pytest.mark.slow
 def test_logged_every_epoch_without_changing_the_search(tmp_path):
     "lambda_max in log.csv and history.json is the median over the windows at the epoch's end; the search's losses and α are those of a search without it"
     a = learner(tmp_path/'a', cbs=[RunLogger('log.csv')], curvature_windows=3)
@@ -100,6 +102,7 @@ def es_learner(path, **kw):
     learn.add_cbs([Planted(PLANTED), CurvatureStop(start=2)])
     return learn
 
+@pytest.mark.slow
 def test_early_stop_at_the_right_epoch_keeps_the_earlier_alpha(tmp_path, capsys):
     learn = es_learner(tmp_path)
     log = AlphaLog()
@@ -113,6 +116,7 @@ def test_early_stop_at_the_right_epoch_keeps_the_earlier_alpha(tmp_path, capsys)
     snaps = sorted(p.name for p in (tmp_path/'checkpoints').glob('es_epoch_*.pth'))
     assert snaps == [f'es_epoch_{e:04d}.pth' for e in range(2, 9)]     # the window's states only
 
+@pytest.mark.slow
 def test_resume_inside_the_window_is_exact(tmp_path):
     "Killed (here: a fit of 6 epochs) inside the window, resumed: the same stop, α and weights; resuming the stopped run changes nothing"
     ref = es_learner(tmp_path/'ref')
@@ -128,6 +132,7 @@ def test_resume_inside_the_window_is_exact(tmp_path):
     assert again.first_epoch == 9 and len(again.recorder.values) == 0
     assert torch.equal(again.model.alpha, ref.model.alpha) and again.model.genotype() == ref.model.genotype()
 
+@pytest.mark.slow
 def test_cli_early_stop_flag_and_report(tmp_path):
     "--early-stop true reaches the learner; lambda_max is logged and plotted; run.json records no stop when none happened"
     out = tmp_path/'s'

@@ -278,7 +278,7 @@ def test_streamdl_device():
     assert x.device.type == 'cpu' and x.data_ptr() != 0
     assert x.untyped_storage().data_ptr() == dl.data.untyped_storage().data_ptr()  # batches are views of the stream
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')
+@pytest.mark.gpu
 def test_streamdl_cuda():
     dls = lm_dls(numbers_corpus(n_train=2000, n_valid=500, n_test=500), 4, 8).to('cuda')
     assert dls.train.data.is_cuda and dls.train.one_batch()[0].is_cuda

@@ -5,7 +5,7 @@ from rnn_darts.distrib import spawn_distrib, distrib_learner, DistribFlat
 from callbacks.checkpoint import load_checkpoint, restore
 from tests import _distrib_cases as C
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")]
 close = lambda a, b, tol: torch.testing.assert_close(a, b, atol=tol, rtol=0)
 cos = lambda a, b: F.cosine_similarity(a.flatten(), b.flatten(), 0).item()
 
@@ -17,6 +17,7 @@ def steps():
     ghost = {c: C.one_step(c[0], c[1], 'ghost', c[3]) for c in C.STEP_CASES if c[2] == 'batch' and c[0] == 'search'}
     return res[0]['value'], res[1]['value'], ref, ghost
 
+@pytest.mark.slow
 def test_ranks_identical_after_step(steps):
     r0, r1, _, _ = steps
     for c in C.STEP_CASES:
@@ -76,6 +77,7 @@ def runs(tmp_path_factory):
     res = spawn_distrib(C.search_and_resume, 2, args=(str(a), str(b)), timeout=300)
     return res[0]['value'], res[1]['value'], cont, a, b
 
+@pytest.mark.slow
 def test_short_search_ranks_identical(runs):
     r0, r1, _, a, _ = runs
     s0, s1 = r0['search'], r1['search']
@@ -96,6 +98,7 @@ def test_resume_one_to_two_processes(runs):
     restore(learn, load_checkpoint(b/'checkpoints'/'epoch_0001.pth'))
     assert torch.equal(learn.model.flat.data, x['w']) and torch.equal(learn.model.alpha.detach(), x['alpha'])
 
+@pytest.mark.slow
 def test_random_search_ranks_draw_the_same_cells():
     "--mode random on 2 processes: every rank runs the same cell at every batch (those one process draws), and the ranks' weights stay equal"
     torch.set_num_threads(1)
@@ -104,6 +107,7 @@ def test_random_search_ranks_draw_the_same_cells():
     assert a['cells'] == b['cells'] and len(set(a['cells'])) > 10 and torch.equal(a['w'], b['w'])
     assert C.random_fit()['cells'] == a['cells']
 
+@pytest.mark.slow
 def test_ranks_leave_the_group_together():
     "`cleanup_distrib` waits for every rank (no rank tears its connections down while rank 0 still writes); `barrier=False` (after a failure) does not"
     waited = [o['value'] for o in spawn_distrib(C.leave_after, 2, args=(0, 1.0), timeout=120)]
@@ -111,6 +115,7 @@ def test_ranks_leave_the_group_together():
     waited = [o['value'] for o in spawn_distrib(C.leave_after, 2, args=(0, 1.0, False), timeout=120)]
     assert max(waited) < 0.5, waited
 
+@pytest.mark.slow
 @pytest.mark.parametrize('how', ['die', 'hang'])
 def test_failed_rank_does_not_hang(how):
     "Rank 1 dies or hangs: rank 0 stops with a DistribError naming the exchange, within the timeout, and no one waits forever"
@@ -120,3 +125,17 @@ def test_failed_rank_does_not_hang(how):
     assert not res[0]['ok'] and 'DistribError' in res[0]['error'] and 'rank 0 of 2' in res[0]['error'], res[0]
     assert 'all-reduce' in res[0]['error']
     assert not res[1]['ok'] and res[1]['exitcode'] != 0
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP over NCCL needs two or more GPUs")
+def test_nccl_ranks_identical_and_equal_to_one_gpu_process():
+    "On two GPUs in an NCCL group: the ranks stay identical after a step, and the derived cell's step is one GPU process's at the same global batch"
+    r0, r1 = (r['value'] for r in spawn_distrib(C.step_cases, 2, args=('cuda',), timeout=600, device='cuda'))
+    for c in C.STEP_CASES:
+        assert torch.equal(r0[c]['w'], r1[c]['w']), c
+        if r0[c]['alpha'] is not None: assert torch.equal(r0[c]['alpha'], r1[c]['alpha']), c
+    c = ('derived', 'first', 'batch', C.BS)
+    close(r0[c]['w'].cpu(), C.one_step(*c, device='cuda')['w'].cpu(), 1e-5)
+
+def test_spawn_distrib_refuses_an_unknown_device():
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"): spawn_distrib(C.step_cases, 2, device='tpu')

@@ -52,9 +52,35 @@ def files(path): return sorted(os.listdir(path/'checkpoints'))
 # ---------------------------------------------------------------- a non-finite validation loss is never best
 @pytest.mark.parametrize('v', [INF, NAN])
 def test_nonfinite_valid_loss_is_never_best(tmp_path, v):
-    learn = tiny_train(tmp_path, cbs=[SetValid(0, v)]); fit(learn, 1)
-    assert files(tmp_path) == ['epoch_0000.pth']               # no best.pth from an inf/NaN loss (old code: `v == v` let inf in)
-    assert learn.checkpoint.best is None
+    learn = tiny_train(tmp_path, cbs=[SetValid(1, v), SetValid(0, 99.)]); fit(learn, 2)
+    assert files(tmp_path) == ['best.pth', 'epoch_0000.pth', 'epoch_0001.pth']
+    assert load_checkpoint(tmp_path/'checkpoints'/'best.pth')['epoch'] == 0   # not epoch 1 (old code: `v == v` let inf in)
+    assert learn.checkpoint.best == 99.
+
+# ---------------------------------------------------------------- a run that never validated finitely ends as a failure
+class AllValid(SetValid):
+    "Every epoch's validation loss is `v`"
+    def __init__(self, v): super().__init__(None, v)
+    def after_epoch(self):
+        if self.training is False: self.learn.final_record[1] = self.v
+
+@pytest.mark.slow
+@pytest.mark.parametrize('on_nan', ['skip', 'rollback', 'stop'])
+@pytest.mark.parametrize('v', [NAN, 1e28])   # 1e28: a number, but its perplexity is not
+def test_a_run_that_never_validated_finitely_stops(tmp_path, on_nan, v):
+    "In every on_nan mode, learn.fit raises at the first epoch's end; the epoch is logged, no checkpoint of it is kept"
+    learn = tiny_train(tmp_path, on_nan=on_nan, cbs=[AllValid(v)])
+    with pytest.raises(RuntimeError, match=r"epoch 0: the validation loss is (nan|1e\+28), and no epoch of this run had a finite validation loss "
+                                           r"and perplexity.*; stopping. Try a smaller learning rate \(--lr\)"): fit(learn, 3)
+    assert len(learn.recorder.values) == 1 and not (tmp_path/'checkpoints').exists()
+
+@pytest.mark.slow
+def test_a_run_that_validated_finitely_once_goes_on_and_names_that_epoch(tmp_path, capsys):
+    "Finite at epoch 0 only: on_nan='skip' trains on, the end says which epoch last validated finitely; a resume remembers it"
+    learn = tiny_train(tmp_path, on_nan='skip', cbs=[SetValid(1, NAN), SetValid(2, NAN)]); fit(learn, 3)
+    assert "the validation perplexity was last finite at epoch 0; the epochs after it, to epoch 2, were not" in capsys.readouterr().out
+    resumed = tiny_train(tmp_path, on_nan='skip', resume=True, cbs=[AllValid(NAN)]); fit(resumed, 4)   # epoch 3 is not finite either
+    assert resumed.first_epoch == 3 and "last finite at epoch 0; the epochs after it, to epoch 3, were not" in capsys.readouterr().out
 
 def test_minus_inf_valid_loss_is_never_best(tmp_path):
     learn = tiny_train(tmp_path, cbs=[SetValid(1, -INF)]); fit(learn, 3)
@@ -80,6 +106,7 @@ def test_one_tracker_of_the_best_validation_loss(tmp_path):
     with pytest.raises(ValueError, match='Checkpoint reads the best validation loss from the BestValidLoss callback'): fit(bare, 1)
 
 # ---------------------------------------------------------------- no checkpoint is written with a non-finite state
+@pytest.mark.slow
 @pytest.mark.parametrize('target', ['buffer', 'weight', 'alpha', 'arch_adam', 'asgd_ax'])
 def test_checkpoint_refuses_nonfinite_state(tmp_path, capsys, target):
     "on_nan='skip' goes on with a poisoned state: the writer keeps the previous checkpoints and says what was not finite"
@@ -98,6 +125,7 @@ def test_checkpoint_refuses_nonfinite_state(tmp_path, capsys, target):
     assert ev[-1]['epoch'] == 1 and poison.what in ev[-1]['nonfinite'] and ev[-1]['action'] == 'skip'
 
 # ---------------------------------------------------------------- the guard checks the state once per epoch
+@pytest.mark.slow
 def test_guard_rolls_back_nonfinite_buffers(tmp_path, capsys):
     "Normalisation statistics poisoned with no skipped step: the end-of-epoch check rolls the model back to the checkpoint"
     learn = safe_tar(build(tmp_path, 0, on_nan='rollback', cbs=[Poison((1, 2), 'buffer', INF), snap := Snap(13)]))
@@ -117,6 +145,7 @@ def test_guard_stops_on_nonfinite_state(tmp_path):
     with pytest.raises(RuntimeError, match=rf"(^|\t)epoch 0: the state after the epoch's steps is not finite in {name}; stopping \(on_nan='stop'\)"):
         fit(learn, 1)
 
+@pytest.mark.slow
 def test_rollback_without_a_finite_checkpoint_stops(tmp_path, capsys):
     "No checkpoint yet, or only a non-finite one (as an older version could write): a clear error, not a poisoned run"
     ck = tmp_path/'checkpoints'
@@ -131,6 +160,7 @@ def test_rollback_without_a_finite_checkpoint_stops(tmp_path, capsys):
     with pytest.raises(RuntimeError, match=r"(^|\t)no finite checkpoint to roll back to"): fit(learn, 2, start_epoch=1)
     assert f"not rolling back to {p}: non-finite values in model.alpha" in capsys.readouterr().out
 
+@pytest.mark.slow
 def test_rollback_with_only_skipped_steps_and_no_checkpoint_goes_on(tmp_path, capsys):
     learn = safe_tar(build(tmp_path, 0, on_nan='rollback', checkpoint=False, cbs=[Inject(at=(0, 3), grad=True)]))
     fit(learn, 1)
@@ -138,6 +168,7 @@ def test_rollback_with_only_skipped_steps_and_no_checkpoint_goes_on(tmp_path, ca
     assert torch.isfinite(learn.model.flat.data).all()
 
 # ---------------------------------------------------------------- a rollback restores α's Adam state exactly
+@pytest.mark.slow
 def test_rollback_restores_alpha_adam_state_exactly(tmp_path):
     "Weights, α, statistics and α's Adam state (exp_avg, exp_avg_sq, step) equal the checkpoint's after a rollback"
     before, after = Snap(11.9), Snap(12.1)        # around the guard's after_train (order 12)
@@ -173,6 +204,7 @@ def test_rollback_to_before_the_asgd_switch(tmp_path):
     assert 'ax' not in str(learn.opt.state_dict())
 
 # ---------------------------------------------------------------- rotation and temporary files
+@pytest.mark.slow
 def test_rotation_never_deletes_this_runs_newest(tmp_path, capsys):
     "Stale, higher-numbered checkpoints of an earlier run: rotation and rollback use this run's files, and leave them alone"
     ck = tmp_path/'checkpoints'; ck.mkdir()
@@ -239,6 +271,7 @@ def test_run_info_never_takes_a_non_finite_valid_loss_as_best(tmp_path):
     import json
     from rnn_darts.learner import RunInfo
     sv = SetValid(0, INF)
-    learn = tiny_train(tmp_path, cbs=[sv, RunInfo('train')]); fit(learn, 1)
+    learn = tiny_train(tmp_path, cbs=[sv, RunInfo('train')])
+    with pytest.raises(RuntimeError, match='no epoch of this run had a finite validation loss'): fit(learn, 1)   # run.json is written first
     text = (tmp_path/'run.json').read_text()
     assert json.loads(text)['best_valid_loss'] is None and 'Infinity' not in text   # `v == v` let inf in (and wrote `Infinity`)

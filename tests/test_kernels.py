@@ -91,6 +91,7 @@ while not all((folder / f'ready{r}').exists() for r in (0, 1)): time.sleep(0.005
 print(json.dumps([kernels.onednn_faster(torch.randn(M, 7), torch.randn(3, 7)) for M in (11, 12, 13, 14)]))
 """
 
+@pytest.mark.slow
 def test_processes_measuring_at_once_route_every_product_alike(table, tmp_path):
     "Two processes (the ranks of a run) measure the same new products at once, each finding the other kernel faster: both take the first record written for each product, and the table keeps all of them"
     ps = [subprocess.Popen([sys.executable, '-c', RACER, str(r), str(tmp_path), str(torch.get_num_threads())], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -133,6 +134,7 @@ def onednn_rows(fn):
     with profile(record_shapes=True) as p: fn()
     return {e.input_shapes[0][0] for e in p.events() if e.name == 'rnn_darts::mm_t'}
 
+@pytest.mark.slow
 @pytest.mark.parametrize('faster', ['onednn', 'aten'])
 def test_a_compiled_step_takes_the_choices_while_traced(faster, table, monkeypatch):
     "The compiled cell step routes its products as measured (a constant of the graph) and gives the eager step's gradients"

@@ -4,7 +4,7 @@ import json, os, shutil, socket, subprocess, sys
 from pathlib import Path
 import pytest, torch
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")]
 
 TINY = ['search', '--epochs', '1', '--n-train', '2000', '--emsize', '16', '--nhid', '16', '--bs', '8', '--bptt', '10',
         '--eval-bs', '8', '--device', 'cpu', '--seed', '5']
@@ -30,6 +30,7 @@ def run_result(out):
     log = (out/'log.csv').read_text().splitlines()
     return log[0], [l.rsplit(',', 1)[0] for l in log[1:]], json.loads((out/'genotype.json').read_text())   # time column dropped
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which('accelerate') is None, reason="accelerate is not installed (pip install -e '.[dev]')")
 def test_torchrun_and_accelerate_launch_give_the_same_run(tmp_path):
     a, b = tmp_path/'torchrun', tmp_path/'accelerate'

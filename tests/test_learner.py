@@ -13,20 +13,21 @@ from rnn_darts.model import DartsRnnSearch
 from rnn_darts.learner import search_learner, train_learner, SeqCrossEntropy, load_preset, learner_kwargs, flat_splitter
 from callbacks.arch import ArchParamUpdate
 from callbacks.training import FlatGradClip, FusedDecoderLoss
+from tests._devices import ON_DEVICES
 
 TINY = dict(emsize=16, nhid=16)
 
 @pytest.fixture(scope='module')
 def corpus(): return numbers_corpus(n_train=1_500, n_valid=600, n_test=400)
 
-def make(kind, corpus, path, seed=0, **kw):
-    "A tiny search learner (first order unless `mode` says) or a derived-cell learner (19 training batches an epoch)"
+def make(kind, corpus, path, seed=0, device='cpu', **kw):
+    "A tiny search learner (first order unless `mode` says) or a derived-cell learner (19 training batches an epoch), on `device`"
     set_seed(seed)
     if kind == 'search':
-        dls = lm_dls(corpus, bs=8, bptt=10, phase='search', eval_bs=4)
-        learn = search_learner(dls, search_stream(corpus, 8), path=path, **TINY, **{'mode': 'first', **kw})
+        dls = lm_dls(corpus, bs=8, bptt=10, phase='search', eval_bs=4, device=device)
+        learn = search_learner(dls, search_stream(corpus, 8, device=device), path=path, **TINY, **{'mode': 'first', **kw})
     else:
-        dls = lm_dls(corpus, bs=8, bptt=10, phase='train', eval_bs=4)
+        dls = lm_dls(corpus, bs=8, bptt=10, phase='train', eval_bs=4, device=device)
         learn = train_learner(dls, DARTS_V2, path=path, **TINY, **kw)
     learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
     learn.recorder.silent = True
@@ -40,6 +41,7 @@ def assert_same(a, b):
     assert a.keys() == b.keys()
     for k in a: assert torch.equal(a[k], b[k]), k
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_lr_find_suggests_steps_aside_and_leaves_the_run_as_before(kind, corpus, tmp_path):
     "lr_find over more than one epoch: a suggestion, no checkpoint/log/switch, and a later fit is the fit without lr_find, bit for bit"
@@ -66,6 +68,7 @@ def plain_probs(model, dl):
     with torch.no_grad(): res = [model(x)[0].softmax(-1) for x, _ in dl]
     return torch.cat(res, 1)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_fit_one_cycle_get_preds_validate_export_and_load_learner(kind, corpus, tmp_path):
     learn = make(kind, corpus, tmp_path, **(dict(asgd=True) if kind == 'train' else {}))
@@ -73,14 +76,14 @@ def test_fit_one_cycle_get_preds_validate_export_and_load_learner(kind, corpus, 
     learn.fit_one_cycle(1, 1.)
     assert all(v == v for v in learn.recorder.values[-1])
     assert not torch.equal(state(learn)['encoder.weight'], w0['encoder.weight'])
-    tdl = split_dl(corpus, 10, bs=2)
+    tdl = split_dl(corpus, 10, bs=2, device='cpu')
     preds, targs = learn.get_preds(dl=tdl)
     n = tdl.data.shape[1] - 1
     assert preds.shape == (2, n, len(corpus.vocab)) and torch.equal(targs, tdl.data[:, 1:])   # concatenated along time
     with learn.asgd_switch.averaged() if kind == 'train' else torch.no_grad():
         torch.testing.assert_close(preds, plain_probs(learn.model, tdl))
     nll = -preds.log().gather(-1, targs[..., None]).mean()
-    v = learn.validate(dl=split_dl(corpus, n, bs=2))[0]   # one batch: validate's loss is the token mean
+    v = learn.validate(dl=split_dl(corpus, n, bs=2, device='cpu'))[0]   # one batch: validate's loss is the token mean
     torch.testing.assert_close(torch.tensor(v), nll, rtol=1e-5, atol=1e-5)
 
     raw, opt = learn.model.flat.data.clone(), learn.opt
@@ -95,6 +98,7 @@ def test_fit_one_cycle_get_preds_validate_export_and_load_learner(kind, corpus, 
     learn.fit(1)   # the exported-from learner trains on, with its optimizer (ASGD's state too)
     assert learn.opt is opt
 
+@pytest.mark.slow
 def test_predict_generates_words_from_the_vocabulary_like_plain_sampling(corpus, tmp_path):
     learn = make('search', corpus, tmp_path)
     learn.fit(1)
@@ -120,8 +124,8 @@ def test_predict_generates_words_from_the_vocabulary_like_plain_sampling(corpus,
 def hand_built(corpus, path, loss_func, cbs=(), clip=True, **kw):
     "A plain fastai `Learner` (fastai's default splitter and Adam unless `kw` says otherwise) around a tiny search model"
     set_seed(0)
-    dls = lm_dls(corpus, bs=8, bptt=10, eval_bs=4)
-    cbs = [ModelResetter(), RNNCallback(), ArchParamUpdate(search_stream(corpus, 8), mode='first')] + [FlatGradClip(0.25)] * clip + list(cbs)
+    dls = lm_dls(corpus, bs=8, bptt=10, eval_bs=4, device='cpu')
+    cbs = [ModelResetter(), RNNCallback(), ArchParamUpdate(search_stream(corpus, 8, device='cpu'), mode='first')] + [FlatGradClip(0.25)] * clip + list(cbs)
     return Learner(dls, DartsRnnSearch(len(corpus.vocab), **TINY), loss_func=loss_func, path=path, cbs=cbs, **kw)
 
 def test_hand_built_learner_with_flat_splitter_trains(corpus, tmp_path):
@@ -174,18 +178,21 @@ def host_reads_in_training_batches(learn, n_epoch=1):
     finally: del learn.one_batch
     return reads
 
+@ON_DEVICES
 @pytest.mark.parametrize('kind,kw', [('search', dict(mode='second')), ('search', dict(mode='first', alpha=2., beta=1.)),
                                      ('train', dict(asgd=True)), ('train', dict(asgd=False))])
-def test_a_training_step_never_reads_a_device_value_on_the_host(kind, kw, corpus, tmp_path):
+@pytest.mark.slow
+def test_a_training_step_never_reads_a_device_value_on_the_host(kind, kw, corpus, tmp_path, device):
     """The learners' whole training step (α's guarded Adam step, the unrolled and finite-difference passes, clipping, NT-ASGD's
     average, the divergence guard, the regularizer) reads no tensor value on the host, so on CUDA it never waits for the device.
     The one read is α's Adam step count, and only where it lives on the host: the optimizer is capturable (count on the device) on CUDA"""
-    learn = make(kind, corpus, tmp_path, **kw)
+    learn = make(kind, corpus, tmp_path, device=device, **kw)
     reads = host_reads_in_training_batches(learn)
     assert learn.train_iter >= 15   # every training batch was watched
     if kind == 'search':
         count = learn.arch_param_update.arch_opt.state[learn.model.alpha]['step']
-        assert not learn.arch_param_update.arch_opt.param_groups[0]['capturable'] and count.device.type == 'cpu'
+        assert learn.arch_param_update.arch_opt.param_groups[0]['capturable'] == (device == 'cuda') and count.device.type == device
+        if device == 'cuda': assert reads == []; return
         assert len(reads) >= learn.train_iter and all(r[1] is count for r in reads), [r for r in reads if r[1] is not count][:3]
     else: assert reads == []
 
@@ -199,6 +206,7 @@ def test_host_reads_are_seen(corpus, tmp_path):
     assert len(reads) == learn.train_iter and all(name == '_local_scalar_dense' for name, *_ in reads)
     assert all(any('after_batch' in w for w in where) for *_, where in reads), reads[0][2]
 
+@pytest.mark.slow
 def test_readme_python_example_with_a_preset(tmp_path):
     "The README's Python example, at tiny sizes: a preset split into data settings and learner keywords"
     from rnn_darts import numbers_corpus, lm_dls, search_stream, test_dl, search_learner, train_learner, evaluate, load_preset, learner_kwargs
@@ -217,6 +225,7 @@ def test_readme_python_example_with_a_preset(tmp_path):
     assert learn.arch_param_update.mode == 'second' and learn.model.nhid == 16 and learn_t.model.genotype == g
     assert res['ppl'] == pytest.approx(torch.tensor(res['loss']).exp().item()) and res['ppl'] < len(corpus.vocab) * 2
 
+@pytest.mark.slow
 def test_top_level_api_is_lazy_and_complete():
     code = ("import sys, rnn_darts; assert 'fastai' not in sys.modules, 'import rnn_darts imported fastai'; "
             "from rnn_darts import search_learner; assert 'fastai' in sys.modules; print(rnn_darts.__version__)")

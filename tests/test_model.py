@@ -6,6 +6,7 @@ from rnn_darts.genotypes import PRIMITIVES, DARTS_V1, DARTS_V2, ENAS
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsCell, DartsCellSearch, FlatParams, FlatModule
 import rnn_darts.kernels as kernels
 from tests._reference import plain_search_step, plain_derived_step, run_plain
+from tests._devices import ON_DEVICES
 
 def batch_bn(s): return F.batch_norm(s, None, None, training=True, eps=1e-5)
 
@@ -175,9 +176,11 @@ def tiny_search(**dropouts):
     return m, torch.randint(0, 20, (4, 5)), torch.randint(0, 20, (4, 5))
 
 @pytest.mark.slow
-def test_compiled_step_equals_eager():
+@ON_DEVICES
+def test_compiled_step_equals_eager(device):
     "The torch.compile fast path gives the eager numbers (outputs and α/weight gradients)"
     m, x, y = tiny_search(dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1)
+    m, x, y = m.to(device), x.to(device), y.to(device)
     def grads():
         m.reset(); m.alpha.requires_grad_(True)
         loss = m.loss(x, y, advance=False)
@@ -323,6 +326,7 @@ def test_old_shared_batchnorm_state_dict_loads_with_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter('error'); m2.load_state_dict(m.state_dict())            # the new layout: no warning
 
+@pytest.mark.slow
 def test_eval_validation_measures_the_supernet():
     "After a little training, eval-mode validation (running statistics) is close to evaluation with batch statistics"
     from rnn_darts.core import set_seed
@@ -406,6 +410,7 @@ def test_compiled_step_with_onednn_products_equals_eager(monkeypatch):
         compiled = grads()
     for a, b in zip(eager, compiled): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kernel', ['aten', 'onednn'])
 @pytest.mark.parametrize('derived', [False, True])
 @pytest.mark.parametrize('compiled', [False, True])
@@ -481,6 +486,7 @@ def _stream_loss(m, x, bptt=50):
     with torch.no_grad():
         return torch.stack([m.loss(x[:, s:s + bptt], x[:, s + 1:s + 1 + bptt], 'valid') for s in range(0, x.shape[1] - 1, bptt)])
 
+@pytest.mark.slow
 @pytest.mark.parametrize('bs', [1, 10])
 def test_eval_right_after_init_is_finite_on_a_long_stream(bs, monkeypatch):
     "Running statistics are 0 and 1 at initialisation, so nothing normalises the recurrence; the bound keeps 2,000 tokens finite"

@@ -57,6 +57,7 @@ def reference(tmp_path_factory):
     assert p.returncode == 0, err
     return data, d/'ref'
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM])
 def test_signal_mid_epoch_then_resume_is_exact(reference, tmp_path, sig):
     data, ref = reference
@@ -85,6 +86,7 @@ def test_signal_mid_epoch_then_resume_is_exact(reference, tmp_path, sig):
     same_run(ref, run)
     assert not (run/'checkpoints'/'mid_epoch.pth').exists()    # superseded by the later epoch checkpoints
 
+@pytest.mark.slow
 def test_second_sigint_stops_at_once_and_leaves_whole_files(reference, tmp_path):
     data, ref = reference
     run = tmp_path/'run'
@@ -101,6 +103,7 @@ def test_second_sigint_stops_at_once_and_leaves_whole_files(reference, tmp_path)
     same_run(ref, run)
     assert not [f for f in (run/'checkpoints').iterdir() if '.tmp' in f.name]
 
+@pytest.mark.slow
 def test_checkpoint_every_writes_mid_epoch_states(tmp_path):
     "--checkpoint-every (minutes): mid-epoch checkpoints without stopping; changing it on --resume is free"
     data = corpus(tmp_path/'c', 400)
@@ -129,6 +132,7 @@ def test_a_resumed_epoch_counts_its_time_before_the_stop(tmp_path):
     t = resumed.info['epoch_times']
     assert 1000 < t[0] < 1000 + 60 and t[1] < 60                            # carried into the resumed epoch only
 
+@pytest.mark.slow
 def test_fewer_epochs_than_done_are_refused_on_resume(tmp_path, capsys):
     data = corpus(tmp_path/'c', 300)
     cli.run_command(args(data, tmp_path/'r', '--epochs', '2'))
@@ -137,6 +141,7 @@ def test_fewer_epochs_than_done_are_refused_on_resume(tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count('\n') == 1 and f"--epochs 1: {tmp_path/'r'} has done 2 epochs" in err
 
+@pytest.mark.slow
 def test_changed_data_is_refused_on_resume(tmp_path, capsys):
     data = corpus(tmp_path/'c', 400)
     cli.run_command(args(data, tmp_path/'r', '--epochs', '1'))
@@ -152,6 +157,7 @@ def test_changed_data_is_refused_on_resume(tmp_path, capsys):
     info = json.loads((tmp_path/'r'/'run.json').read_text())
     assert 'data train' in info['overrides'][-1]['changes'] and info['data']['train']['size'] == (data/'train.txt').stat().st_size
 
+@pytest.mark.slow
 @pytest.mark.parametrize('target', ['run.json', 'log.csv', 'genotype.json', 'epoch_0000.pth'])
 def test_a_failed_write_names_its_file(tmp_path, capsys, monkeypatch, target):
     "The disk fills up while one of the run's files is written (every write ends with an fsync): one line naming that file, exit 1"
@@ -168,18 +174,37 @@ def test_a_failed_write_names_its_file(tmp_path, capsys, monkeypatch, target):
     assert e.value.code == 1 and err.count('\n') == 1 and want in err, err
     assert not [f for f in out.rglob('*') if '.tmp' in f.name]       # no temporary file left behind
 
-def test_a_real_full_disk(tmp_path, capsys):
-    "A 256 kB tmpfs as the run folder (where the system lets us mount one): the checkpoint is named, run.json stays whole"
+@pytest.fixture
+def small_disk(tmp_path):
+    "A 256 kB tmpfs (where the system lets us mount one), unmounted after the test"
     mnt = tmp_path/'small'; mnt.mkdir()
     if os.geteuid() != 0 or subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=256k', 'tmpfs', str(mnt)], capture_output=True).returncode:
         pytest.skip('cannot mount a tmpfs here')
-    try:
-        data = corpus(tmp_path/'c', 300)
-        with pytest.raises(SystemExit) as e: cli.run_command(args(data, mnt/'r', '--epochs', '1', '--nhid', '64', '--emsize', '64'))
-        err = capsys.readouterr().err
-        assert e.value.code == 1 and f"while writing checkpoint {mnt/'r'/'checkpoints'}" in err, err
-        if (mnt/'r'/'run.json').exists(): json.loads((mnt/'r'/'run.json').read_text())
+    try: yield mnt
     finally: subprocess.run(['umount', '-l', str(mnt)])
+
+@pytest.mark.slow
+def test_a_real_full_disk(tmp_path, capsys, small_disk):
+    "A 256 kB tmpfs as the run folder: the checkpoint is named, run.json stays whole"
+    mnt, data = small_disk, corpus(tmp_path/'c', 300)
+    with pytest.raises(SystemExit) as e: cli.run_command(args(data, mnt/'r', '--epochs', '1', '--nhid', '64', '--emsize', '64'))
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and f"while writing checkpoint {mnt/'r'/'checkpoints'}" in err, err
+    if (mnt/'r'/'run.json').exists(): json.loads((mnt/'r'/'run.json').read_text())
+
+@pytest.mark.parametrize('command', ['search', 'study'])
+def test_a_disk_full_from_the_start_names_the_first_file(tmp_path, capsys, small_disk, command):
+    "The tmpfs filled before the run: the first write (the run folder's lock) fails, and the one line names it"
+    with open(small_disk/'filler', 'wb', buffering=0) as f:
+        try:
+            while True: f.write(b'\0' * 4096)
+        except OSError as e: assert e.errno == errno.ENOSPC
+    out = small_disk/'r'
+    argv = (args(corpus(tmp_path/'c', 300), out, '--epochs', '1') if command == 'search'
+            else ['study', '--preset', 'study-quick', '--out', str(out), '--threads', '1'])
+    with pytest.raises(SystemExit) as e: cli.run_command(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err == f"rnn-darts: error: {out/'.lock'}: No space left on device\n", err
 
 def test_a_signal_after_the_last_batch_still_stops_the_command(tmp_path):
     "SIGTERM during the last epoch's validation: the fit ends whole, yet the command stops (143) instead of going on"

@@ -114,6 +114,7 @@ def plain_stream_loss(model, data, bptt):
             n += y.numel()
     return total / n
 
+@pytest.mark.slow
 def test_random_search_cli_end_to_end(tmp_path, capsys):
     "search --mode random writes candidates.csv (sorted, true scores), genotype.json (its winner), a report with the histogram; train takes the winner"
     import pandas as pd
@@ -168,6 +169,7 @@ def _same_result(ref, run):
     strip = lambda d: [l.rsplit(',', 1)[0] for l in (d/'log.csv').read_text().splitlines()]   # without the time column
     assert strip(ref) == strip(run)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('where', ['training', 'scoring'])
 def test_kill_and_resume_is_exact(tmp_path, where):
     "SIGKILL after the first epoch's checkpoint, or while the cells are scored: --resume ends with the same log, candidates.csv and genotype.json"

@@ -23,6 +23,7 @@ from callbacks.checkpoint import (Checkpoint, DivergenceGuard, latest_checkpoint
 from callbacks.asgd import ASGDSwitch
 from callbacks.training import RNNRegularizer
 from tests._resume_script import build, weights_hash
+from tests._devices import ON_DEVICES
 
 HERE = Path(__file__).parent
 SCRIPT = HERE/'_resume_script.py'
@@ -43,26 +44,28 @@ def safe_tar(learn):
 def tiny_train(path, seed=0, genotype=DARTS_V2, **kwargs):
     set_seed(seed)
     c = numbers_corpus(seed, 1500, 600, 300)
-    dls = lm_dls(c, 8, 10, 'train', eval_bs=8, seed=seed)
+    dls = lm_dls(c, 8, 10, 'train', eval_bs=8, seed=seed, device='cpu')
     return train_learner(dls, genotype, **dict(dict(emsize=16, nhid=16, path=path, keep=2), **kwargs))
 
 # ---------------------------------------------------------------- 1. kill and resume
-def _run_script(run, n, **kw):
+def _run_script(run, n, device='cpu', **kw):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get('PYTHONPATH', '')]))
-    return subprocess.Popen([sys.executable, str(SCRIPT), str(run), str(n)], env=env, cwd=str(run.parent),
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(run), str(n), '0', device], env=env, cwd=str(run.parent),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
-def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
+@pytest.mark.slow
+@ON_DEVICES
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, device):
     "SIGKILL at a random point after the first checkpoint, a stray half-written checkpoint, resume: bit-identical end"
-    n = 4
+    n = 4 if device == 'cpu' else 12                 # a tiny epoch takes well under a second on a GPU, after compiling
     ref_dir, run_dir = tmp_path/'ref', tmp_path/'run'
-    ref = _run_script(ref_dir, n)                    # the uninterrupted run, alongside (one thread each)
-    p = _run_script(run_dir, n)
+    ref = _run_script(ref_dir, n, device)            # the uninterrupted run, alongside (one thread each)
+    p = _run_script(run_dir, n, device)
     ck = run_dir/'checkpoints'
     t0 = time.time()
     while not (ck/'epoch_0000.pth').exists():
         assert p.poll() is None, p.stdout.read()
-        assert time.time() - t0 < 120, "no checkpoint after 120 s"
+        assert time.time() - t0 < 300, "no checkpoint after 300 s"
         time.sleep(0.02)
     time.sleep(random.Random(1234).uniform(0, 1.5))  # about one epoch: the kill lands in epoch 1 or 2
     assert p.poll() is None, "the run ended before it could be killed"
@@ -77,7 +80,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     junk.write_bytes(b'PK\x03\x04 half a zip file')
     assert latest_checkpoint(ck) == killed_at and junk not in epoch_checkpoints(ck)
 
-    r = _run_script(run_dir, n); out, _ = r.communicate(timeout=300)
+    r = _run_script(run_dir, n, device); out, _ = r.communicate(timeout=300)
     assert r.returncode == 0, out
     assert f"resumed from {killed_at} (epoch {k})" in out
     out_ref, _ = ref.communicate(timeout=300)
@@ -101,6 +104,7 @@ def log_rows(run):
     assert rows[0][0] == 'epoch' and [r[0] for r in rows[1:]] == [str(e) for e in range(len(rows) - 1)]
     return [r[:t] + r[t+1:] for r in rows]
 
+@pytest.mark.slow
 def test_kill_between_log_row_and_checkpoint(tmp_path):
     """Killed after epoch 1's log row but before its checkpoint (in process: an exception no callback sees, like a kill), then a torn half line (a kill inside a write): the resumed run redoes epoch 1, and its
     log equals the uninterrupted run's (no orphan, duplicate or torn row)"""
@@ -143,6 +147,7 @@ class Iterates(Callback):
             if self.averaging_from is None: self.averaging_from = self.epoch
             self.ws.append(self.model.flat.data.clone())
 
+@pytest.mark.slow
 def test_train_resume_with_asgd_switch_equals_straight_run(tmp_path):
     """train_learner n epochs (NT-ASGD switches at epoch s) == s epochs + a new learner resumed from epoch s-2 (before the
     switch) == a new learner resumed from epoch n-2 (after it: averages in the optimizer state): same losses, same averages"""
@@ -214,6 +219,7 @@ def guarded(path, on_nan, inj):
     learn = safe_tar(build(path, 0, on_nan=on_nan, cbs=[inj, obs, AlphaSpy(65.9, alphas), AlphaSpy(66.1, alphas)]))
     return learn, obs, alphas
 
+@pytest.mark.slow
 def test_divergence_skip_does_not_apply_the_step(tmp_path):
     inj = Inject(at=(0, 4), grad=True, arch_at=(0, 7))
     learn, obs, alphas = guarded(tmp_path, 'skip', inj)
@@ -227,6 +233,7 @@ def test_divergence_skip_does_not_apply_the_step(tmp_path):
     assert learn.divergence_guard.events == [dict(epoch=0, skipped=dict(weight=1, architecture=1), nonfinite=[], action='skip')]
     assert torch.isfinite(learn.model.flat.data).all() and torch.isfinite(learn.model.alpha).all()
 
+@pytest.mark.slow
 def test_divergence_nan_loss_is_caught_too(tmp_path):
     inj = Inject(at=(0, 2), loss=True)
     learn, obs, _ = guarded(tmp_path, 'skip', inj)
@@ -241,6 +248,7 @@ def test_divergence_stop_raises(tmp_path):
         fit(learn, 1)
     assert learn.divergence_guard.events[-1]['action'] == 'stop'
 
+@pytest.mark.slow
 def test_divergence_rollback_restores_last_checkpoint(tmp_path):
     learn, obs, _ = guarded(tmp_path, 'rollback', Inject(at=(1, 3), grad=True))
     fit(learn, 2)
@@ -265,6 +273,7 @@ def test_one_token_batch_tar_is_finite():
     R.raw_out = torch.randn(8, 3, 4); lrn = L(); lrn.rnn = R(); reg = RNNRegularizer(beta=1.); reg.learn = lrn; reg.after_loss()
     assert torch.isclose(lrn.loss_grad, 1 + (R.raw_out[:, 1:] - R.raw_out[:, :-1]).pow(2).mean())
 
+@pytest.mark.slow
 def test_one_token_batch_is_not_a_divergence(tmp_path):
     learn = build(tmp_path, 0, on_nan='skip', checkpoint=False)
     learn.dls.train.schedule = lambda: [(0, 10), (10, 1)]   # a batch of one token
@@ -279,6 +288,7 @@ def ckpts(tmp_path_factory):
     t = tiny_train(d/'train', genotype=DARTS_V2); fit(t, 1)
     return dict(search=d/'search'/'checkpoints'/'epoch_0000.pth', train=d/'train'/'checkpoints'/'epoch_0000.pth')
 
+@pytest.mark.slow
 @pytest.mark.parametrize('case', ['nhid', 'vocab', 'genotype', 'search_into_derived', 'derived_into_search'])
 def test_checkpoint_mismatch_says_what_differs(ckpts, tmp_path, case):
     if case == 'nhid':     learn, ck, want = build(tmp_path, 0, emsize=24, nhid=24), 'search', r"emsize: checkpoint 16, model 24; nhid: checkpoint 16, model 24"
@@ -358,6 +368,7 @@ def test_bad_sizes_and_settings():
     with pytest.raises(ValueError, match=r"nonmono \(NT-ASGD patience, in epochs\) must be an integer >= 1, got 0"): ASGDSwitch(nonmono=0)
 
 # ---------------------------------------------------------------- 6. determinism
+@pytest.mark.slow
 def test_same_seed_same_run(tmp_path):
     res = []
     for d in ('a', 'b'):

@@ -24,6 +24,7 @@ def test_compile_default_on_cpu_and_the_flag(corpus, tmp_path):
         f = make(compile=False)
         assert f.model.cell._compiled is None and not any(isinstance(cb, AutoCompile) for cb in f.cbs)
 
+@pytest.mark.slow
 def test_auto_compile_compiles_a_long_search_fit_only(corpus, tmp_path):
     "A fit shorter than `min_steps` batches runs eager; a longer one runs the compiled step (graphs are compiled)"
     dls = lm_dls(corpus, 4, 6, device='cpu')

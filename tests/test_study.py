@@ -66,6 +66,7 @@ def done(tmp_path_factory):
     assert p.returncode == 0, p.stderr
     return d, d/'s', p.stdout
 
+@pytest.mark.slow
 def test_study_runs_every_stage_and_tells_the_truth(done):
     d, s, stdout = done
     lines = [l for l in stdout.splitlines() if l.startswith('study [')]
@@ -97,6 +98,7 @@ def test_study_runs_every_stage_and_tells_the_truth(done):
     cli.run_command(['report', str(s)])                                # `rnn-darts report STUDY` writes it again
     assert (s/'report'/'report.md').read_text() == report
 
+@pytest.mark.slow
 def test_a_stage_is_the_run_the_command_makes(done, tmp_path):
     "search-first-1 equals `rnn-darts search` with the search preset, seed 1 and --mode first: same log, same cell"
     d, s, _ = done
@@ -106,6 +108,7 @@ def test_a_stage_is_the_run_the_command_makes(done, tmp_path):
     assert rows(tmp_path/'alone') == rows(s/'search-first-1')
     assert (tmp_path/'alone'/'genotype.json').read_text() == (s/'search-first-1'/'genotype.json').read_text()
 
+@pytest.mark.slow
 def test_run_again_skips_and_changed_settings_are_refused(done, tmp_path, capsys):
     d, s, _ = done
     s2 = tmp_path/'s'; shutil.copytree(s, s2)
@@ -128,6 +131,7 @@ def launch(argv):
     return subprocess.Popen([sys.executable, '-m', 'rnn_darts.cli', *argv], cwd=ROOT, env={**os.environ, 'PYTHONPATH': str(ROOT)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGKILL])
 def test_killed_study_resumes_to_the_same_table(done, tmp_path, sig, capsys):
     d, s, _ = done
@@ -144,6 +148,7 @@ def test_killed_study_resumes_to_the_same_table(done, tmp_path, sig, capsys):
     if p.returncode == 143: assert 'resumed from' in capsys.readouterr().out   # the stopped stage went on from its mid-epoch state
     pd.testing.assert_frame_equal(table(tmp_path/'s'), table(s))
 
+@pytest.mark.slow
 def test_stages_alone_then_collected_give_the_same_table(done, tmp_path, capsys):
     d, s, _ = done
     out = tmp_path/'s'
@@ -162,6 +167,7 @@ def test_stages_alone_then_collected_give_the_same_table(done, tmp_path, capsys)
     cli.run_command(study_args(d, out, '--stage', 'search-first-1'))   # a scheduler's retry of a finished stage
     assert 'search-first-1: done before, skipped' in capsys.readouterr().out and (out/'search-first-1'/'run.json').read_text() == rec
 
+@pytest.mark.slow
 def test_a_final_training_of_another_cell_is_refused(done, tmp_path, capsys):
     "The selection changed after the final training ran (say, --override with more seeds): the study says to delete it"
     from rnn_darts.genotypes import DARTS_V1, genotype_to_dict

@@ -1,0 +1,32 @@
+"""The suite's device rule and its tiers.
+
+- **Default** (`python -m pytest -q tests`): CUDA is hidden (`CUDA_VISIBLE_DEVICES=''`, set before torch first asks for a
+  device, and inherited by every process a test starts), so the suite means on a GPU machine exactly what it means on
+  CI's CPU machine. Tests marked `gpu` are skipped, with the reason.
+- **GPU tier** (`python -m pytest -q --gpu tests`): CUDA stays visible and only the tests marked `gpu` run, each the
+  CUDA twin of a CPU test (most are the CPU test's `device='cuda'` parameter). Without a GPU they skip with the reason.
+- **Quick tier** (`python -m pytest -q -m "not slow" tests`): every module, without the end-to-end, subprocess,
+  multi-process, compiling and Penn Treebank tests (marked `slow`); a few minutes on 2 cores.
+"""
+import os
+import pytest
+
+def pytest_addoption(parser):
+    parser.addoption('--gpu', action='store_true',
+                     help="run the GPU tier only (the tests marked gpu), with CUDA visible; without it CUDA is hidden from the suite")
+
+def pytest_configure(config):
+    if not config.getoption('--gpu'): os.environ['CUDA_VISIBLE_DEVICES'] = ''   # before any test module imports torch
+    if int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', 1)) > 1:
+        os.environ.setdefault('OMP_NUM_THREADS', '1')   # pytest -n N: one torch thread per worker, so N workers share N cores without waiting on each other
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption('--gpu'):
+        other = [it for it in items if not it.get_closest_marker('gpu')]
+        if other: config.hook.pytest_deselected(items=other); items[:] = [it for it in items if it.get_closest_marker('gpu')]
+        import torch
+        if torch.cuda.is_available(): return
+        why = "GPU tier: --gpu was given, but torch.cuda.is_available() is False on this machine"
+    else: why = "GPU tier: run with --gpu on a machine with CUDA (python -m pytest --gpu tests)"
+    for it in items:
+        if it.get_closest_marker('gpu'): it.add_marker(pytest.mark.skip(reason=why))

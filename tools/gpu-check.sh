@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU check: what a developer who is lent a GPU runs first. At most 8 minutes in all: each stage has its own
+# time limit, output is unbuffered and every stage's log is kept, so a run cut short still reports what it reached.
+#
+#   bash tools/gpu-check.sh [OUT]      OUT: the folder for the logs and the bench JSON (default: gpu-check)
+#
+# Stages: the GPU and the versions; the GPU tier of the tests (pytest --gpu); `rnn-darts bench` at the paper's
+# shapes (search bs 256, bptt 35, nhid 300, 10,000 words; derived DARTS_V2 nhid 850, bs 64), eager and compiled;
+# two epochs of the quick search (its epoch times are in OUT/quick/run.json). Where fastai is not installed and the
+# checkout holds wheels in .whl/ (see the README's GPU section), they are installed into /tmp/site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu-check}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+py=${PYTHON:-python3}
+if ! $py -c 'import fastai' 2>/dev/null && compgen -G '.whl/*.whl' >/dev/null; then
+  $py -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+start=$SECONDS
+stage() {   # stage NAME LIMIT_S COMMAND...: run COMMAND under its limit, its output to the screen and to OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "== $name (at most $limit s; $((SECONDS - start)) s so far)"
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - t0)) s$([ "$rc" = 124 ] && echo ', stopped at its time limit')"
+}
+stage versions 30 $py -c "
+import torch, platform
+print('python', platform.python_version(), '| torch', torch.__version__, '| CUDA', torch.version.cuda)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print('GPU', p.name, f'{p.total_memory / 2**30:.0f} GiB', p.multi_processor_count, 'SMs', '| devices', torch.cuda.device_count())
+else: print('no CUDA device visible')
+import fastai; print('fastai', fastai.__version__)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/nvidia-smi: /'
+stage gpu-tier 210 $py -m pytest -q --gpu -rs --durations=10 -p no:cacheprovider tests
+stage bench-eager 60 $py -m rnn_darts.cli bench --device cuda --iters 3 --json-path "$out/bench-eager.json"
+stage bench-compiled 110 $py -m rnn_darts.cli bench --device cuda --compile --iters 3 --json-path "$out/bench-compiled.json"
+stage quick-search 60 $py -m rnn_darts.cli search --preset quick --epochs 2 --device cuda --out "$out/quick" --overwrite
+$py -c "import json, sys; r = json.load(open(sys.argv[1])); print('quick search epoch times (s):', r.get('epoch_times'))" \
+  "$out/quick/run.json" 2>/dev/null || echo "quick search: no run.json"
+echo "== GPU check done in $((SECONDS - start)) s; logs in $out"
