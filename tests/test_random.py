@@ -192,7 +192,7 @@ def test_kill_and_resume_is_exact(tmp_path, where):
     _same_result(tmp_path/'ref', run)
 
 def test_readme_python_example(tmp_path):
-    "The README's random-search lines in Python, at tiny sizes: a preset's keywords with mode='random', fit, choose_cell"
+    "The random-search lines in Python (15_random, *Running it*), at tiny sizes: a preset's keywords with mode='random', fit, choose_cell"
     from rnn_darts import numbers_corpus, lm_dls, search_learner, load_preset, learner_kwargs, choose_cell
     p = load_preset('quick')
     p.update(n_train=1_500, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=16, nhid=16)

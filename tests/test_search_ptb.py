@@ -3,7 +3,7 @@ validation loss is finite at every epoch and below a uniform guess, over several
 this configuration's validation went NaN (seed 3, one thread, third epoch, torch 2.13). Its α learning rate (3e-2, ten
 times the paper's) makes the supernet itself worse in some epochs (batch, re-estimated and running statistics all rose
 at seed 3's second epoch in 03_model's measurements), so falling validation is measured on the paper's settings (the
-README's PTB run), not asserted here. `tests/test_model.py` shows the bound at work on a long stream."""
+PTB run in 03_model, *The search cell, checked and measured*), not asserted here. `tests/test_model.py` shows the bound at work on a long stream."""
 import math, tempfile
 from pathlib import Path
 import pytest, torch

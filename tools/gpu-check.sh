@@ -7,7 +7,7 @@
 # Stages: the GPU and the versions; the GPU tier of the tests (pytest --gpu); `rnn-darts bench` at the paper's
 # shapes (search bs 256, bptt 35, nhid 300, 10,000 words; derived DARTS_V2 nhid 850, bs 64), eager and compiled;
 # two epochs of the quick search (its epoch times are in OUT/quick/run.json). Where fastai is not installed and the
-# checkout holds wheels in .whl/ (see the README's GPU section), they are installed into /tmp/site first.
+# checkout holds wheels in .whl/ (see the README's development section), they are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check}; mkdir -p "$out"
