@@ -4,8 +4,10 @@
 
 # %% ../nbs/05d_logs.ipynb #deb206bb
 from __future__ import annotations
-import json
-from fastai.callback.progress import CSVLogger
+import json, sys
+from fastai.callback.core import Callback
+from fastcore.basics import noop
+from fastai.callback.progress import CSVLogger, ProgressCallback
 from fastai.torch_core import rank_distrib
 from rnn_darts.core import naming, write_text_atomic
 from rnn_darts.genotypes import genotype_to_dict
@@ -13,7 +15,7 @@ from callbacks.epochs import TrainEpochEnd, in_lr_find
 from callbacks.asgd import ASGDSwitch
 
 # %% auto #0
-__all__ = ['write_json_atomic', 'GenotypeLogger', 'RunLogger']
+__all__ = ['write_json_atomic', 'GenotypeLogger', 'RunLogger', 'EpochLines', 'plain_output']
 
 # %% ../nbs/05d_logs.ipynb #3e94558e
 def write_json_atomic(obj, path):
@@ -75,3 +77,24 @@ class RunLogger(CSVLogger):
         if getattr(self, 'file', None) is None: return
         self.file.close(); self.file = None
         self.learn.logger = self.old_logger
+
+# %% ../nbs/05d_logs.ipynb #94fa2f87
+class EpochLines(Callback):
+    "The epoch table without progress bars: its header once, then a line per epoch (for output into a file or a pipe)"
+    def __init__(self): self.names = None
+    def before_fit(self):
+        if self.learn.logger is not noop: self.learn.logger = self.write   # as fastai's ProgressCallback: `no_logging()` stays silent
+    def write(self, row):
+        cells = [f'{v:.6f}' if isinstance(v, float) else str(v) for v in row]
+        if self.names is None:
+            self.names = [f'{n:<8}' for n in self.recorder.metric_names]
+            print('  '.join(self.names).rstrip(), flush=True)
+        print(''.join(c + ' ' * (2 + len(n) - len(c)) for c, n in zip(cells, self.names)).rstrip(), flush=True)
+
+def plain_output(learn, terminal:bool|None=None):
+    "Where standard output is not a terminal (or `terminal=False`), `EpochLines` in place of the progress bars; returns `learn`"
+    if terminal is None: terminal = sys.stdout.isatty()
+    if not terminal:
+        learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
+        learn.add_cb(EpochLines())
+    return learn

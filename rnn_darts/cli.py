@@ -27,6 +27,7 @@ def study(
     stage:str=None,       # run only this stage (search-second-1, short-search-second-1, short-DARTS_V2, final, ...): one job of a scheduler; rnn-darts study then collects
     device:str=None,
     override:bool_arg=False, # continue although the study's settings differ from its study.json (recorded there)
+    resume:bool=False,    # continue the study in --out, as running the same command again does: finished stages are kept, a stage cut short resumes from its checkpoint
     threads:int=None,
     data:str=None,        # corpus of every stage, over the presets' own: numbers | ptb | a folder (default: each preset's)
     files:str=None,
@@ -42,6 +43,7 @@ def study(
     "The paper's protocol: searches over methods and seeds, a short training of each cell, the best one trained fully and tested"
     from rnn_darts.study import run_study, STUDY_OPTIONS
     if threads is not None: check_number('--threads', threads, 1, integer=True)
+    del resume   # a study always continues what its folder holds
     return run_study(preset, settings, out, stage, device, threads, override, **{k: v for k, v in locals().items() if k in STUDY_OPTIONS})
 
 def bench(

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #853d301f
 from __future__ import annotations
-import configparser, math, os, random, re, sys, inspect
+import configparser, difflib, math, os, random, re, sys, inspect
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -207,7 +207,8 @@ def read_preset(name:str, known:dict, path=None) -> dict:
     if name not in cp.sections():
         others = [q for q in settings_candidates() if q != p] if path is None else []
         more = ''.join(f"; in {q}: {', '.join(read_ini(q).sections())}" for q in others)
-        raise KeyError(f"{p}: no preset [{name}]; presets there: {', '.join(cp.sections())}{more}")
+        near = difflib.get_close_matches(name, cp.sections() + [s for q in others for s in read_ini(q).sections()], n=1)
+        raise UsageError(f"{p}: no preset [{name}]{f' (did you mean {near[0]}?)' if near else ''}; presets there: {', '.join(cp.sections())}{more}")
     res = {}
     for k, v in cp[name].items():
         if k not in known: raise KeyError(f"{p}: preset [{name}] has key {k!r}, which no option knows; known: {', '.join(sorted(known))}")

@@ -66,7 +66,7 @@ def genotype_from_dict(d, where='genotype') -> Genotype:
     return check_genotype((d['recurrent'], d['concat']), where)
 
 def load_genotype(src) -> Genotype:
-    "A genotype from a JSON file, a JSON string, or a published name (`DARTS_V2`, `ENAS`, ...)"
+    "A genotype from a JSON file, a search's run folder (its `genotype.json`), a JSON string, or a published name (`DARTS_V2`, `ENAS`, ...)"
     if isinstance(src, Genotype): return check_genotype(src)
     if isinstance(src, dict): return genotype_from_dict(src)
     s = str(src)
@@ -74,6 +74,10 @@ def load_genotype(src) -> Genotype:
     if s.lstrip().startswith('{'): where, txt = 'genotype string', s
     else:
         p = Path(s)
+        if p.is_dir():
+            if not (p/'genotype.json').is_file():
+                raise FileNotFoundError(f"genotype: {p} is a folder without genotype.json; name a search's run folder or a genotype file")
+            p = p/'genotype.json'
         if not p.is_file(): raise FileNotFoundError(f"genotype file {p} does not exist (nor is {s!r} a published genotype: {list(GENOTYPES)})")
         where, txt = str(p), p.read_text()
     try: d = json.loads(txt)

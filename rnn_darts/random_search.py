@@ -4,7 +4,7 @@
 
 # %% ../nbs/15_random.ipynb #7a298daf
 from __future__ import annotations
-import hashlib, json, math, time
+import hashlib, json, math, sys, time
 from pathlib import Path
 import pandas as pd, torch
 from fastprogress.fastprogress import progress_bar
@@ -87,8 +87,8 @@ def candidates_frame(cells, screen, full) -> pd.DataFrame:
 def _passes(model, cells, idx, data, bptt, scores, save, label, show):
     "Score `cells[i]` for `i` in `idx` not in `scores` (a dict), saving every few seconds"
     todo, last = [i for i in idx if i not in scores], time.time()
-    bar = progress_bar(todo, leave=False) if show and todo else todo
-    if show and todo: bar.comment = label
+    bar = progress_bar(todo, leave=False) if show and todo and sys.stdout.isatty() else todo   # no bar frames in a file
+    if bar is not todo: bar.comment = label
     for i in bar:
         model.use(cells[i]); scores[i] = _score(stream_loss(model, data, bptt))
         if time.time() - last > 5: save(); last = time.time()

@@ -14,7 +14,7 @@ from rnn_darts.options import (DATA_DEFAULTS, TRAIN_DEFAULTS, CHOICES, CONTROL, 
 # %% auto #0
 __all__ = ['RUN_FILES', 'RESUME_FREE', 'ARGV', 'load_corpus', 'run_files', 'RunLock', 'read_run_json', 'settings_diff',
            'data_changes', 'prepare_run_dir', 'record_overrides_cb', 'idle_cores', 'set_threads', 'exit_if_interrupted',
-           'search', 'train', 'evaluate_run']
+           'search', 'cell_name', 'train', 'evaluate_run']
 
 # %% ../nbs/07b_runs.ipynb #c69a6174
 def load_corpus(s:dict, url:str|None=None):
@@ -234,7 +234,7 @@ def search(**flags):
         from rnn_darts.learner import search_learner, RunInfo
         from rnn_darts.genotypes import save_genotype, genotype_to_dict
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
-        from callbacks.logs import RunLogger
+        from callbacks.logs import RunLogger, plain_output
         s, dev, out, corpus, resume = r.s, r.dev, r.out, r.corpus, r.resume
         if r.rank == 0: print(f"search on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
@@ -242,6 +242,7 @@ def search(**flags):
         learn = search_learner(dls, None if rnd else search_stream(corpus, s['bs'], device=dev), path=out, resume=True if resume else None,
                                device=dev, cbs=[RunLogger('log.csv', append=resume), RunInfo('search', s, r.data)], **_kwargs(search_learner, s))
         learn = distrib_learner(learn)
+        if r.rank == 0: plain_output(learn)   # into a file or a pipe: a line per epoch, no bar frames
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
         exit_if_interrupted(learn)
         if rnd:
@@ -260,6 +261,13 @@ def search(**flags):
         return learn
     finally: r.close()
 
+def cell_name(genotype, source:str) -> str:
+    "How the first line of `train` names the cell it trains: the default said as such, a published name, or the file"
+    from rnn_darts.genotypes import GENOTYPES
+    if source == 'default': return f"{genotype} (the default cell: no --genotype given; name a search's run folder or a genotype file to train yours)"
+    if isinstance(genotype, str) and genotype in GENOTYPES: return genotype
+    return f"the cell in {genotype}"
+
 def train(**flags):
     "Train a derived cell from scratch with NT-ASGD; evaluate it on the test split with the averaged weights"
     r = _prepare('train', flags)
@@ -267,13 +275,14 @@ def train(**flags):
         from rnn_darts.data import lm_dls, test_dl
         from rnn_darts.learner import train_learner, evaluate, RunInfo
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
-        from callbacks.logs import RunLogger
+        from callbacks.logs import RunLogger, plain_output
         s, dev, out, corpus, g, resume = r.s, r.dev, r.out, r.corpus, r.genotype, r.resume
-        if r.rank == 0: print(f"train {g} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
+        if r.rank == 0: print(f"train {cell_name(s['genotype'], r.src['genotype'])} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         learn = train_learner(dls, g, path=out, resume=True if resume else None, device=dev,
                               cbs=[RunLogger('log.csv', append=resume), RunInfo('train', s, r.data)], **_kwargs(train_learner, s, ('genotype',)))
         learn = distrib_learner(learn)
+        if r.rank == 0: plain_output(learn)
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
         exit_if_interrupted(learn)
         res = evaluate(learn, test_dl(corpus, s['bptt'], bs=s['test_bs'], device=dev))   # on every rank: validation all-reduces

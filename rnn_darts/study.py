@@ -266,7 +266,7 @@ def run_study(
     for k in ('search_preset', 'train_preset'):   # both presets exist, before anything runs
         from rnn_darts.options import known_options, setting_name
         try: read_preset(s[k], known_options(), find_settings(settings, s[k]))
-        except KeyError as e: raise UsageError(f"{setting_name(k, src)}: {e.args[0]}") from None
+        except (KeyError, UsageError) as e: raise UsageError(f"{setting_name(k, src)}: {e.args[0]}") from None
     check_stages(stages, s, study_dir, settings)
     _check_folder(study_dir)
     from rnn_darts.runs import RunLock

@@ -100,3 +100,36 @@ def test_search_and_train_flags_come_from_one_table(tmp_path, capsys):
                         curvature_windows=2, out=str(tmp_path/'s'))
     assert learn.curvature.windows == 2 and len(learn.curvature.history[-1]['lambda_max_windows']) == 2
     assert json.loads((tmp_path/'s'/'run.json').read_text())['settings']['curvature_windows'] == 2
+
+def run_into_a_file(tmp_path, *argv):
+    "`rnn-darts ARGV > file`, as a cluster's job log: (exit status, what the file holds, stderr)"
+    import os, subprocess, sys
+    from pathlib import Path
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    with open(tmp_path/'out.txt', 'w') as f:
+        r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', *argv], stdout=f, stderr=subprocess.PIPE, text=True, env=env)
+    return r.returncode, (tmp_path/'out.txt').read_text(), r.stderr
+
+@pytest.mark.slow
+@pytest.mark.parametrize('mode', ['first', 'random'])
+def test_output_into_a_file_is_a_line_per_epoch_without_bar_frames(tmp_path, mode):
+    "Into a file: the table's header once and one line per epoch; no carriage return, no bar character (random: no scoring bar)"
+    more = ['--candidates', '4', '--top', '2'] if mode == 'random' else []
+    code, text, err = run_into_a_file(tmp_path, 'search', *TINY[:5], '2', *TINY[6:], '--mode', mode, *more, '--threads', '1',
+                                      '--out', str(tmp_path/'s'))
+    assert code == 0 and err == '', err
+    assert '\r' not in text and '█' not in text, text[:400]
+    lines = text.splitlines()
+    assert [l.split()[:3] for l in lines if l.startswith('epoch ') and 'train_loss' in l] == [['epoch', 'train_loss', 'valid_loss']]
+    assert [l.split()[0] for l in lines if l[:1].isdigit()] == ['0', '1']
+
+def test_train_names_its_cell_in_its_first_line(tmp_path, capsys):
+    "No --genotype: the first line says DARTS_V2 is the default; a search's run folder is read as its genotype.json"
+    from rnn_darts.genotypes import ENAS, save_genotype
+    from rnn_darts.runs import cell_name
+    assert cell_name('DARTS_V2', 'default').startswith('DARTS_V2 (the default cell: no --genotype given')
+    assert cell_name('ENAS', 'flag') == 'ENAS' and cell_name('runs/s', 'flag') == 'the cell in runs/s'
+    run = tmp_path/'search'; run.mkdir(); save_genotype(ENAS, run/'genotype.json')
+    learn = cli.run_command(['train', *TINY, '--genotype', str(run), '--out', str(tmp_path/'t')])
+    assert learn.model.genotype == ENAS
+    assert capsys.readouterr().out.splitlines()[0].startswith(f"train the cell in {run} on ")

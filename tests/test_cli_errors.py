@@ -118,7 +118,8 @@ def test_settings_file_errors(capsys, tmp_path):
     fails(capsys, ['search', *NUM, '--preset', 'x', '--settings', str(ini)], 1, "preset [x] has key 'lrr', which no option knows")
     ini.write_text('[x]\nnhid = sixteen\n')
     fails(capsys, ['search', *NUM, '--preset', 'x', '--settings', str(ini)], 2, "[x] nhid: expected int, got 'sixteen'")
-    fails(capsys, ['search', *NUM, '--preset', 'nope', '--settings', str(ini)], 1, 'no preset [nope]; presets there: x')
+    fails(capsys, ['search', *NUM, '--preset', 'nope', '--settings', str(ini)], 2, 'no preset [nope]; presets there: x')
+    fails(capsys, ['search', *NUM, '--preset', 'quik'], 2, 'no preset [quik] (did you mean quick?)')
     ini.write_text('[x]\nlr = nan\n')   # a bad value from a preset names the file, the preset and the key
     fails(capsys, ['search', '--preset', 'x', '--settings', str(ini), '--out', str(tmp_path/'o')], 2,
           f'{ini}: [x] lr must be a finite number > 0, got nan')

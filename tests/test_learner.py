@@ -213,6 +213,7 @@ def test_readme_python_example_with_a_preset(tmp_path):
     p = load_preset('quick')
     p.update(n_train=1_500, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=16, nhid=16)   # tiny, for the test
     with pytest.raises(TypeError): search_learner(None, None, **p)   # a preset is not a list of learner keywords
+    set_seed(p['seed'])
     corpus = numbers_corpus(seed=p['seed'], n_train=p['n_train'], n_valid=600, n_test=400)   # README: default valid/test sizes
     dls = lm_dls(corpus, bs=p['bs'], bptt=p['bptt'], eval_bs=p['eval_bs'], seed=p['seed'])
     learn = search_learner(dls, search_stream(corpus, bs=p['bs']), path=tmp_path/'search', **learner_kwargs(p, search_learner))
@@ -226,6 +227,24 @@ def test_readme_python_example_with_a_preset(tmp_path):
     assert res['ppl'] == pytest.approx(torch.tensor(res['loss']).exp().item()) and res['ppl'] < len(corpus.vocab) * 2
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_readme_python_example_and_the_command_line_give_the_same_losses(tmp_path):
+    "The README's Python example and `rnn-darts search --preset quick`, at tiny sizes and one thread: the same losses, bit for bit"
+    from rnn_darts import cli, set_seed, numbers_corpus, lm_dls, search_stream, search_learner, load_preset, learner_kwargs
+    tiny = dict(n_train=1_500, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=16, nhid=16)
+    n = torch.get_num_threads()
+    try:
+        flags = [f for k, v in tiny.items() for f in ('--' + k.replace('_', '-'), str(v))]
+        by_cli = cli.run_command(['search', '--preset', 'quick', *flags, '--threads', '1', '--device', 'cpu', '--out', str(tmp_path/'cli')])
+        p = load_preset('quick'); p.update(tiny)
+        set_seed(p['seed'])   # the README's example, as written there
+        corpus = numbers_corpus(seed=p['seed'], n_train=p['n_train'])
+        dls = lm_dls(corpus, bs=p['bs'], bptt=p['bptt'], eval_bs=p['eval_bs'], seed=p['seed'])
+        learn = search_learner(dls, search_stream(corpus, bs=p['bs']), path=tmp_path/'py', **learner_kwargs(p, search_learner))
+        learn.fit(p['epochs'])
+    finally: torch.set_num_threads(n)
+    assert learn.recorder.values == by_cli.recorder.values and learn.model.genotype() == by_cli.model.genotype()
+
 def test_top_level_api_is_lazy_and_complete():
     code = ("import sys, rnn_darts; assert 'fastai' not in sys.modules, 'import rnn_darts imported fastai'; "
             "from rnn_darts import search_learner; assert 'fastai' in sys.modules; print(rnn_darts.__version__)")

@@ -144,7 +144,7 @@ def test_killed_study_resumes_to_the_same_table(done, tmp_path, sig, capsys):
     if p.returncode == 143:                                            # caught inside the fit: the resume line repeats the study command
         assert 'resume with: rnn-darts study --preset tiny-study' in err and '--resume' not in err
     capsys.readouterr()
-    cli.run_command(study_args(d, tmp_path/'s'))
+    cli.run_command(study_args(d, tmp_path/'s', *(['--resume'] if sig == signal.SIGKILL else [])))   # --resume: what running again does
     if p.returncode == 143: assert 'resumed from' in capsys.readouterr().out   # the stopped stage went on from its mid-epoch state
     pd.testing.assert_frame_equal(table(tmp_path/'s'), table(s))
 
