@@ -211,7 +211,9 @@ def read_preset(name:str, known:dict, path=None) -> dict:
         raise UsageError(f"{p}: no preset [{name}]{f' (did you mean {near[0]}?)' if near else ''}; presets there: {', '.join(cp.sections())}{more}")
     res = {}
     for k, v in cp[name].items():
-        if k not in known: raise KeyError(f"{p}: preset [{name}] has key {k!r}, which no option knows; known: {', '.join(sorted(known))}")
+        if k not in known:
+            near = difflib.get_close_matches(k, known, n=1)
+            raise UsageError(f"{p}: preset [{name}] has key {k!r}{f' (did you mean {near[0]}?)' if near else ''}, which no option knows; known: {', '.join(sorted(known))}")
         res[k] = _convert(v, known[k], f"{p}: [{name}] {k}")
     return res
 

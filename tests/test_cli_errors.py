@@ -115,7 +115,7 @@ def test_settings_file_errors(capsys, tmp_path):
     ini.write_text('[x]\nnhid 8\n')
     fails(capsys, ['search', *NUM, '--preset', 'x', '--settings', str(ini)], 1, f"{ini}: line 2: 'nhid 8' is not a 'key = value' line")
     ini.write_text('[x]\nlrr = 3\n')
-    fails(capsys, ['search', *NUM, '--preset', 'x', '--settings', str(ini)], 1, "preset [x] has key 'lrr', which no option knows")
+    fails(capsys, ['search', *NUM, '--preset', 'x', '--settings', str(ini)], 2, "preset [x] has key 'lrr' (did you mean lr?), which no option knows")
     ini.write_text('[x]\nnhid = sixteen\n')
     fails(capsys, ['search', *NUM, '--preset', 'x', '--settings', str(ini)], 2, "[x] nhid: expected int, got 'sixteen'")
     fails(capsys, ['search', *NUM, '--preset', 'nope', '--settings', str(ini)], 2, 'no preset [nope]; presets there: x')

@@ -195,7 +195,7 @@ def test_bad_study_settings_get_one_line(tmp_path, capsys):
     fails(capsys, study_args(tmp_path, tmp_path/'a', '--stage', 'search-first-9'), '--stage search-first-9', 'search-first-1, search-random-1')
     fails(capsys, study_args(tmp_path, tmp_path/'a', '--short-epochs', '0'), '--short-epochs')
     p.write_text(TINY.replace('short_epochs = 1', 'short_epoch = 1'))
-    fails(capsys, study_args(tmp_path, tmp_path/'a'), str(p), '[tiny-study]', "'short_epoch'", code=1)
+    fails(capsys, study_args(tmp_path, tmp_path/'a'), str(p), '[tiny-study]', "'short_epoch'", code=2)
     p.write_text(TINY.replace('seeds = 1', 'seeds = 1,1'))
     fails(capsys, study_args(tmp_path, tmp_path/'a'), f"{p}: [tiny-study] seeds names 1 twice")
     p.write_text(TINY.replace('eval_bs = 4\ntest_bs = 4', 'eval_bs = 0\ntest_bs = 4'))   # a bad value in the train preset: found before any search runs
