@@ -11,9 +11,10 @@ from pathlib import Path
 from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_number, check_choice, write_text_atomic
 
 # %% auto #0
-__all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'study_settings', 'Stage', 'plan_stages', 'check_study', 'stage_command',
+__all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'study_settings', 'Stage', 'plan_stages', 'check_study', 'stage_command',
            'stage_record', 'stage_settings', 'stage_done', 'stage_seconds', 'select_winner', 'study_rows',
-           'check_stages', 'check_final', 'run_stage', 'run_study', 'collect_study', 'plot_study', 'write_study_report']
+           'planned_work', 'check_stages', 'check_final', 'run_stage', 'run_study', 'collect_study', 'plot_study',
+           'write_study_report']
 
 # %% ../nbs/17_study.ipynb #160dffce
 STUDY_OPTIONS = dict(   # name -> (type, default): the defaults are the paper's protocol
@@ -156,22 +157,32 @@ def _fmt_time(sec:float) -> str:
     sec = int(round(sec))
     return f"{sec // 3600}h {sec % 3600 // 60:02d}m" if sec >= 3600 else f"{sec // 60}m {sec % 60:02d}s" if sec >= 60 else f"{sec}s"
 
-def _estimate(stages:list, study_dir:Path, s:dict) -> float|None:
-    "Seconds the `stages` will take, from the finished stages of the same kind (search: of the same method), or None if unknown"
-    done = {}
-    for d in study_dir.iterdir() if study_dir.is_dir() else []:
-        sec = stage_seconds(stage_record(d)) if (d/'run.json').is_file() else None
-        if sec is None or not (stage_record(d) or {}).get('finished'): continue
-        key = ('search', d.name.split('-')[1]) if d.name.startswith('search-') else 'final' if d.name == 'final' else 'short'
-        done.setdefault(key, []).append(sec)
-    mean = lambda k: sum(done[k]) / len(done[k]) if k in done else None
-    total = 0.0
+PASSES = dict(second=5, exact=6, first=2, random=1, train=1)   # forward-and-backward passes over a training batch, per batch
+
+def planned_work(stages:list, s:dict, study_dir, settings_file=None) -> dict:
+    "Each stage's planned multiply-adds (stage name -> float): epochs × training tokens × passes × (a cell's 20 nhid² + the decoder's nhid · vocabulary)"
+    from rnn_darts.runs import load_corpus
+    corpora, res = {}, {}
     for st in stages:
-        e = mean(('search', st.method)) if st.kind == 'search' else mean(st.kind)
-        if e is None and st.kind == 'final' and mean('short') is not None: e = mean('short') * s['final_epochs'] / s['short_epochs']
-        if e is None: return None
-        total += e
-    return total
+        cmd, flags = stage_command(st, s, study_dir, settings_file, winner=stages[0].name)
+        run = stage_settings(cmd, flags)[0]
+        key = (run['data'], run['files'], run['unk']) + ((run['seed'], run['n_train']) if run['data'] == 'numbers' else ())
+        if key not in corpora: c = load_corpus(run); corpora[key] = (len(c.train), len(c.vocab))
+        tokens, vocab = corpora[key]
+        res[st.name] = run['epochs'] * tokens * PASSES[st.method if st.kind == 'search' else 'train'] * (20 * run['nhid'] ** 2 + run['nhid'] * vocab)
+    return res
+
+def _estimate(stages:list, study_dir:Path, work:dict) -> float|None:
+    "Seconds the `stages` will take: their planned `work` at the rate the finished stages ran (searches and trainings apart, while both are known), or None before any finished"
+    done = {}
+    for st_name, w in work.items():
+        rec = stage_record(study_dir/st_name) if (study_dir/st_name/'run.json').is_file() else None
+        sec = stage_seconds(rec) if rec and rec.get('finished') else None
+        if sec: done.setdefault('search' if st_name.startswith('search-') else 'train', []).append((sec, w))
+    if not done: return None
+    rate = {k: sum(t for t, _ in v) / sum(w for _, w in v) for k, v in done.items()}   # seconds per multiply-add
+    pooled = sum(t for v in done.values() for t, _ in v) / sum(w for v in done.values() for _, w in v)
+    return sum(work[st.name] * rate.get('search' if st.kind == 'search' else 'train', pooled) for st in stages)
 
 def _study_record(study_dir:Path, s:dict, preset, override:bool) -> dict:
     "Write `study.json`, or check this study's settings against it (refused if they differ, unless `override`)"
@@ -277,24 +288,25 @@ def run_study(
             if wait: raise UsageError(f"--stage {stage} needs {', '.join(x.name for x in wait)} done first (rnn-darts study --stage NAME runs one)")
         _study_record(study_dir, s, preset, override)
         t0, todo = time.time(), [stages[names.index(stage)]] if stage is not None else stages
+        work = planned_work(stages, s, study_dir, settings)
         for st in todo:
             i, n = (stages.index(st) + 1, len(stages)) if stage is None else (1, 1)
             cmd, flags = stage_command(st, s, study_dir, settings, _final_source(st, stages, study_dir))
             if stage_done(stage_record(study_dir/st.name), cmd, flags):
                 print(f"study [{i}/{n}] {st.name}: done before, skipped", flush=True); continue
             left = [x for x in todo[todo.index(st):] if x.kind == 'final' or not (stage_record(study_dir/x.name) or {}).get('finished')]
-            _run_logged(st, i, n, left, stages, s, study_dir, settings, device, threads, override, t0)
+            _run_logged(st, i, n, left, stages, s, study_dir, settings, device, threads, override, t0, work)
         if stage is not None: return None
         df = collect_study(study_dir, stages)
         write_study_report(study_dir, df)
         return df
 
 # %% ../nbs/17_study.ipynb #288fc733
-def _run_logged(st:Stage, i:int, n:int, left:list, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, t0:float):
-    "Run one stage between two progress lines: elapsed time, and the time the stages `left` take as far as finished stages tell"
-    est = _estimate(left, study_dir, s)
-    print(f"study [{i}/{n}] {st.name}: starts ({_fmt_time(time.time() - t0)} so far"
-          f"{'; about ' + _fmt_time(est) + ' left' if est is not None else ''})", flush=True)
+def _run_logged(st:Stage, i:int, n:int, left:list, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, t0:float, work:dict):
+    "Run one stage between two progress lines: elapsed time, and the time the stages `left` take at the rate of the finished ones"
+    est = _estimate(left, study_dir, work)
+    print(f"study [{i}/{n}] {st.name}: starts ({_fmt_time(time.time() - t0)} so far; "
+          f"{'about ' + _fmt_time(est) + ' left' if est is not None else 'the time left is known once a stage has finished'})", flush=True)
     t = time.time()
     run_stage(st, stages, s, study_dir, settings_file, device, threads, override)
     print(f"study [{i}/{n}] {st.name}: done in {_fmt_time(time.time() - t)}", flush=True)

@@ -72,7 +72,8 @@ def test_study_runs_every_stage_and_tells_the_truth(done):
     lines = [l for l in stdout.splitlines() if l.startswith('study [')]
     assert [l.split()[2].rstrip(':') for l in lines] == [x for x in STAGES for _ in (0, 1)]   # a line as each starts and ends
     assert all('so far' in l for l in lines[::2]) and all('done in' in l for l in lines[1::2])
-    assert 'left' in lines[-2]                                         # the final stage's estimate: from the finished stages
+    assert 'the time left is known once a stage has finished' in lines[0]  # the first stage: nothing to go by yet
+    assert all(' left)' in l for l in lines[2::2])                     # every later stage: its planned work at the finished stages' rate
     df = pd.read_csv(s/'study.csv')
     assert list(df.columns) == list(STUDY_COLUMNS)
     assert list(df.stage) == STAGES[2:5] and list(df.method) == ['first', 'random', 'reference']
