@@ -392,7 +392,8 @@ class FiniteValidation(TrainEpochEnd):
     def epoch_done(self):
         self.last_valid = v = valid_loss_of(self.learn)
         if finite_validation(v): self.last_finite = self.epoch; return
-        if self.last_finite is None:
+        best = getattr(getattr(self.learn, 'best_valid_loss', None), 'value', None)   # a checkpoint older than this callback keeps only the best
+        if self.last_finite is None and not (best is not None and finite_validation(best)):
             raise RuntimeError(f"epoch {self.epoch}: the validation loss is {v:.4g}, and no epoch of this run had a finite validation loss and "
                                f"perplexity, so there is no state to go back to and no cell worth deriving; stopping. Try a smaller learning "
                                f"rate (--lr) or gradient clip (--clip)")

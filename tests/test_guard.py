@@ -81,6 +81,10 @@ def test_a_run_that_validated_finitely_once_goes_on_and_names_that_epoch(tmp_pat
     assert "the validation perplexity was last finite at epoch 0; the epochs after it, to epoch 2, were not" in capsys.readouterr().out
     resumed = tiny_train(tmp_path, on_nan='skip', resume=True, cbs=[AllValid(NAN)]); fit(resumed, 4)   # epoch 3 is not finite either
     assert resumed.first_epoch == 3 and "last finite at epoch 0; the epochs after it, to epoch 3, were not" in capsys.readouterr().out
+    p = tmp_path/'checkpoints'/'epoch_0003.pth'
+    old = load_checkpoint(p); del old['cbs']['FiniteValidation']; save_atomic(old, p)   # as a version before FiniteValidation wrote it
+    older = tiny_train(tmp_path, on_nan='skip', resume=True, cbs=[AllValid(NAN)]); fit(older, 5)   # its finite best says enough
+    assert older.first_epoch == 4 and older.finite_validation.last_finite is None
 
 def test_minus_inf_valid_loss_is_never_best(tmp_path):
     learn = tiny_train(tmp_path, cbs=[SetValid(1, -INF)]); fit(learn, 3)
