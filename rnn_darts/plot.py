@@ -13,14 +13,17 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap
 from matplotlib.ticker import MaxNLocator
 from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch, Rectangle, Patch
+from matplotlib.path import Path as MplPath
+from matplotlib.transforms import Bbox
 from rnn_darts.core import naming
 from rnn_darts.genotypes import (Genotype, PRIMITIVES, check_genotype, load_genotype, edge_slices,
                                  derive_genotype, genotype_from_dict)
 
 # %% auto #0
-__all__ = ['OP_COLORS', 'FORMATS', 'VALID_BELOW_TRAIN', 'ShownFigure', 'dot_path', 'genotype_dot', 'cell_layout', 'plot_genotype',
-           'load_history', 'entry_genotype', 'alpha_matrix', 'edge_names', 'plot_alphas', 'genotype_gif', 'log_frame',
-           'plot_curves', 'plot_curvature', 'plot_candidates', 'run_summary', 'write_report']
+__all__ = ['OP_COLORS', 'FORMATS', 'LABEL_AT', 'VALID_BELOW_TRAIN', 'ShownFigure', 'dot_path', 'genotype_dot', 'cell_layout',
+           'plot_genotype', 'load_history', 'entry_genotype', 'alpha_matrix', 'edge_names', 'plot_alphas',
+           'genotype_gif', 'log_frame', 'plot_curves', 'plot_curvature', 'plot_candidates', 'run_summary',
+           'write_report']
 
 # %% ../nbs/09_plot.ipynb #ccbf2eea
 OP_COLORS = {'none': '#9e9e9e', 'tanh': '#1f77b4', 'relu': '#d62728', 'sigmoid': '#2ca02c', 'identity': '#9467bd'}
@@ -92,6 +95,9 @@ def cell_layout(genotype) -> dict:
     for i, (op, pred) in enumerate(g.recurrent, 1): depth[i] = depth[pred] + 1
     layers = {}
     for i, d in depth.items(): layers.setdefault(d + 1, []).append(i)
+    for x in sorted(layers)[1:]:   # a layer in its predecessors' order: each node has one, so no two op edges cross
+        rank = {n: k for k, n in enumerate(layers[x - 1])}
+        layers[x].sort(key=lambda i: (rank[g.recurrent[i - 1][1]], i))
     layers[0] = ['x_t', 'h_{t-1}']
     layers[max(layers) + 1] = ['h_t']
     pos = {}
@@ -100,11 +106,39 @@ def cell_layout(genotype) -> dict:
         for k, name in enumerate(names): pos[name] = (float(x), (n - 1) / 2 - k)
     return pos
 
+LABEL_AT = (0.5, 0.42, 0.58, 0.34, 0.66, 0.26, 0.74, 0.18, 0.82)   # where along its edge a label may sit, the middle first
+
+def _arc_point(pa, pb, rad, f):
+    "The point at `f` (0..1) along the quadratic Bezier that connectionstyle arc3 draws from `pa` to `pb`"
+    (xa, ya), (xb, yb) = pa, pb
+    cx, cy = (xa + xb) / 2 + rad * (yb - ya), (ya + yb) / 2 - rad * (xb - xa)
+    return ((1-f)**2 * xa + 2*f*(1-f) * cx + f**2 * xb, (1-f)**2 * ya + 2*f*(1-f) * cy + f**2 * yb)
+
+def _place_labels(ax, labelled, nodes, plain):
+    "Put each label of `labelled` [(arrow, a, b, rad, op, colour)] on its edge: the first `LABEL_AT` point clear of labels and nodes, crossing fewest edges"
+    r, px = ax.figure.canvas.get_renderer(), ax.figure.dpi / 72
+    node_boxes = [n.get_window_extent(r).padded(6 * px) for n in nodes]        # a node and the arrowheads at it
+    lines = lambda a: [MplPath(p) for p in a.get_transform().transform_path(a.get_path()).to_polygons(closed_only=False)]
+    ops, plain = {e[0]: lines(e[0]) for e in labelled}, [lines(a) for a in plain]   # polylines in pixels, as the boxes are
+    crosses = lambda box, ps: any(p.intersects_bbox(box, filled=False) for p in ps)
+    placed = []
+    for arr, pa, pb, rad, label, color in labelled:
+        t = ax.text(*pa, label, ha='center', va='center', fontsize=9, color=color, zorder=5,   # above every edge (2) and node (3, 4)
+                    bbox=dict(boxstyle='round,pad=0.15', fc='white', ec='none'))                  # opaque: no edge shows through
+        w, h = t.get_window_extent(r).size + 2 * (0.15 * t.get_fontsize() * px + 1)   # the white box, and a pixel
+        def cost(k):
+            x, y = ax.transData.transform(_arc_point(pa, pb, rad, LABEL_AT[k]))
+            box = Bbox.from_bounds(x - w/2, y - h/2, w, h)
+            return (sum(box.overlaps(b) for b in placed), sum(box.overlaps(b) for b in node_boxes),
+                    sum(crosses(box, ps) for a, ps in ops.items() if a is not arr), sum(crosses(box, ps) for ps in plain), k), box
+        (*_, k), box = min((cost(k) for k in range(len(LABEL_AT))), key=lambda c: c[0])
+        t.set_position(_arc_point(pa, pb, rad, LABEL_AT[k])); placed.append(box)
+
 def _draw_cell(ax, g:Genotype, title=None):
     pos = {k: (1.6 * x, y) for k, (x, y) in cell_layout(g).items()}   # wider than tall: room for edge labels
     nx = max(p[0] for p in pos.values()); ys = [p[1] for p in pos.values()]
     ax.set_xlim(-0.7, nx + 0.7); ax.set_ylim(min(ys) - 0.5, max(ys) + 0.5)
-    ax.set_aspect('equal'); ax.axis('off')
+    ax.set_aspect('equal'); ax.axis('off'); ax.apply_aspect()          # the final scale now: labels are measured in it
     nodes = {}
     def node(name, label, color):
         x, y = pos[name]
@@ -117,22 +151,17 @@ def _draw_cell(ax, g:Genotype, title=None):
         ax.text(x, y, label, ha='center', va='center', fontsize=11, zorder=4)
     node('x_t', 'x_t', '#a6d8f0'); node('h_{t-1}', 'h_{t-1}', '#a6d8f0'); node('h_t', 'h_t (mean)', '#f5e08a')
     for i in range(len(g.recurrent) + 1): node(i, str(i), '#c7e9c0' if i == 0 else '#d9d9d9')
-    def edge(a, b, color, lw=1.2, ls='-', label=None):
+    def edge(a, b, color, lw=1.2, ls='-'):
         (xa, ya), (xb, yb) = pos[a], pos[b]
         rad = 0.0 if xb - xa <= 1.7 else (0.2 if yb <= ya else -0.2)
         arr = FancyArrowPatch(pos[a], pos[b], patchA=nodes[a], patchB=nodes[b], arrowstyle='-|>', mutation_scale=12,
                               connectionstyle=f'arc3,rad={rad}', color=color, lw=lw, ls=ls, zorder=2)
         ax.add_patch(arr)
-        if label:
-            # the midpoint of the quadratic Bezier arc3 draws: chord midpoint moved by rad * chord length
-            mx, my = (xa + xb) / 2, (ya + yb) / 2
-            dx, dy = xb - xa, yb - ya
-            mx, my = mx + rad * dy / 2, my - rad * dx / 2
-            ax.text(mx, my, label, ha='center', va='center', fontsize=9, color=color, zorder=5,
-                    bbox=dict(boxstyle='round,pad=0.15', fc='white', ec='none', alpha=0.9))
-    edge('x_t', 0, '#555555'); edge('h_{t-1}', 0, '#555555')
-    for c in g.concat: edge(c, 'h_t', '#aaaaaa', lw=0.8, ls='--')
-    for i, (op, pred) in enumerate(g.recurrent, 1): edge(pred, i, OP_COLORS[op], lw=2, label=op)
+        return arr, pos[a], pos[b], rad
+    arrows = [edge('x_t', 0, '#555555')[0], edge('h_{t-1}', 0, '#555555')[0]]
+    arrows += [edge(c, 'h_t', '#aaaaaa', lw=0.8, ls='--')[0] for c in g.concat]
+    labelled = [(*edge(pred, i, OP_COLORS[op], lw=2), op, OP_COLORS[op]) for i, (op, pred) in enumerate(g.recurrent, 1)]
+    _place_labels(ax, labelled, nodes.values(), arrows)
     if title: ax.set_title(title)
 
 def _cell_size(gens) -> tuple:

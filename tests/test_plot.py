@@ -6,7 +6,7 @@ import numpy as np, pandas as pd, pytest
 from PIL import Image
 
 import rnn_darts.plot as P
-from rnn_darts.genotypes import DARTS_V2, ENAS, PRIMITIVES, derive_genotype
+from rnn_darts.genotypes import DARTS_V1, DARTS_V2, ENAS, PRIMITIVES, Genotype, derive_genotype
 
 MAGIC = {'png': b'\x89PNG', 'pdf': b'%PDF', 'gif': b'GIF8'}
 HAS_DOT = shutil.which('dot') is not None
@@ -145,6 +145,101 @@ def test_broken_dot_falls_back(monkeypatch, tmp_path):
     with pytest.warns(UserWarning, match='broken'):
         check_file(P.plot_genotype(DARTS_V2, tmp_path/'c.png'), 'png')
     with pytest.raises(RuntimeError, match='broken'): P.plot_genotype(DARTS_V2, tmp_path/'c.png', engine='dot')
+
+
+# ---------------------------------------------------------------- edge labels: none hidden (#42)
+
+IDENTITY = Genotype([('sigmoid', 0)] + [('identity', 0)] * 7, tuple(range(1, 9)))     # the quick search's typical cell
+CROSSED = Genotype([('tanh', 0), ('relu', 0), ('sigmoid', 2), ('identity', 1), ('identity', 3), ('identity', 4), ('relu', 3),
+                    ('tanh', 4)], tuple(range(1, 9)))                          # 2->3 crosses 1->4, 3->7 crosses 4->6
+IDENTITY_CROSSED = Genotype([('identity', 0)] * 3 + [('identity', 3), ('identity', 2), ('identity', 3), ('identity', 5),
+                            ('identity', 5)], tuple(range(1, 9)))
+LABELLED = dict(DARTS_V2=DARTS_V2, DARTS_V1=DARTS_V1, ENAS=ENAS, identity=IDENTITY, crossed=CROSSED, identity_crossed=IDENTITY_CROSSED)
+
+
+def random_cells(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [Genotype([(PRIMITIVES[rng.integers(1, len(PRIMITIVES))], int(rng.integers(i))) for i in range(1, 9)], tuple(range(1, 9)))
+            for _ in range(n)]
+
+
+def label_clashes(fig) -> list:
+    "What hides an edge label in a drawn cell: another label's box over it, a node under it, an edge able to draw over it"
+    from matplotlib.patches import FancyArrowPatch
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    labels = [t for t in ax.texts if t.get_text() in PRIMITIVES]
+    boxes = [t.get_bbox_patch().get_window_extent() for t in labels]          # the white box, which holds the text's extent
+    assert all(b.contains(*t.get_window_extent().min) and b.contains(*t.get_window_extent().max) for t, b in zip(labels, boxes))
+    bad = [f"labels {labels[i].get_text()!r} and {labels[j].get_text()!r} overlap"
+           for i in range(len(boxes)) for j in range(i + 1, len(boxes)) if boxes[i].overlaps(boxes[j])]
+    arrows = [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
+    nodes = [p for p in ax.patches if not isinstance(p, FancyArrowPatch)]
+    bad += [f"label {t.get_text()!r} covers a node" for t, b in zip(labels, boxes) if any(b.overlaps(n.get_window_extent()) for n in nodes)]
+    bad += [f"label {t.get_text()!r} can be drawn over" for t in labels
+            if t.get_zorder() <= max(a.get_zorder() for a in arrows) or t.get_bbox_patch().get_alpha() not in (None, 1)]
+    return bad
+
+
+@pytest.mark.parametrize('name', LABELLED)
+def test_cell_labels_all_visible(no_dot, name):
+    "Each edge label of the matplotlib diagram sits clear of every other label and node, above every edge"
+    g = LABELLED[name]
+    fig = P.plot_genotype(g)
+    assert sorted(t.get_text() for t in fig.axes[0].texts if t.get_text() in PRIMITIVES) == sorted(op for op, _ in g.recurrent)
+    assert label_clashes(fig) == []
+
+
+def test_cell_labels_all_visible_random_cells(no_dot):
+    for g in random_cells(20):
+        assert label_clashes(P.plot_genotype(g)) == [], g
+
+
+def test_gif_frames_labels_all_visible():
+    "genotype_gif draws every epoch at one common size: the labels must fit that size too"
+    size = P._cell_size([CROSSED, IDENTITY_CROSSED, DARTS_V2])
+    for g in (CROSSED, IDENTITY_CROSSED): assert label_clashes(P._cell_figure(g, 'epoch 1', size=size)) == []
+
+
+def test_study_selected_cell_labels_all_visible(no_dot, monkeypatch, tmp_path):
+    "The study report's selected.png is this diagram (plot_genotype), so its labels are clear too"
+    from rnn_darts.study import STUDY_COLUMNS, write_study_report
+    drawn, cell_figure = [], P._cell_figure
+    monkeypatch.setattr(P, '_cell_figure', lambda *a, **k: drawn.append(cell_figure(*a, **k)) or drawn[-1])
+    g = json.dumps(dict(recurrent=[list(x) for x in CROSSED.recurrent], concat=list(CROSSED.concat)))
+    row = dict(stage='short-search-first-1', method='first', seed=1, cell='search-first-1', genotype=g, search_seconds=60.0,
+               short_valid_loss=2.0, short_valid_ppl=math.exp(2.0), selected=True, final_valid_ppl=math.nan, final_test_ppl=math.nan)
+    write_study_report(tmp_path, pd.DataFrame([row], columns=list(STUDY_COLUMNS)))
+    check_file(tmp_path/'report'/'selected.png', 'png')
+    assert len(drawn) == 1 and drawn[0].axes[0].get_title() == 'selected: short-search-first-1'
+    assert label_clashes(drawn[0]) == []
+
+
+def _bezier_points(pts, n=25):
+    pts, s = np.asarray(pts, float), np.linspace(0, 1, n)[:, None]
+    return np.concatenate([(1-s)**3 * p0 + 3 * (1-s)**2 * s * p1 + 3 * (1-s) * s**2 * p2 + s**3 * p3
+                           for p0, p1, p2, p3 in (pts[k:k+4] for k in range(0, len(pts) - 3, 3))])
+
+
+@needs_dot
+@pytest.mark.parametrize('g', [*LABELLED.values(), *random_cells(10)], ids=[*LABELLED, *(f'random{k}' for k in range(10))])
+def test_dot_labels_all_visible(g):
+    "graphviz's layout (its -Tjson: label positions and widths, edge splines): no label box meets another or another edge"
+    j = json.loads(P._run_dot(P.genotype_dot(g, 'selected: a stage'), 'json'))
+    labels, curves = [], [np.concatenate([_bezier_points(o['points']) for o in e['_draw_'] if o['op'] == 'b']) for e in j['edges']]
+    for k, e in enumerate(j['edges']):
+        size = next((o['size'] for o in e.get('_ldraw_', []) if o['op'] == 'F'), None)
+        for o in e.get('_ldraw_', []):
+            if o['op'] == 'T':
+                (x, y), w = o['pt'], o['width']            # pt: the baseline's centre
+                labels.append((k, o['text'], (x - w / 2, y - 0.25 * size, x + w / 2, y + 0.8 * size)))
+    assert sorted(t for _, t, _ in labels) == sorted(op for op, _ in g.recurrent)
+    meet = lambda a, b: a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+    for i, (k, t, a) in enumerate(labels):
+        assert not [u for _, u, b in labels[i + 1:] if meet(a, b)], t
+        crossing = [c for m, c in enumerate(curves) if m != k and
+                    ((c[:, 0] > a[0]) & (c[:, 0] < a[2]) & (c[:, 1] > a[1]) & (c[:, 1] < a[3])).any()]
+        assert not crossing, f"an edge runs through the label {t!r}"
 
 
 # ---------------------------------------------------------------- α
