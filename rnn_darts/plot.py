@@ -392,10 +392,12 @@ def plot_candidates(candidates, path=None):
     scr = df['screen_ppl'].astype(float)
     ok, full = np.isfinite(scr), df['valid_ppl'].notna()
     fig = _figure(7, 3.6); ax = fig.subplots()
-    ax.hist(scr[ok], bins=min(40, max(5, int(ok.sum()) // 4)), color='0.75', edgecolor='0.4', label=f'screened ({int(ok.sum())} cells)')
+    counts, *_ = ax.hist(scr[ok], bins=min(40, max(5, int(ok.sum()) // 4)), color='0.75', edgecolor='0.4', label=f'screened ({int(ok.sum())} cells)')
+    ax.set_ylim(0, 1.45 * max(counts.max(), 1)); ax.yaxis.set_major_locator(MaxNLocator(integer=True))   # room for the legend above the bars
     ax.plot(scr[full], np.zeros(int(full.sum())), '|', ms=14, mew=2, color='C1', label=f'scored on the full split ({int(full.sum())})')
     win = df.sort_values('rank').iloc[0]
-    ax.axvline(win['screen_ppl'], color='C3', lw=2, label=f"chosen: full valid perplexity {win['valid_ppl']:.2f}")
+    ax.axvline(win['screen_ppl'], color='C3', lw=2,                  # on the axis's measure; the full split's value named beside it
+               label=f"chosen: screening perplexity {win['screen_ppl']:.2f} (full validation split {win['valid_ppl']:.2f})")
     bad = int((~ok).sum())
     ax.set_xlabel('validation perplexity, screening pass (short contexts)'); ax.set_ylabel('cells')
     ax.set_title(f"{len(df)} random cells on the shared weights" + (f"; {bad} overflowed (not drawn)" if bad else ''))

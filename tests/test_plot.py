@@ -364,6 +364,20 @@ def test_log_with_repeated_header(tmp_path):
     assert list(df['epoch']) == [0, 1] and list(df['valid_loss']) == [5.5, 5.0]
 
 
+# ---------------------------------------------------------------- random search's candidates
+
+def test_plot_candidates_marks_the_chosen_cell_where_its_legend_says():
+    "The chosen cell's line stands at the perplexity its legend prints first, the one the axis measures (screening); the full split's is named"
+    cands = pd.DataFrame(dict(rank=[2, 1, 3, 4, 5], screen_ppl=[9.12, 9.38, 9.9, 11.0, np.inf], valid_ppl=[9.01, 8.89, None, None, None]))
+    ax = P.plot_candidates(cands).axes[0]
+    chosen = [l for l in ax.lines if l.get_label().startswith('chosen')]
+    assert len(chosen) == 1 and chosen[0].get_label() in [t.get_text() for t in ax.get_legend().get_texts()]
+    label, x = chosen[0].get_label(), chosen[0].get_xdata()[0]
+    assert x == pytest.approx(9.38) and float(re.search(r'\d+\.\d+', label).group()) == pytest.approx(x, abs=0.005), label
+    assert re.search(r'screening[^\d]*9\.38', label) and 'screening' in ax.get_xlabel()
+    assert re.search(r'full validation[^\d]*8\.89', label), label
+
+
 # ---------------------------------------------------------------- report
 
 def _images(text, fmt):
