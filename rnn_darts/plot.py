@@ -11,7 +11,7 @@ import matplotlib as mpl
 from matplotlib.figure import Figure
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch, Rectangle, Patch
 from matplotlib.path import Path as MplPath
 from matplotlib.transforms import Bbox
@@ -361,6 +361,29 @@ def plot_curves(log, asgd_epoch:int|None=None, path=None, title:str|None=None):
     return _out(fig, path)
 
 # %% ../nbs/09_plot.ipynb #c4ae55bb
+def _plain_log_labels(ax):
+    "Plain numbers on a log y axis (0.2, not 2×10⁻¹); over less than 1.5 decades, the 2s, 3s and 5s between the powers of ten too"
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    def minor(y, _):
+        lo, hi = ax.get_ylim()
+        return f"{y:g}" if math.log10(hi / lo) < 1.5 and round(y / 10 ** math.floor(math.log10(y) + 1e-9)) in (2, 3, 5) else ''
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
+
+def _curvature_axis(ax, med, band) -> str:
+    "Log y when what is drawn spans over a factor of 10; limits around the median when it would fill under a quarter of the height. Returns what the band's legend adds"
+    med = np.asarray(med, float); allv = np.concatenate([med, np.asarray(band, float)])
+    med, allv = med[np.isfinite(med)], allv[np.isfinite(allv)]
+    log = bool((allv > 0).all() and allv.max() > 10 * allv.min())
+    if log: ax.set_yscale('log'); _plain_log_labels(ax)
+    f = np.log10 if log else (lambda y: y)
+    m0, m1, b0, b1 = f(med.min()), f(med.max()), f(allv.min()), f(allv.max())
+    height = 4 * max(m1 - m0, 0.1 if log else 0.1 * np.abs(med).max())   # the median's range in a quarter of it at least
+    if height <= 0 or b1 - b0 <= height: return ''
+    lo = min(max((m0 + m1) / 2 - height / 2, b0), b1 - height)             # centred on the median, moved to show more band
+    ax.set_ylim(*((10 ** lo, 10 ** (lo + height)) if log else (lo, lo + height)))
+    cut = ([f"down to {allv.min():.3g}"] if b0 < lo else []) + ([f"up to {allv.max():.3g}"] if b1 > lo + height else [])
+    return f" (cut by the plot: they reach {' and '.join(cut)})"
+
 def plot_curvature(log, history=None, early_stop:dict|None=None, path=None):
     "λ_max per epoch, with the epochs where the derived cell changed and DARTS-ES's stop marked; a Figure, or the path written"
     df = log_frame(log)
@@ -368,19 +391,19 @@ def plot_curvature(log, history=None, early_stop:dict|None=None, path=None):
     fig = _figure(7, 3.4); ax = fig.subplots()
     h = load_history(history) if history is not None else []
     win = [(e['epoch'], min(e['lambda_max_windows']), max(e['lambda_max_windows'])) for e in h if e.get('lambda_max_windows')]
-    if win:
-        ep, lo, hi = zip(*win)
-        ax.fill_between(ep, lo, hi, color='C2', alpha=0.15, lw=0, label=f"range over the {len(h[-1].get('lambda_max_windows') or [])} windows")
+    ep, lo, hi = zip(*win) if win else ((), (), ())
+    band = ax.fill_between(ep, lo, hi, color='C2', alpha=0.15, lw=0, label=f"range over the {len(h[-1].get('lambda_max_windows') or [])} windows") if win else None
     ax.plot(df['epoch'], df['lambda_max'], marker='.', color='C2', label='λ_max of ∇²_α L_valid' + (' (median over windows)' if win else ''))
-    v = df['lambda_max'][df['lambda_max'].notna()]
-    if (v > 0).all() and v.max() > 100 * v.min(): ax.set_yscale('log')   # PTB's values span orders of magnitude
+    cut = _curvature_axis(ax, df['lambda_max'][df['lambda_max'].notna()], lo + hi)   # PTB's values span orders of magnitude
+    if band is not None: band.set_label(band.get_label() + cut)
     changed = [b['epoch'] for a, b in zip(h, h[1:]) if a['genotype'] != b['genotype']]
     for i, e in enumerate(changed): ax.axvline(e, color='0.6', ls=':', lw=1, label='the derived cell changed' if i == 0 else None)
     if early_stop:
         ax.axvline(early_stop['epoch'], color='C3', lw=1.5, label=f"DARTS-ES stopped (epoch {early_stop['epoch']})")
         ax.axvline(early_stop['restored_epoch'], color='C3', ls='--', lw=1.5, label=f"α and weights from epoch {early_stop['restored_epoch']}")
     ax.set_xlabel('epoch'); ax.set_ylabel('λ_max'); ax.set_title('curvature of the validation loss in α'); ax.grid(alpha=0.3)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True)); ax.legend(fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=8, loc='upper center', bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)   # below the plot: it hides no data
     return _out(fig, path)
 
 # %% ../nbs/09_plot.ipynb #65f40bb6

@@ -364,6 +364,52 @@ def test_log_with_repeated_header(tmp_path):
     assert list(df['epoch']) == [0, 1] and list(df['valid_loss']) == [5.5, 5.0]
 
 
+# ---------------------------------------------------------------- curvature
+
+def curvature_run(med, windows):
+    log = pd.DataFrame(dict(epoch=range(len(med)), train_loss=5.0, valid_loss=4.0, lambda_max=med))
+    g = dict(recurrent=[['tanh', 0]], concat=[1])
+    return log, [dict(epoch=e, weights=[[0.2] * 5], genotype=g, lambda_max_windows=w) for e, w in enumerate(windows)]
+
+
+def median_share(ax) -> float:
+    "The share of the axis height that the median line's data spans (in the axis's own scale, log or linear)"
+    ax.figure.canvas.draw(); line = ax.lines[0]
+    y = ax.transAxes.inverted().transform(ax.transData.transform(np.c_[line.get_xdata(), line.get_ydata()]))[:, 1]
+    return y.max() - y.min()
+
+
+def test_plot_curvature_median_readable_under_a_wide_band():
+    "A median near 0.2 with three windows reaching 17 (#42): the median line spans at least a fifth of the plot's height"
+    med = [0.16, 0.18, 0.2, 0.22, 0.21, 0.24, 0.19, 0.23]
+    windows = [[0.6 * m, m, 1.4 * m] for m in med]
+    for e in (2, 4, 6): windows[e] = [0.1, med[e], 17.0]
+    log, h = curvature_run(med, windows)
+    ax = P.plot_curvature(log, h).axes[0]
+    assert list(ax.lines[0].get_ydata()) == med
+    assert median_share(ax) >= 0.2, (ax.get_yscale(), ax.get_ylim())
+    lo, hi = ax.get_ylim()
+    if hi < 17: assert any('17' in t.get_text() for t in ax.get_legend().get_texts())   # a cut band says how far it reaches
+
+
+def test_plot_curvature_narrow_band_shows_all_of_it():
+    "A band close to the median is drawn whole, on a linear axis"
+    med = [0.2, 0.3, 0.4, 0.5]
+    log, h = curvature_run(med, [[0.8 * m, m, 1.2 * m] for m in med])
+    ax = P.plot_curvature(log, h).axes[0]
+    assert ax.get_yscale() == 'linear' and ax.get_ylim()[0] <= 0.16 and ax.get_ylim()[1] >= 0.6
+    assert median_share(ax) >= 0.2 and not any('reach' in t.get_text() for t in ax.get_legend().get_texts())
+
+
+def test_plot_curvature_orders_of_magnitude_on_a_log_axis():
+    "PTB's λ_max grows by orders of magnitude: a log axis, everything in it"
+    med = [0.05, 0.5, 5.0, 50.0]
+    log, h = curvature_run(med, [[0.5 * m, m, 2 * m] for m in med])
+    ax = P.plot_curvature(log, h).axes[0]
+    assert ax.get_yscale() == 'log' and ax.get_ylim()[0] <= 0.025 and ax.get_ylim()[1] >= 100
+    assert median_share(ax) >= 0.2
+
+
 # ---------------------------------------------------------------- random search's candidates
 
 def test_plot_candidates_marks_the_chosen_cell_where_its_legend_says():
