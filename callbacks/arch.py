@@ -191,9 +191,11 @@ class ArchParamUpdate(Callback):
         return arch_precision(self.model.alpha.device, self.arch_bf16)
 
     def arch_step(self, trn, val):
-        "One architecture step (`arch_step`) with this callback's settings and optimizer; counts skipped steps and the search loss"
-        loss, ok = arch_step(self.model, self.arch_opt, trn, val, same_masks=self.same_masks, arch_bf16=self.arch_bf16,
-                             zero_one=self.zero_one, op_decay=self.op_decay, reduce=self.reduce, grad_fn=self.hypergrad)
+        "One architecture step (`arch_step`, or its CUDA graph: `CudaGraphs`) with this callback's settings and optimizer; counts skipped steps and the search loss"
+        graphs = getattr(getattr(self.learn, 'cuda_graphs', None), 'graphs', None)
+        res = graphs.arch(self, trn, val) if graphs is not None else None
+        loss, ok = res if res is not None else arch_step(self.model, self.arch_opt, trn, val, same_masks=self.same_masks, arch_bf16=self.arch_bf16,
+                                                         zero_one=self.zero_one, op_decay=self.op_decay, reduce=self.reduce, grad_fn=self.hypergrad)
         self.n_skipped += (~ok).long()
         self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
         self.n_steps += 1

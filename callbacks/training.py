@@ -10,7 +10,7 @@ from fastai.callback.rnn import RNNRegularizer as _RNNRegularizer
 from fastai.callback.schedule import ParamScheduler
 
 # %% auto #0
-__all__ = ['SeqLenLR', 'RNNRegularizer', 'FusedDecoderLoss', 'check_flat_opt', 'FlatGradClip']
+__all__ = ['SeqLenLR', 'ar_tar', 'RNNRegularizer', 'FusedDecoderLoss', 'check_flat_opt', 'FlatGradClip']
 
 # %% ../nbs/05_training.ipynb #46878712
 class SeqLenLR(Callback):
@@ -27,14 +27,17 @@ class SeqLenLR(Callback):
         if self.base is not None: self.opt.set_hyper('lr', self.base)
 
 # %% ../nbs/05_training.ipynb #519c7f29
+def ar_tar(out, raw, alpha, beta) -> list:
+    "The AR term `alpha·mean(out²)` and the TAR term `beta·mean((raw[:, t+1] − raw[:, t])²)` that apply (no TAR on one-token batches)"
+    terms = [alpha * out.float().pow(2).mean()] if alpha else []
+    if beta and raw.dim() > 1 and raw.shape[1] > 1: terms.append(beta * (raw[:, 1:] - raw[:, :-1]).float().pow(2).mean())
+    return terms
+
 class RNNRegularizer(_RNNRegularizer):
     "fastai's AR/TAR regularization, without TAR (which needs two time steps) on one-token batches"
     def after_loss(self):
         if not self.training: return
-        if self.alpha: self.learn.loss_grad += self.alpha * self.rnn.out.float().pow(2).mean()
-        if self.beta:
-            h = self.rnn.raw_out
-            if h.dim() > 1 and h.shape[1] > 1: self.learn.loss_grad += self.beta * (h[:, 1:] - h[:, :-1]).float().pow(2).mean()
+        for t in ar_tar(self.rnn.out, self.rnn.raw_out, self.alpha, self.beta): self.learn.loss_grad += t
 
 # %% ../nbs/05_training.ipynb #e9982076
 class FusedDecoderLoss(Callback):

@@ -15,6 +15,7 @@ from rnn_darts.core import cpu_name, naming
 from rnn_darts.genotypes import DARTS_V2, sample_genotype
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from callbacks.arch import ArchParamUpdate, arch_grad, hypergrad
+from callbacks.graphs import StepGraphs
 
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'STEP_NAMES', 'mem_kind', 'time_fn',
@@ -99,10 +100,13 @@ def _batches(ntoken, bs, bptt, n, device, seed):
         res.append((t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)))
     return res
 
-def weight_step(model, xb, yb, lr=STEP['lr'], clip=STEP['clip']):
-    "The learners' weight step: forward with the targets (the fused decoder loss), backward, flat clip, `w ← w − lr·g`"
-    loss = model(xb, yb)[0]
-    loss.backward()
+def weight_step(model, xb, yb, lr=STEP['lr'], clip=STEP['clip'], graphs=None):
+    "The learners' weight step: forward with the targets (the fused decoder loss) and backward (as a graph of `graphs`, a `StepGraphs`, if given), flat clip, `w ← w − lr·g`"
+    res = None if graphs is None else graphs.train(xb, yb)
+    if res is not None: loss = res[0]
+    else:
+        loss = model(xb, yb)[0]
+        loss.backward()
     g = model.flat.grad
     with torch.no_grad():
         g.mul_((clip / (g.norm() + 1e-6)).clamp(max=1))
@@ -110,11 +114,11 @@ def weight_step(model, xb, yb, lr=STEP['lr'], clip=STEP['clip']):
     model.zero_grad()
     return loss.detach()
 
-def arch_updater(model, mode='second', arch_bf16=False, **kwargs):
-    "An `ArchParamUpdate` bound to `model` outside a `Learner` (the search learner's callback, its Adam and guard)"
+def arch_updater(model, mode='second', arch_bf16=False, graphs=None, **kwargs):
+    "An `ArchParamUpdate` bound to `model` outside a `Learner` (the search learner's callback, its Adam and guard); its steps as graphs of `graphs` (a `StepGraphs`) if given"
     cb = ArchParamUpdate(None, mode, arch_lr=STEP['arch_lr'], arch_betas=STEP['arch_betas'], arch_wd=STEP['arch_wd'],
                          arch_bf16=arch_bf16, **kwargs)
-    cb.learn = SimpleNamespace(model=model)
+    cb.learn = SimpleNamespace(model=model, cuda_graphs=SimpleNamespace(graphs=graphs))
     cb.hypers = STEP['lr'], STEP['wd'], STEP['clip']
     cb.before_fit()
     return cb
@@ -129,10 +133,10 @@ def random_step(model, gen, xb, yb, lr=STEP['lr'], clip=STEP['clip']):
     return weight_step(model, xb, yb, lr=lr, clip=clip)
 
 def search_step(model, cb, trn, val, mode='second', lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
-    "One architecture step (the callback's own `arch_step`, in mode `mode`) then one weight step"
+    "One architecture step (the callback's own `arch_step`, in mode `mode`) then one weight step (both graphed if the callback's are)"
     cb.mode, cb.hypers = mode, (lr, wd, clip)
     cb.arch_step(trn, val)
-    return weight_step(model, *trn, lr=lr, clip=clip)
+    return weight_step(model, *trn, lr=lr, clip=clip, graphs=cb.learn.cuda_graphs.graphs)
 
 def in_bf16(fn, device):
     "`fn` run inside a bf16 autocast on `device`"
@@ -265,22 +269,25 @@ STEP_NAMES = dict(second='search step, 2nd order (fd)', first='search step, 1st 
 def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, iters:int|None=None,
               warmup:int|None=None, modes=('second', 'first', 'exact', 'random'), baseline=None, train:bool=True,
               evaluate:bool=True, shape:dict|None=None, train_shape:dict|None=None, eval_bs:int|None=None,
-              seed:int=0, threads:int|None=None, compile:bool=False, bf16:bool=False, verbose:bool=False) -> dict:
-    "Time the search steps, the derived model's training step and evaluation; `baseline(model, mode)`: another step to time beside ours"
+              seed:int=0, threads:int|None=None, compile:bool=False, bf16:bool=False, graphs:bool=False, verbose:bool=False) -> dict:
+    "Time the search steps, the derived model's training step and evaluation (`graphs`: as captured CUDA graphs); `baseline(model, mode)`: another step to time beside ours"
     if compile and not _kernels_recorded():   # compile with recorded kernels, so `launch_count` counts the rows' launches
         with kernel_profile(): return run_bench(**locals())
     if threads: torch.set_num_threads(threads)
     bad = set(modes) - set(STEP_NAMES)
     if bad: raise ValueError(f"unknown modes {sorted(bad)}; modes are {list(STEP_NAMES)}")
     dev = _device(device)
+    if graphs and torch.device(dev).type != 'cuda': raise ValueError(f"graphs=True times captured CUDA graphs: it needs a CUDA device, not {dev}")
+    if graphs and bf16: raise ValueError("graphs=True with bf16=True: bf16 autocast's cache of cast weights cannot be captured")
     base = SMALL_SHAPES if small else FULL_SHAPES
     S = {**base['search'], **(shape or {})}
     TS = {**base['train'], **(train_shape or {})}
     ebs = eval_bs or base['eval_bs']
     iters = iters if iters is not None else (3 if small else 10)
     warmup = warmup if warmup is not None else (1 if small else 3)
+    if graphs: warmup = max(warmup, 2)   # a graph's first call runs eager, its second captures it
     res = dict(device=dev, device_name=_device_name(dev), kernels=None, torch=torch.__version__, threads=torch.get_num_threads(),
-               small=small, iters=iters, warmup=warmup, compile=compile, bf16=bf16, mem_kind=mem_kind(dev),
+               small=small, iters=iters, warmup=warmup, compile=compile, bf16=bf16, graphs=graphs, mem_kind=mem_kind(dev),
                shapes=dict(search=S, train=dict(TS, genotype='DARTS_V2'), eval_bs=ebs), step=dict(STEP), rows=[],
                ratios={}, ratios_min={},
                ops_kind='kernel launches per step (launch_count)' if compile else 'operators per step (op_count)')
@@ -301,14 +308,17 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
         torch.manual_seed(seed)
         return DartsRnnShared(S['ntoken'], S['nhid'], S['nhid'], **SEARCH_DROPOUTS).to(dev).train()
     trn, val = _batches(S['ntoken'], S['bs'], S['bptt'], 2, dev, seed)
+    graphed = lambda m: StepGraphs(m) if graphs else None
     for mode in modes:
         m = search_model() if mode != 'random' else shared_model()
-        if mode == 'weight': fn = amp(lambda: weight_step(m, *trn))
+        if mode == 'weight':
+            sg = graphed(m)
+            fn = amp(lambda: weight_step(m, *trn, graphs=sg))
         elif mode == 'random':   # eager, compiled or not: each batch's new cell would recompile a compiled step
             gen = torch.Generator().manual_seed(seed)
             fn = amp(lambda: random_step(m, gen, *trn))
         else:
-            cb = arch_updater(m, mode)
+            cb = arch_updater(m, mode, graphs=graphed(m))
             fn = amp(lambda: search_step(m, cb, trn, val, mode))
         if baseline is not None and mode in ('first', 'second'):
             step = baseline(m, mode)                 # built from our model's state, before ours moves it
@@ -329,7 +339,8 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
         torch.manual_seed(seed)
         d = ours(DartsRnn(TS['ntoken'], DARTS_V2, TS['nhid'], TS['nhid']).to(dev).train())
         tb = _batches(TS['ntoken'], TS['bs'], TS['bptt'], 1, dev, seed + 1)[0]
-        log(_row('derived DARTS_V2 training step', 'ours', TS, measure(amp(lambda: weight_step(d, *tb)))))
+        sg = graphed(d)
+        log(_row('derived DARTS_V2 training step', 'ours', TS, measure(amp(lambda: weight_step(d, *tb, graphs=sg)))))
         del d
     if evaluate:
         for name, sh, make in (('search model eval forward', S, search_model),
@@ -339,8 +350,9 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
             m = make().eval()
             es = dict(sh, bs=ebs)
             eb = _batches(es['ntoken'], ebs, es['bptt'], 1, dev, seed + 2)[0][0]
+            sg = graphed(m)
             def fwd():
-                with torch.no_grad(): m(eb)
+                with torch.no_grad(): m(eb) if sg is None else sg.evaluate(eb)
             log(_row(name, 'ours', es, measure(amp(fwd))))
             del m
     hyper = [k for k in modes if k != 'weight']
@@ -360,6 +372,8 @@ def print_table(results: dict, file=None):
            *([f"CPU kernels: {r['kernels']['rule']}"] if r.get('kernels') else []),
            f"memory: {r['mem_kind']}; ops: {r.get('ops_kind', 'operators per step (op_count)')}",
            "first ms: the first (warm-up) call; with --compile it includes compiling that row's graphs not compiled before",
+           *(["graphs: each row's steps replayed as captured CUDA graphs (StepGraphs; exact mode's architecture step eager); "
+              "ops: the operators still sent from Python per step"] if r.get('graphs') else []),
            f"{'what':<34} {'impl':<6} {'bs':>4} {'bptt':>4} {'nhid':>5} {'ntoken':>6} {'ms/batch':>10} {'min ms':>9} {'first ms':>9} {'tok/s':>10} {'mem MiB':>9} {'ops':>8}"]
     for x in r['rows']:
         first = '-' if x.get('first_ms') is None else f"{x['first_ms']:.0f}"

@@ -53,6 +53,7 @@ def bench(
     iters:int=None,       # timed iterations per measurement (default: the benchmark's own)
     compile:bool=False,   # time the steps with the torch.compile'd recurrent step
     bf16:bool=False,      # time our steps in bf16 autocast, and measure bf16's effect on the hypergradient
+    graphs:bool=False,    # time the steps replayed as captured CUDA graphs (needs a GPU)
     threads:int=None,
 ):
     "Time search steps (second, first, exact), derived-cell training steps and evaluation"
@@ -60,9 +61,11 @@ def bench(
     if threads is not None: check_number('--threads', threads, 1, integer=True)
     if json_path is not None and Path(json_path).is_dir(): raise UsageError(f"--json-path {json_path} is a folder; give a file name")
     dev = get_device(device)
+    if graphs and dev.type != 'cuda': raise UsageError(f"--graphs times captured CUDA graphs and needs a GPU; the device is {dev}")
+    if graphs and bf16: raise UsageError("--graphs with --bf16: bf16 autocast's cache of cast weights cannot be captured; time them apart")
     set_threads(threads, dev)
     from rnn_darts.bench import run_bench, print_table
-    res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile, bf16=bf16, verbose=True)
+    res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile, bf16=bf16, graphs=graphs, verbose=True)
     print_table(res)
     return res
 

@@ -32,6 +32,7 @@ from callbacks.logs import GenotypeLogger, write_json_atomic
 from callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker
 from callbacks.speed import BF16Autocast, AutoCompile, CompileNotice
 from callbacks.checkpoint import Checkpoint, DivergenceGuard, FiniteValidation, Preemption
+from callbacks.graphs import CudaGraphs, EMULATIONS
 
 # %% auto #0
 __all__ = ['SEARCH_MODES', 'DartsLearner', 'flat_splitter', 'device_name', 'run_genotype', 'RunInfo', 'SeqCrossEntropy',
@@ -39,8 +40,8 @@ __all__ = ['SEARCH_MODES', 'DartsLearner', 'flat_splitter', 'device_name', 'run_
 
 # %% ../nbs/07_learner.ipynb #237f3218
 class DartsLearner(Learner):
-    "A `Learner` whose epoch loop starts at `first_epoch` (set by `fit(start_epoch=)` or by a resuming `Checkpoint`)"
-    first_epoch = 0
+    "A `Learner` whose epoch loop starts at `first_epoch` (set by `fit(start_epoch=)` or by a resuming `Checkpoint`), and whose batches may run as CUDA graphs (`CudaGraphs`)"
+    first_epoch, backward_done = 0, False
     def fit(self, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, start_epoch=0):
         self.first_epoch = start_epoch
         try: super().fit(n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt)
@@ -53,6 +54,21 @@ class DartsLearner(Learner):
         for epoch in range(self.first_epoch, self.n_epoch):
             self.epoch = epoch
             self._with_events(self._do_epoch, 'epoch', CancelEpochException)
+
+    def _do_one_batch(self):
+        "fastai's batch, with the prediction from a CUDA graph where `CudaGraphs` runs one (a training batch's graph does its backward too)"
+        cg = getattr(self, 'cuda_graphs', None)
+        self.pred = None if cg is None else cg.forward(self.xb)
+        self.backward_done = self.pred is not None and self.training
+        if self.pred is None: return super()._do_one_batch()
+        self('after_pred')
+        if len(self.yb):
+            self.loss_grad = self.loss_func(self.pred, *self.yb)
+            self.loss = self.loss_grad.clone()
+        self('after_loss')
+        if self.training and len(self.yb): self._do_grad_opt()
+    def _backward(self):
+        if not self.backward_done: super()._backward()
 
 def flat_splitter(model):
     "One parameter group holding the flat weight store: `learn.opt` never sees α or the per-layer views"
@@ -121,14 +137,15 @@ def _common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss,
     elif resume: raise ValueError("resume needs checkpoint=True")
     return cbs
 
-def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=None, bf16=False, fused_loss=True, auto_compile=False):
-    "`compile=None`: compiled on CUDA; on a CPU, `AutoCompile` if `auto_compile` (long fits), else eager (see below)"
+def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=None, bf16=False, fused_loss=True, auto_compile=False, graphs=None):
+    "`compile=None`: compiled on CUDA; on a CPU, `AutoCompile` if `auto_compile` (long fits), else eager (see below). `graphs`: `CudaGraphs`'s `enabled`, or an emulation without a GPU ('emulate', 'trace')"
     dev = torch.device(device) if device is not None else getattr(dls, 'device', None) or torch.device('cpu')
     model.to(dev)
     model.fused_loss = fused_loss
     if compile is None and dev.type == 'cuda': compile = True
     if compile: model.cell.compile_step()
     auto = ([AutoCompile()] if compile is None and auto_compile else []) + [CompileNotice()]
+    auto.append(CudaGraphs(emulate=graphs) if graphs in EMULATIONS else CudaGraphs(graphs))
     return DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=lr, splitter=flat_splitter, wd=wd,
                         wd_bn_bias=True, metrics=metrics, path=path, cbs=list(L(cbs)) + auto + ([BF16Autocast()] if bf16 else []))
 
@@ -139,7 +156,7 @@ def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=
                    arch_wd=1e-3, relax='softmax', same_masks=True, zero_one=0., op_decay=0., on_nan='rollback', path='.',
                    checkpoint=True, keep=2, resume=None, cbs=None, device=None, ntoken=None, compile:bool|None=None, bf16=False,
                    arch_bf16=False, fused_loss=True, candidates:int|None=None, top=10, curvature=True, curvature_windows=9,
-                   early_stop=False, checkpoint_every:float|None=None) -> DartsLearner:
+                   early_stop=False, checkpoint_every:float|None=None, graphs:bool|None=None) -> DartsLearner:
     "A `Learner` for the search phase, with the paper's defaults: DARTS (`mode` second|first|exact), or random search with weight sharing (`mode='random'`: `search_dl` unused, `candidates` and `top` for `choose_cell`)"
     if mode not in SEARCH_MODES: raise ValueError(f"mode must be one of {', '.join(map(repr, SEARCH_MODES))}, got {mode!r}")
     rnd = mode == 'random'
@@ -149,11 +166,14 @@ def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=
         if moved: raise ValueError(f"mode='random' has no α: {', '.join(f'{k}={v!r}' for k, v in moved.items())} would be ignored")
         if compile: raise ValueError("compile=True with mode='random': every batch runs another cell, and a compiled step recompiles for "
                                      "each new cell (see rnn_darts.random_search); random search runs eager")
+        if graphs: raise ValueError("graphs=True with mode='random': every batch runs another cell, and each would need its own CUDA graphs; "
+                                    "random search runs eager")
     if early_stop and not curvature: raise ValueError("early_stop=True needs curvature=True: DARTS-ES stops on λ_max")
     kw = dict(dropout=dropout, dropouth=dropouth, dropoutx=dropoutx, dropouti=dropouti, dropoute=dropoute)
     model = (DartsRnnShared(_ntoken(dls, ntoken), emsize, nhid, **kw) if rnd else
              DartsRnnSearch(_ntoken(dls, ntoken), emsize, nhid, **kw, relax=relax))
-    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, False if rnd else compile, bf16, fused_loss, auto_compile=not rnd)
+    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, False if rnd else compile, bf16, fused_loss, auto_compile=not rnd,
+                     graphs=False if rnd else graphs)
     if rnd: own = [RandomArch(candidates=candidates, top=top)]
     else:
         arch = ArchParamUpdate(search_dl, mode, arch_lr, arch_wd=arch_wd, same_masks=same_masks, zero_one=zero_one, op_decay=op_decay,
@@ -168,10 +188,11 @@ def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=
 def train_learner(dls, genotype, emsize=850, nhid=850, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
                   dropoute=0.1, lr=20., wd=8e-7, clip=0.25, alpha=0., beta=1e-3, nonmono=5, asgd=False,
                   on_nan='rollback', path='.', checkpoint=True, keep=2, resume=None, cbs=None, device=None,
-                  ntoken=None, compile:bool|None=None, bf16=False, fused_loss=True, checkpoint_every:float|None=None) -> DartsLearner:
+                  ntoken=None, compile:bool|None=None, bf16=False, fused_loss=True, checkpoint_every:float|None=None,
+                  graphs:bool|None=None) -> DartsLearner:
     "A `Learner` that trains a derived genotype from scratch with NT-ASGD, with the paper's defaults"
     model = DartsRnn(_ntoken(dls, ntoken), load_genotype(genotype), emsize, nhid, dropout, dropouth, dropoutx, dropouti, dropoute)
-    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16, fused_loss)
+    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16, fused_loss, graphs=graphs)
     learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss, checkpoint_every) + [ASGDSwitch(nonmono, start=asgd)] + list(L(cbs)))
     return learn
 

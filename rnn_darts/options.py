@@ -118,6 +118,8 @@ FLAGS = dict(
     op_decay=dict(search="α decay per weight: each op's α decays by op_decay × its weight count (`none` has none); default: off"),
     on_nan='on a non-finite loss: rollback (to the last checkpoint) | stop | skip',
     compile=dict(search='fuse the recurrent step with torch.compile (default: on for CUDA; on a CPU for runs of 150 training batches or more, where its 40–60 s warm-up pays)', train='fuse the recurrent step with torch.compile (default: on for CUDA, off on a CPU, where it saves little)'),
+    graphs=dict(search='run each batch shape as captured CUDA graphs: the weight step, the architecture step (first and second order) and evaluation (default: on for CUDA, except with --bf16; a step that cannot be captured falls back to eager, saying why)',
+                train='run each batch shape as captured CUDA graphs: the training step and evaluation (default: on for CUDA, except with --bf16; a step that cannot be captured falls back to eager, saying why)'),
     checkpoint_every='minutes between mid-epoch checkpoints, for long epochs (default: off; Ctrl-C and SIGTERM always write one)',
     bf16=dict(search='bf16 autocast (fp32 weights and α)', train='bf16 autocast (fp32 weights)'),
     arch_bf16=dict(search='with --bf16, run the architecture passes in bf16 too (loses the hypergradient: see README)'),
@@ -161,6 +163,8 @@ def check_random(s:dict, src:dict|None=None):
         if flag(k): raise UsageError(f"{n(k)} applies to the architecture weights α, which --mode random does not have")
     if s.get('compile'): raise UsageError(f"{n('compile')}: --mode random runs another cell every batch, and a compiled step would "
                                           "recompile for each; random search runs eager")
+    if s.get('graphs'): raise UsageError(f"{n('graphs')}: --mode random runs another cell every batch, and each would need its own "
+                                         "CUDA graphs; random search runs eager")
     if s.get('candidates') is not None and s.get('top') is not None and s['top'] > s['candidates']:
         raise UsageError(f"{n('top')} ({s['top']}) cannot exceed {n('candidates')} ({s['candidates']})")
 _NONNEG_INT = ('seed', 'max_delta')

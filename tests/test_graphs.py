@@ -1,0 +1,202 @@
+"""CUDA graphs (`CudaGraphs`, `StepGraphs`): the graphed batches equal the eager ones bit for bit through real fits. On a
+CPU the bookkeeping runs without the capture: `graphs='emulate'` runs each graph's Python at every call, `graphs='trace'`
+records it once with make_fx and replays the recorded operators, as a CUDA graph replays its kernels"""
+from contextlib import contextmanager
+import pytest, torch
+from rnn_darts.core import set_seed
+from rnn_darts.learner import search_learner
+from rnn_darts.data import lm_dls, search_stream
+from rnn_darts.model import DartsRnn
+from rnn_darts.genotypes import DARTS_V2
+from callbacks.graphs import StepGraphs, Captured
+from tests.test_learner import corpus, make, state, assert_same   # noqa: F401 (a fixture)
+
+
+def outcome(learn):
+    "What a fit leaves: the weights and α, the recorded losses and epoch values, the carried hidden states, the flat gradient"
+    return (state(learn), [float(x) for x in learn.recorder.losses], learn.recorder.values,
+            {k: v.clone() for k, v in learn.model.hidden.items()}, learn.model.flat.grad.clone())
+
+def assert_same_fit(a, b):
+    (sa, la, va, ha, ga), (sb, lb, vb, hb, gb) = outcome(a), outcome(b)
+    assert_same(sa, sb)
+    assert la == lb and va == vb
+    assert ha.keys() == hb.keys() and all(torch.equal(ha[k], hb[k]) for k in ha)
+    assert torch.equal(ga, gb)
+
+def graph_kinds(learn):
+    g = learn.cuda_graphs.graphs
+    return sorted({k[0] for k, e in g.graphs.items() if e.run.captured})
+
+CASES = [pytest.param('search', dict(mode='first'), ['arch', 'eval', 'train'], id='first', marks=pytest.mark.slow),
+         pytest.param('search', dict(mode='second'), ['arch', 'eval', 'train'], id='second', marks=pytest.mark.slow),
+         pytest.param('search', dict(mode='exact'), ['eval', 'train'], id='exact', marks=pytest.mark.slow),
+         pytest.param('train', dict(asgd=True), ['eval', 'train'], id='train-asgd')]
+
+@pytest.mark.parametrize('kind,kw,kinds', CASES)
+def test_emulated_graphs_fit_like_eager(kind, kw, kinds, corpus, tmp_path):
+    "Two epochs with every batch through its graph's bookkeeping (static inputs, one graph per shape, the hidden-state carry, device-side learning rates) equal the eager fit bit for bit; exact mode's α step stays eager"
+    kw = dict(kw, curvature=False) if kind == 'search' else kw   # λ_max runs eager: the graphs are the point here
+    a = make(kind, corpus, tmp_path/'a', graphs=False, **kw); a.fit(2)
+    b = make(kind, corpus, tmp_path/'b', graphs='emulate', **kw); b.fit(2)
+    assert a.cuda_graphs.graphs is None
+    assert_same_fit(a, b)
+    assert graph_kinds(b) == kinds
+
+@contextmanager
+def capturable_adam_on_cpu(learn):
+    "α's Adam as on a GPU (`capturable`: its step count a tensor, no host read); torch allows that on accelerators only"
+    import torch.optim.adam as A
+    supported = A._get_capturable_supported_devices
+    A._get_capturable_supported_devices = lambda *a, **k: [*supported(*a, **k), 'cpu']
+    cb = learn.arch_param_update
+    cb.arch_opt = torch.optim.Adam([learn.model.alpha], lr=cb.arch_lr, betas=cb.arch_betas, weight_decay=cb.arch_wd, capturable=True)
+    try: yield
+    finally: A._get_capturable_supported_devices = supported
+
+@pytest.mark.slow
+def test_traced_graphs_take_the_learning_rate_as_an_input(corpus, tmp_path):
+    """A second-order search under `fit_one_cycle`, its graphs recorded once (make_fx runs the Python once, as a capture does)
+    and replayed: equal to eager bit for bit, so the rate of every batch (schedule × seq_len/bptt) and the weight decay of
+    the virtual step reach the replayed graphs as inputs, and dropout masks are drawn anew at every replay"""
+    runs = []
+    for graphs in (False, 'trace'):
+        learn = make('search', corpus, tmp_path/str(graphs), graphs=graphs, mode='second', curvature=False, checkpoint=False)
+        with capturable_adam_on_cpu(learn): learn.fit_one_cycle(1, 5.)
+        runs.append(learn)
+    assert_same_fit(*runs)
+    g = runs[1].cuda_graphs.graphs
+    replayed = [e for e in g.graphs.values() if e.run.captured and e.run.calls > 2]
+    assert {k[0] for k, e in g.graphs.items() if e in replayed} == {'arch', 'train', 'eval'}
+    lrs = runs[1].recorder.lrs
+    assert len(set(lrs)) > 5   # the schedule moved the rate batch by batch
+
+@pytest.mark.slow
+def test_traced_graphs_train_a_derived_cell_like_eager(corpus, tmp_path):
+    "The derived cell's training batches and evaluation, recorded once and replayed under `fit_one_cycle` with NT-ASGD: equal to eager bit for bit"
+    runs = []
+    for graphs in (False, 'trace'):
+        learn = make('train', corpus, tmp_path/str(graphs), graphs=graphs, asgd=True, checkpoint=False)
+        learn.fit_one_cycle(1, 5.)
+        runs.append(learn)
+    assert_same_fit(*runs)
+    assert graph_kinds(runs[1]) == ['eval', 'train']
+
+@pytest.mark.slow
+def test_a_failed_capture_falls_back_to_eager_saying_why(corpus, tmp_path, capsys):
+    "A step that reads a value on the host cannot be captured: α's CPU Adam reads its step count. The fit goes on eager, and says so once"
+    learn = make('search', corpus, tmp_path, graphs='trace', mode='first', curvature=False, checkpoint=False)
+    learn.fit(1)
+    out = capsys.readouterr().out
+    assert out.count('CUDA graphs: capturing a step failed') == 1 and 'the steps run eager from here' in out
+    assert learn.cuda_graphs.graphs.failed and not learn.cuda_graphs.graphs.graphs
+    assert all(torch.isfinite(torch.tensor(v)).all() for v in learn.recorder.values[-1][:-1])
+
+@pytest.mark.slow
+def test_resume_with_graphs_equals_the_uninterrupted_eager_fit(corpus, tmp_path):
+    "One graphed epoch, a new learner resuming from its checkpoint for the second: the eager two-epoch fit, bit for bit"
+    a = make('search', corpus, tmp_path/'a', graphs=False, mode='second', curvature=False); a.fit(2)
+    b = make('search', corpus, tmp_path/'b', graphs='emulate', mode='second', curvature=False); b.fit(1)
+    c = make('search', corpus, tmp_path/'b', graphs='emulate', mode='second', curvature=False, resume=True); c.fit(2)
+    assert_same(state(a), state(c))
+    assert [float(x) for x in a.recorder.losses][-len(c.recorder.losses):] == [float(x) for x in c.recorder.losses]
+    assert a.recorder.values[-1] == c.recorder.values[-1]
+
+def test_lr_find_with_graphs_equals_eager(corpus, tmp_path):
+    "lr_find's batches (α steps aside) go through the graphs and suggest what eager suggests, leaving the weights as they were"
+    res = []
+    for graphs in (False, 'emulate'):
+        learn = make('search', corpus, tmp_path/str(graphs), graphs=graphs)
+        w0 = state(learn)
+        res.append((learn.lr_find(num_it=12, show_plot=False), [float(x) for x in learn.recorder.losses]))
+        assert_same(state(learn), w0)
+    assert res[0] == res[1]
+
+def test_graphs_are_made_per_shape_on_the_second_call_and_recaptured_when_state_moves():
+    "The first call of a shape runs eager (the warm-up), the second records; a shape a limit beyond runs eager; new optimizer state tensors (a checkpoint loaded) drop every graph"
+    set_seed(0)
+    m = DartsRnn(30, DARTS_V2, 8, 8, dropout=0.1, dropouth=0.1, dropoutx=0.1, dropouti=0.1, dropoute=0.).train()
+    sg = StepGraphs(m, emulate='emulate', max_graphs=2)
+    opt = torch.optim.SGD([m.flat.param], lr=0.1, momentum=0.9)
+    sg.watch(opt)
+    def batch(T):
+        x = torch.randint(0, 30, (3, T))
+        return x, x.roll(-1, 1)
+    assert sg.train(*batch(5)) is not None and sg.n_captured == 0
+    assert sg.train(*batch(5)) is not None and sg.n_captured == 1
+    assert sg.train(*batch(6)) is not None and sg.n_captured == 1 and len(sg.graphs) == 2
+    assert sg.train(*batch(7)) is None   # a third shape: over the limit, the caller runs it eager
+    m.zero_grad(); opt.step()            # momentum's buffer: new state tensors
+    assert sg.train(*batch(5)) is not None and len(sg.graphs) == 1 and sg.n_captured == 0
+
+def test_the_hidden_state_is_carried_across_graphed_batches():
+    "Each graphed batch starts from the state the last one left (a copy, not the graph's output buffer), as the eager forward does"
+    set_seed(0)
+    m = DartsRnn(30, DARTS_V2, 8, 8, dropout=0., dropouth=0., dropoutx=0., dropouti=0., dropoute=0.).train()
+    xs = [torch.randint(0, 30, (3, 4)) for _ in range(3)]
+    ref = []
+    for x in xs:
+        loss, *_ = m(x, x); loss.backward(); ref.append((loss.detach(), m.hidden['train'].clone()))
+    g_ref = m.flat.grad.clone(); m.zero_grad(); m.reset()
+    sg = StepGraphs(m, emulate='emulate')
+    for x, (loss, h) in zip(xs, ref):
+        out = sg.train(x, x)
+        assert torch.equal(out[0], loss) and torch.equal(m.hidden['train'], h)
+    assert torch.equal(m.flat.grad, g_ref)
+    assert all(m.hidden['train'] is not e.run.out[3] for e in sg.graphs.values())
+
+def test_captured_runs_its_body_then_records_then_replays():
+    "`Captured` in trace mode: the first call runs the Python, the second records it (and is that call's work), later calls replay the record without the Python"
+    calls, x = [], torch.zeros(())
+    def body():
+        calls.append(1)
+        return x.add_(1).clone()
+    c = Captured(body, emulate='trace')
+    assert [float(c()) for _ in range(4)] == [1., 2., 3., 4.]
+    assert len(calls) == 2 and c.captured
+    with pytest.raises(ValueError, match="emulate must be"): Captured(body, emulate=True)
+
+def test_graphs_say_why_they_are_off(corpus, tmp_path, capsys):
+    "Asked for on a CPU, or with bf16, one line says why and the fit runs eager; by default on a CPU nothing is said; random search refuses them"
+    for graphs, bf16, line in ((True, False, 'CUDA graphs off: they need a GPU, and the model is on the cpu; the steps run eager'),
+                               ('emulate', True, 'CUDA graphs off: not with bf16 autocast'), (None, False, None)):
+        learn = make('train', corpus, tmp_path/str(graphs), graphs=graphs, bf16=bf16, checkpoint=False)
+        learn.fit(1)
+        out = capsys.readouterr().out
+        assert (line in out) if line else 'CUDA graphs' not in out
+        assert learn.cuda_graphs.graphs is None
+    dls = lm_dls(corpus, bs=8, bptt=10, eval_bs=4, device='cpu')
+    with pytest.raises(ValueError, match="graphs=True with mode='random'"):
+        search_learner(dls, search_stream(corpus, 8, device='cpu'), mode='random', graphs=True, emsize=8, nhid=8)
+
+@pytest.mark.gpu
+def test_cuda_graphs_fit_like_eager_on_a_gpu(corpus, tmp_path):
+    "A second-order search and a derived-cell training on CUDA: captured and replayed graphs, losses and weights within 1e-4 of eager (CUDA's embedding backward adds with atomics, in no fixed order)"
+    if not torch.cuda.is_available(): pytest.skip('no CUDA device')
+    for kind, kw in (('search', dict(mode='second', curvature=False)), ('train', {})):
+        runs = []
+        for graphs in (False, True):
+            learn = make(kind, corpus, tmp_path/f'{kind}{graphs}', device='cuda', graphs=graphs, compile=False, checkpoint=False, **kw)
+            learn.fit(2)
+            runs.append(learn)
+        g = runs[1].cuda_graphs.graphs
+        assert g is not None and g.failed is None and any(e.run.graph is not None and e.run.calls > 2 for e in g.graphs.values())
+        (sa, la, va, *_), (sb, lb, vb, *_) = outcome(runs[0]), outcome(runs[1])
+        for k in sa: torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-5, msg=k)
+        torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-5)
+
+def test_the_benchs_graphed_steps_equal_its_eager_steps():
+    "`rnn-darts bench --graphs` times `search_step` and `weight_step` through `StepGraphs`: here emulated, three steps equal the eager ones bit for bit"
+    from rnn_darts.bench import arch_updater, search_step, weight_step, _batches
+    from rnn_darts.model import DartsRnnSearch
+    runs = []
+    for graphed in (False, True):
+        set_seed(0)
+        m = DartsRnnSearch(40, 8, 8).train()
+        cb = arch_updater(m, 'second', graphs=StepGraphs(m, emulate='emulate') if graphed else None)
+        trn, val = _batches(40, 4, 6, 2, 'cpu', 0)
+        losses = [search_step(m, cb, trn, val, 'second') for _ in range(3)]
+        losses.append(weight_step(m, *trn, graphs=cb.learn.cuda_graphs.graphs))
+        runs.append((losses, state(m)))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert_same(runs[0][1], runs[1][1])
