@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rnn_darts.core import cpu_name, naming
 from rnn_darts.genotypes import DARTS_V2, sample_genotype
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
-from callbacks.arch import ArchParamUpdate, arch_grad, hypergrad
-from callbacks.graphs import StepGraphs
+from rnn_darts.callbacks.arch import ArchParamUpdate, arch_grad, hypergrad
+from rnn_darts.callbacks.graphs import StepGraphs
 
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'STEP_NAMES', 'mem_kind', 'time_fn',

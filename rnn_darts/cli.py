@@ -91,9 +91,9 @@ def report(
 # %% ../nbs/08_cli.ipynb #719b8ce7
 COMMANDS = dict(search=search, train=train, study=study, evaluate=evaluate_run, bench=bench, report=report)
 def _roots():
-    "The folders of this project's packages (`rnn_darts`, `callbacks`)"
+    "The folder of this project's package, `rnn_darts` (its callbacks in `rnn_darts/callbacks`)"
     import importlib.util
-    return [Path(p).resolve() for m in ('rnn_darts', 'callbacks') for p in (importlib.util.find_spec(m).submodule_search_locations or [])]
+    return [Path(p).resolve() for p in (importlib.util.find_spec('rnn_darts').submodule_search_locations or [])]
 _INPUT_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, RuntimeError, ConnectionError)
 _ENV_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ELOOP, errno.ENOENT,
                errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
@@ -187,7 +187,7 @@ def _dispatch(argv):
     args.pop('debug', None)
     return COMMANDS[cmd](**args)
 
-_OURS = r'(rnn_darts|callbacks)(\.|$)'   # warnings raised in (or attributed to) this project's modules
+_OURS = r'rnn_darts(\.|$)'   # warnings raised in (or attributed to) this project's modules
 
 @contextmanager
 def foreign_warnings_off():

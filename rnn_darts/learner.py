@@ -24,15 +24,15 @@ from fastai.callback.progress import CSVLogger
 from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name, naming
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
-from callbacks.arch import ArchParamUpdate, RandomArch
-from callbacks.curvature import Curvature, CurvatureStop
-from callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer, FusedDecoderLoss
-from callbacks.asgd import ASGDSwitch
-from callbacks.logs import GenotypeLogger, write_json_atomic
-from callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker
-from callbacks.speed import BF16Autocast, AutoCompile, CompileNotice
-from callbacks.checkpoint import Checkpoint, DivergenceGuard, FiniteValidation, Preemption
-from callbacks.graphs import CudaGraphs, EMULATIONS
+from rnn_darts.callbacks.arch import ArchParamUpdate, RandomArch
+from rnn_darts.callbacks.curvature import Curvature, CurvatureStop
+from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer, FusedDecoderLoss
+from rnn_darts.callbacks.asgd import ASGDSwitch
+from rnn_darts.callbacks.logs import GenotypeLogger, write_json_atomic
+from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker
+from rnn_darts.callbacks.speed import BF16Autocast, AutoCompile, CompileNotice
+from rnn_darts.callbacks.checkpoint import Checkpoint, DivergenceGuard, FiniteValidation, Preemption
+from rnn_darts.callbacks.graphs import CudaGraphs, EMULATIONS
 
 # %% auto #0
 __all__ = ['SEARCH_MODES', 'DartsLearner', 'flat_splitter', 'device_name', 'run_genotype', 'RunInfo', 'SeqCrossEntropy',

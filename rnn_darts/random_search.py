@@ -11,7 +11,7 @@ from fastprogress.fastprogress import progress_bar
 from fastai.torch_core import rank_distrib
 from rnn_darts.genotypes import PRIMITIVES, sample_genotype, genotype_to_dict, save_genotype
 from rnn_darts.data import batchify
-from callbacks.logs import write_json_atomic
+from rnn_darts.callbacks.logs import write_json_atomic
 from rnn_darts.core import write_text_atomic
 
 # %% auto #0

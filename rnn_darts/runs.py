@@ -132,7 +132,7 @@ def record_overrides_cb(settings:dict, changes:dict, data:dict|None=None):
     "A callback for `fit(cbs=...)`: after a resume restored `RunInfo`, put the new settings in `run.json` and record `changes`"
     from fastai.callback.core import Callback
     from fastai.torch_core import rank_distrib
-    from callbacks.logs import write_json_atomic
+    from rnn_darts.callbacks.logs import write_json_atomic
     class RecordOverrides(Callback):
         order = 91   # after Checkpoint (90) resumed
         def before_fit(self):
@@ -221,7 +221,7 @@ def exit_if_interrupted(learn):
     raise SystemExit(it['code'])
 
 def _report_end(learn, out, extra):
-    from callbacks.logs import write_json_atomic
+    from rnn_darts.callbacks.logs import write_json_atomic
     p = out/'run.json'
     info = read_run_json(p) if p.exists() else {}
     info.update(extra, finished=True); write_json_atomic(info, p)   # `finished`: the command ended (a study skips such a stage)
@@ -234,7 +234,7 @@ def search(**flags):
         from rnn_darts.learner import search_learner, RunInfo
         from rnn_darts.genotypes import save_genotype, genotype_to_dict
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
-        from callbacks.logs import RunLogger, plain_output
+        from rnn_darts.callbacks.logs import RunLogger, plain_output
         s, dev, out, corpus, resume = r.s, r.dev, r.out, r.corpus, r.resume
         if r.rank == 0: print(f"search on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
@@ -275,7 +275,7 @@ def train(**flags):
         from rnn_darts.data import lm_dls, test_dl
         from rnn_darts.learner import train_learner, evaluate, RunInfo
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
-        from callbacks.logs import RunLogger, plain_output
+        from rnn_darts.callbacks.logs import RunLogger, plain_output
         s, dev, out, corpus, g, resume = r.s, r.dev, r.out, r.corpus, r.genotype, r.resume
         if r.rank == 0: print(f"train {cell_name(s['genotype'], r.src['genotype'])} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
@@ -311,7 +311,7 @@ def evaluate_run(
     s = {**DATA_DEFAULTS, 'test_bs': TRAIN_DEFAULTS['test_bs'], **info['settings']}
     check_settings({k: v for k, v in s.items() if k not in ('threads',)}, {k: f"{run/'run.json'}: settings.{k}" for k in s})
     dev = get_device(device)
-    from callbacks.checkpoint import load_checkpoint, latest_checkpoint, restore
+    from rnn_darts.callbacks.checkpoint import load_checkpoint, latest_checkpoint, restore
     if checkpoint == 'best':
         p = run/'checkpoints'/'best.pth'
         if not p.is_file(): raise FileNotFoundError(f"{p} does not exist: the run has no best checkpoint; try --checkpoint last or a file")

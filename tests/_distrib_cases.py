@@ -6,7 +6,7 @@ from rnn_darts.core import set_seed
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.learner import search_learner, train_learner
 from rnn_darts.distrib import distrib_learner, rank_world
-from callbacks.arch import hypergrad_second
+from rnn_darts.callbacks.arch import hypergrad_second
 
 NODROP = dict(dropout=0., dropouth=0., dropoutx=0., dropouti=0., dropoute=0.)
 BS, BPTT, NHID = 4, 6, 8

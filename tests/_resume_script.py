@@ -13,7 +13,7 @@ from rnn_darts.core import set_seed
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.learner import search_learner
 from rnn_darts.genotypes import genotype_to_dict
-from callbacks.logs import write_json_atomic, RunLogger
+from rnn_darts.callbacks.logs import write_json_atomic, RunLogger
 
 torch.set_num_threads(1)  # the same reduction order in every process
 

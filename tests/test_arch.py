@@ -6,9 +6,9 @@ from rnn_darts.core import set_seed
 from rnn_darts.model import DartsRnnSearch
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.learner import search_learner, train_learner, DartsLearner, flat_splitter, evaluate
-from callbacks.arch import ArchParamUpdate, hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
-from callbacks.training import SeqLenLR, FlatGradClip
-from callbacks.asgd import ASGDSwitch
+from rnn_darts.callbacks.arch import ArchParamUpdate, hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
+from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip
+from rnn_darts.callbacks.asgd import ASGDSwitch
 from tests._reference import plain_from, plain_hypergrad_second
 from tests._devices import ON_DEVICES
 
@@ -214,7 +214,7 @@ def test_arch_passes_stay_fp32_under_bf16_autocast_unless_asked(mode):
 @pytest.mark.slow
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_learners_with_bf16_train_fp32_weights(kind):
-    from callbacks.speed import BF16Autocast
+    from rnn_darts.callbacks.speed import BF16Autocast
     learn = small_of_kind(kind, bf16=True)
     assert any(isinstance(cb, BF16Autocast) for cb in learn.cbs)
     w0 = learn.model.flat.data.clone()
@@ -227,7 +227,7 @@ def test_learners_with_bf16_train_fp32_weights(kind):
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_fused_decoder_loss_trains_like_the_plain_loss(kind):
     "FusedDecoderLoss (the default) and the plain decoder + cross-entropy train alike: losses, weights (and α)"
-    from callbacks.training import FusedDecoderLoss
+    from rnn_darts.callbacks.training import FusedDecoderLoss
     def run(fused):
         learn = small_of_kind(kind, fused_loss=fused)
         assert any(isinstance(cb, FusedDecoderLoss) for cb in learn.cbs) == fused and learn.model.fused_loss == fused

@@ -6,7 +6,7 @@ from rnn_darts.core import set_seed
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.genotypes import PRIMITIVES
 from rnn_darts.learner import search_learner
-from callbacks.arch import ArchParamUpdate, op_decay_grad
+from rnn_darts.callbacks.arch import ArchParamUpdate, op_decay_grad
 from rnn_darts.bench import arch_updater
 
 NHID = 8

@@ -4,7 +4,7 @@ import pytest, torch
 from rnn_darts.model import DartsRnnSearch
 from rnn_darts.bench import run_bench, print_table, search_step, arch_updater, _batches, STEP_NAMES
 from tests._reference import PlainSearchStep, plain_from, plain_hypergrad_first, plain_hypergrad_second
-from callbacks.arch import hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
+from rnn_darts.callbacks.arch import hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
 from tests._devices import ON_DEVICES
 
 NO_DROP = dict(dropout=0, dropouth=0, dropoutx=0, dropouti=0)

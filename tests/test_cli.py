@@ -2,8 +2,8 @@
 import json
 import pytest, torch
 from rnn_darts import cli
-from callbacks.speed import BF16Autocast
-from callbacks.training import FusedDecoderLoss
+from rnn_darts.callbacks.speed import BF16Autocast
+from rnn_darts.callbacks.training import FusedDecoderLoss
 
 TINY = ['--data', 'numbers', '--n-train', '3000', '--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4',
         '--emsize', '8', '--nhid', '8', '--device', 'cpu']

@@ -235,7 +235,7 @@ def test_evaluate_errors(capsys, run_dir, tmp_path):
 
 @pytest.mark.slow
 def test_full_disk_while_checkpointing(capsys, tmp_path, monkeypatch):
-    import callbacks.checkpoint as ck
+    import rnn_darts.callbacks.checkpoint as ck
     def no_space(*a, **k): raise OSError(errno.ENOSPC, 'No space left on device')
     monkeypatch.setattr(ck.torch, 'save', no_space)
     fails(capsys, ['search', '--data', small_corpus(tmp_path/'c'), *TINY, '--out', str(tmp_path/'o')], 1,

@@ -1,4 +1,4 @@
-"""λ_max of ∇²_α L_valid (callbacks.curvature): equal to the full Hessian's, logged without changing the search; DARTS-ES
+"""λ_max of ∇²_α L_valid (rnn_darts.callbacks.curvature): equal to the full Hessian's, logged without changing the search; DARTS-ES
 stops at the right epoch with the earlier α and weights, and a resume inside its window is exact."""
 import json, statistics
 from pathlib import Path
@@ -9,8 +9,8 @@ from rnn_darts.core import set_seed
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.learner import search_learner
 from rnn_darts.model import DartsRnnSearch
-from callbacks.logs import RunLogger
-from callbacks.curvature import Curvature, CurvatureStop, curvature_batches, hessian_extremes
+from rnn_darts.callbacks.logs import RunLogger
+from rnn_darts.callbacks.curvature import Curvature, CurvatureStop, curvature_batches, hessian_extremes
 
 def full_hessian(m, batches, seed=0):
     "∇²_α of the same loss (masks from `seed`, frozen statistics), row by row by autograd"

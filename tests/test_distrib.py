@@ -2,7 +2,7 @@
 import os, shutil, time
 import pytest, torch, torch.nn.functional as F
 from rnn_darts.distrib import spawn_distrib, distrib_learner, DistribFlat
-from callbacks.checkpoint import load_checkpoint, restore
+from rnn_darts.callbacks.checkpoint import load_checkpoint, restore
 from tests import _distrib_cases as C
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")]

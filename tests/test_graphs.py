@@ -8,7 +8,7 @@ from rnn_darts.learner import search_learner
 from rnn_darts.data import lm_dls, search_stream
 from rnn_darts.model import DartsRnn
 from rnn_darts.genotypes import DARTS_V2
-from callbacks.graphs import StepGraphs, Captured
+from rnn_darts.callbacks.graphs import StepGraphs, Captured
 from tests.test_learner import corpus, make, state, assert_same   # noqa: F401 (a fixture)
 
 

@@ -5,7 +5,7 @@ Real learners on the tiny corpus of tests/test_reliability.py; NaN/inf injected 
 import os, subprocess, sys
 import pytest, torch
 from fastai.callback.core import Callback
-from callbacks.checkpoint import Checkpoint, load_checkpoint, restore, kept_nonfinite, save_atomic
+from rnn_darts.callbacks.checkpoint import Checkpoint, load_checkpoint, restore, kept_nonfinite, save_atomic
 from tests._resume_script import build
 from tests.test_reliability import fit, sd_clone, sd_equal, tiny_train, safe_tar, Inject
 
@@ -236,7 +236,7 @@ def test_resume_removes_temporary_files_of_dead_writers(tmp_path, capsys):
 # ---------------------------------------------------------------- log.csv in process
 def test_runlogger_in_process(tmp_path, capsys):
     "Resume from an earlier checkpoint: later rows dropped; validate() leaves the log alone; other columns are an error"
-    from callbacks.logs import RunLogger
+    from rnn_darts.callbacks.logs import RunLogger
     learn = tiny_train(tmp_path, cbs=[RunLogger('log.csv', append=True)]); fit(learn, 3)
     log = (tmp_path/'log.csv').read_text().splitlines()
     assert log[0].startswith('epoch,train_loss,valid_loss') and [l.split(',')[0] for l in log[1:]] == ['0', '1', '2']

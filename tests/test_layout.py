@@ -3,13 +3,14 @@ it back, counting the imports inside functions too; the settings schema is read 
 the command line."""
 import ast
 from pathlib import Path
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ('rnn_darts', 'callbacks')
+PACKAGES = ('rnn_darts', 'rnn_darts.callbacks')
 
 def modules() -> dict:
     "module name -> file, for every module of the packages (their `__init__` files excepted: they import lazily, by name)"
-    return {f"{p}.{f.stem}": f for p in PACKAGES for f in sorted((ROOT/p).glob('*.py')) if f.stem != '__init__'}
+    return {f"{p}.{f.stem}": f for p in PACKAGES for f in sorted((ROOT/p.replace('.', '/')).glob('*.py')) if f.stem != '__init__'}
 
 def imports_of(path, mods) -> set:
     "The package modules `path` imports anywhere in it: at the top, inside functions, `from PACKAGE import module` too"
@@ -48,3 +49,31 @@ def test_the_command_line_is_imported_by_nothing_in_the_package():
     mods = modules()
     users = [m for m, f in mods.items() if m != 'rnn_darts.cli' and 'rnn_darts.cli' in imports_of(f, mods)]
     assert users == []
+
+def test_nothing_imports_a_top_level_callbacks_package():
+    "The callbacks are `rnn_darts.callbacks`: no module, test or notebook imports `callbacks` (a PyPI package owns that name); the checkout's `callbacks/` is only a link"
+    import json, re
+    top = re.compile(r'^\s*(from\s+callbacks[\s.]|import\s+callbacks\b)', re.M)
+    code = {f: f.read_text() for f in [*ROOT.glob('rnn_darts/**/*.py'), *ROOT.glob('tests/*.py'), *ROOT.glob('tools/*.py')]}
+    code |= {f: ''.join(''.join(c['source']) + '\n' for c in json.loads(f.read_text())['cells'] if c['cell_type'] == 'code')
+             for f in ROOT.glob('nbs/*.ipynb')}
+    assert len(code) > 50 and any('from rnn_darts.callbacks.arch import' in t for t in code.values())
+    assert [str(f) for f, t in code.items() if top.search(t)] == []
+    assert (ROOT/'callbacks').is_symlink() and (ROOT/'callbacks').resolve() == (ROOT/'rnn_darts'/'callbacks').resolve()
+
+@pytest.mark.slow
+def test_the_wheel_holds_only_rnn_darts(tmp_path):
+    "A wheel built from the checkout installs one top-level package, `rnn_darts` (with `rnn_darts/callbacks`), its presets, and no `callbacks`"
+    import shutil, subprocess, sys, zipfile
+    pytest.importorskip('setuptools', reason='building a wheel without network needs setuptools installed')
+    src = tmp_path/'src'
+    shutil.copytree(ROOT/'rnn_darts', src/'rnn_darts', ignore=shutil.ignore_patterns('__pycache__'))   # links resolved (settings.ini)
+    for f in ('pyproject.toml', 'README.md', 'settings.ini'): shutil.copy(ROOT/f, src/f)
+    (src/'callbacks').symlink_to('rnn_darts/callbacks')   # as in the checkout
+    r = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '-q', '--no-deps', '--no-build-isolation', '-w', str(tmp_path/'dist'), str(src)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    names = zipfile.ZipFile(next((tmp_path/'dist').glob('*.whl'))).namelist()
+    tops = {n.split('/')[0] for n in names if not n.split('/')[0].endswith('.dist-info')}
+    assert tops == {'rnn_darts'}, tops
+    assert 'rnn_darts/callbacks/graphs.py' in names and 'rnn_darts/settings.ini' in names

@@ -11,8 +11,8 @@ from rnn_darts.data import numbers_corpus, lm_dls, search_stream, test_dl as spl
 from rnn_darts.genotypes import DARTS_V2
 from rnn_darts.model import DartsRnnSearch
 from rnn_darts.learner import search_learner, train_learner, SeqCrossEntropy, load_preset, learner_kwargs, flat_splitter
-from callbacks.arch import ArchParamUpdate
-from callbacks.training import FlatGradClip, FusedDecoderLoss
+from rnn_darts.callbacks.arch import ArchParamUpdate
+from rnn_darts.callbacks.training import FlatGradClip, FusedDecoderLoss
 from tests._devices import ON_DEVICES
 
 TINY = dict(emsize=16, nhid=16)

@@ -195,7 +195,7 @@ def test_compiled_step_equals_eager(device):
 @pytest.mark.slow
 def test_exact_mode_runs_with_a_compiled_step():
     "Double backward cannot go through a compiled graph: the exact HVP uses the eager step"
-    from callbacks.arch import hypergrad_second, exact_hvp
+    from rnn_darts.callbacks.arch import hypergrad_second, exact_hvp
     m, x, y = tiny_search(dropout=0., dropouth=0., dropoutx=0., dropouti=0.)
     m.alpha.requires_grad_(True)
     with m.arch_pass(): ref, _ = hypergrad_second(m, (x, y), (x, y), 1., 0., 0.25, hvp=exact_hvp)

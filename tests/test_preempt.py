@@ -5,7 +5,7 @@ import errno, json, os, re, shlex, signal, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
 from rnn_darts import cli, runs
-from callbacks.checkpoint import load_checkpoint, latest_checkpoint
+from rnn_darts.callbacks.checkpoint import load_checkpoint, latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

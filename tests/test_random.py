@@ -11,7 +11,7 @@ from rnn_darts.data import numbers_corpus, lm_dls
 from rnn_darts.genotypes import PRIMITIVES, sample_genotype, load_genotype
 from rnn_darts.learner import search_learner
 from rnn_darts.model import DartsRnn, DartsRnnShared
-from callbacks.checkpoint import load_checkpoint
+from rnn_darts.callbacks.checkpoint import load_checkpoint
 
 DROP = dict(dropout=0.3, dropouth=0.2, dropoutx=0.2, dropouti=0.1, dropoute=0.1)   # every dropout on: the masks must agree too
 

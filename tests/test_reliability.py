@@ -18,10 +18,10 @@ from rnn_darts.data import numbers_corpus, lm_dls, search_stream, NUMBER_WORDS
 from rnn_darts.genotypes import load_genotype, DARTS_V1, DARTS_V2
 from rnn_darts.model import DartsRnn, DartsRnnSearch
 from rnn_darts.learner import search_learner, train_learner
-from callbacks.checkpoint import (Checkpoint, DivergenceGuard, latest_checkpoint, epoch_checkpoints, load_checkpoint,
+from rnn_darts.callbacks.checkpoint import (Checkpoint, DivergenceGuard, latest_checkpoint, epoch_checkpoints, load_checkpoint,
                                   restore, save_atomic)
-from callbacks.asgd import ASGDSwitch
-from callbacks.training import RNNRegularizer
+from rnn_darts.callbacks.asgd import ASGDSwitch
+from rnn_darts.callbacks.training import RNNRegularizer
 from tests._resume_script import build, weights_hash
 from tests._devices import ON_DEVICES
 
@@ -35,7 +35,7 @@ def sd_clone(model): return {k: v.detach().clone() for k, v in model.state_dict(
 def sd_equal(a, b): return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 def safe_tar(learn):
-    "Swap fastai's RNNRegularizer for callbacks.training.RNNRegularizer (no NaN on one-token batches)"
+    "Swap fastai's RNNRegularizer for rnn_darts.callbacks.training.RNNRegularizer (no NaN on one-token batches)"
     old = learn.rnn_regularizer
     if not isinstance(old, RNNRegularizer):
         learn.remove_cb(old); learn.add_cb(RNNRegularizer(old.alpha, old.beta))
@@ -108,7 +108,7 @@ def log_rows(run):
 def test_kill_between_log_row_and_checkpoint(tmp_path):
     """Killed after epoch 1's log row but before its checkpoint (in process: an exception no callback sees, like a kill), then a torn half line (a kill inside a write): the resumed run redoes epoch 1, and its
     log equals the uninterrupted run's (no orphan, duplicate or torn row)"""
-    from callbacks.logs import RunLogger
+    from rnn_darts.callbacks.logs import RunLogger
     class Killed(BaseException): pass
     class Kill(Callback):
         order = 89   # after the log row (Recorder, 50), before Checkpoint (90)
@@ -260,7 +260,7 @@ def test_divergence_rollback_restores_last_checkpoint(tmp_path):
     assert sd_equal(load_checkpoint(tmp_path/'checkpoints'/'epoch_0001.pth')['model'], ck['model'])
 
 def test_one_token_batch_tar_is_finite():
-    "TAR of a one-token batch: fastai's RNNRegularizer gives NaN, callbacks.training.RNNRegularizer adds nothing"
+    "TAR of a one-token batch: fastai's RNNRegularizer gives NaN, rnn_darts.callbacks.training.RNNRegularizer adds nothing"
     from fastai.callback.rnn import RNNRegularizer as FastaiReg
     class L:
         training = True

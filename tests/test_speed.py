@@ -4,7 +4,7 @@ from torch._dynamo.utils import counters
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.genotypes import DARTS_V2
 from rnn_darts.learner import search_learner, train_learner
-from callbacks.speed import AutoCompile, COMPILE_MIN_STEPS
+from rnn_darts.callbacks.speed import AutoCompile, COMPILE_MIN_STEPS
 
 TINY = dict(emsize=8, nhid=8, checkpoint=False)
 
