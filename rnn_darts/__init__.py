@@ -20,10 +20,12 @@ _API = {
     'rnn_darts.genotypes': ['Genotype', 'PRIMITIVES', 'DARTS_V1', 'DARTS_V2', 'ENAS', 'GENOTYPES', 'load_genotype',
                             'save_genotype', 'check_genotype', 'derive_genotype', 'sample_genotype'],
     'rnn_darts.core': ['set_seed', 'get_device', 'read_preset'],
-    'rnn_darts.callbacks.arch': ['ArchParamUpdate', 'RandomArch'],
+    'rnn_darts.callbacks.arch': ['ArchParamUpdate'],
+    'rnn_darts.callbacks.random_arch': ['RandomArch'],
     'rnn_darts.callbacks.training': ['SeqLenLR', 'FlatGradClip', 'FusedDecoderLoss'],
     'rnn_darts.callbacks.asgd': ['ASGDSwitch'],
-    'rnn_darts.callbacks.checkpoint': ['Checkpoint', 'DivergenceGuard'],
+    'rnn_darts.callbacks.checkpoint': ['Checkpoint'],
+    'rnn_darts.callbacks.divergence': ['DivergenceGuard'],
 }
 _WHERE = {name: mod for mod, names in _API.items() for name in names}
 __all__ = ['__version__', *_WHERE]

@@ -24,14 +24,17 @@ from fastai.callback.progress import CSVLogger
 from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name, naming
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
-from rnn_darts.callbacks.arch import ArchParamUpdate, RandomArch
+from rnn_darts.callbacks.arch import ArchParamUpdate
+from rnn_darts.callbacks.random_arch import RandomArch
 from rnn_darts.callbacks.curvature import Curvature, CurvatureStop
 from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer, FusedDecoderLoss
 from rnn_darts.callbacks.asgd import ASGDSwitch
 from rnn_darts.callbacks.logs import GenotypeLogger, write_json_atomic
 from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker
 from rnn_darts.callbacks.speed import BF16Autocast, AutoCompile, CompileNotice
-from rnn_darts.callbacks.checkpoint import Checkpoint, DivergenceGuard, FiniteValidation, Preemption
+from rnn_darts.callbacks.checkpoint import Checkpoint
+from rnn_darts.callbacks.preemption import Preemption
+from rnn_darts.callbacks.divergence import DivergenceGuard, FiniteValidation
 from rnn_darts.callbacks.graphs import CudaGraphs, EMULATIONS
 
 # %% auto #0

@@ -18,8 +18,8 @@ from rnn_darts.data import numbers_corpus, lm_dls, search_stream, NUMBER_WORDS
 from rnn_darts.genotypes import load_genotype, DARTS_V1, DARTS_V2
 from rnn_darts.model import DartsRnn, DartsRnnSearch
 from rnn_darts.learner import search_learner, train_learner
-from rnn_darts.callbacks.checkpoint import (Checkpoint, DivergenceGuard, latest_checkpoint, epoch_checkpoints, load_checkpoint,
-                                  restore, save_atomic)
+from rnn_darts.callbacks.checkpoint import Checkpoint, latest_checkpoint, epoch_checkpoints, load_checkpoint, restore, save_atomic
+from rnn_darts.callbacks.divergence import DivergenceGuard
 from rnn_darts.callbacks.asgd import ASGDSwitch
 from rnn_darts.callbacks.training import RNNRegularizer
 from tests._resume_script import build, weights_hash

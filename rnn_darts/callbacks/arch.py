@@ -8,13 +8,13 @@ from contextlib import nullcontext
 from functools import partial
 import torch, torch.nn.functional as F
 from fastai.callback.core import Callback
-from rnn_darts.genotypes import PRIMITIVES, sample_genotype
+from rnn_darts.genotypes import PRIMITIVES
 from rnn_darts.callbacks.training import SeqLenLR, check_flat_opt
 
 # %% auto #0
 __all__ = ['train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first', 'fd_hvp', 'exact_hvp', 'hypergrad_second',
            'hypergrad', 'op_param_counts', 'op_decay_grad', 'check_zero_one', 'zero_one_grad', 'arch_adam',
-           'guarded_adam_step', 'arch_precision', 'arch_grad', 'arch_step', 'ArchParamUpdate', 'RandomArch']
+           'guarded_adam_step', 'arch_precision', 'arch_grad', 'arch_step', 'ArchParamUpdate']
 
 # %% ../../nbs/04_arch.ipynb #bb97d689
 def train_loss(model, xb, yb, weight_grads=True): return model.loss(xb, yb, 'train', advance=False, weight_grads=weight_grads)
@@ -69,9 +69,12 @@ def hypergrad(model, trn, val, mode='second', lr=20., wd=0., clip=None):
 
 # %% ../../nbs/04_arch.ipynb #c55f570d
 def op_param_counts(model):
-    "AutoRA's count per primitive: the weights an op of an edge uses, plus one for being an op; `none`: 0"
-    n = model.nhid
-    return torch.tensor([0. if op == 'none' else float(n * 2 * n + 1) for op in PRIMITIVES], device=model.alpha.device)
+    "AutoRA's count per primitive: the weights an op of an edge uses, plus one for being an op; `none`: 0. Made once per model and device: a step copies nothing from the host (CUDA graphs)"
+    c = model.__dict__.get('_op_counts')
+    if c is None or c.device != model.alpha.device:
+        n = model.nhid
+        c = model.__dict__['_op_counts'] = torch.tensor([0. if op == 'none' else float(n * 2 * n + 1) for op in PRIMITIVES], device=model.alpha.device)
+    return c
 
 def op_decay_grad(model, op_decay):
     "∂/∂α of `op_decay · Σ_edges Σ_k n_k α_k`: each op's decay in proportion to its parameter count `n_k`"
@@ -236,26 +239,3 @@ class ArchParamUpdate(Callback):
     def rollback_state(self, d):
         "What a rollback restores: α's Adam state (α itself is in the model's state); the search stream and `n_skipped` go on"
         self.load_arch_opt(d['arch_opt'])
-
-# %% ../../nbs/04_arch.ipynb #3ec30643
-class RandomArch(Callback):
-    "Random search with weight sharing: a uniformly drawn cell for every training batch; validation runs a fixed sequence of drawn cells, or the `chosen` one"
-    order = SeqLenLR.order + 1
-    def __init__(self, seed:int|None=None, candidates:int|None=None, top:int=10):
-        for k, v, lo in (('candidates', candidates, 1), ('top', top, 1), ('seed', seed, 0)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo): raise ValueError(f"{k} must be an integer >= {lo}, got {v!r}")
-        if candidates is not None and top > candidates: raise ValueError(f"top ({top}) cannot exceed candidates ({candidates})")
-        self.seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
-        self.gen, self.candidates, self.top, self.chosen = torch.Generator().manual_seed(self.seed), candidates, top, None
-
-    def before_fit(self):
-        if not hasattr(self.model, 'use') or hasattr(self.model, 'alpha'):
-            raise ValueError("RandomArch runs a model with shared weights and no α (DartsRnnShared: search_learner(mode='random') builds one)")
-    def before_validate(self): self.val_gen = torch.Generator().manual_seed(self.seed + 1)
-    def before_batch(self):
-        if self.training: self.model.use(sample_genotype(self.model.steps, self.gen))
-        elif self.chosen is not None: self.model.use(self.chosen)
-        else: self.model.use(sample_genotype(self.model.steps, self.val_gen))
-
-    def ckpt_state(self): return dict(seed=self.seed, gen=self.gen.get_state())
-    def load_ckpt_state(self, d): self.seed = d['seed']; self.gen.set_state(d['gen'])

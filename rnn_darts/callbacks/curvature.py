@@ -11,7 +11,8 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.torch_core import rank_distrib
 from rnn_darts.data import batchify
 from rnn_darts.callbacks.epochs import TrainEpochEnd, in_lr_find
-from rnn_darts.callbacks.checkpoint import Checkpoint, DivergenceGuard, save_atomic, load_checkpoint
+from rnn_darts.callbacks.checkpoint import Checkpoint, save_atomic, load_checkpoint
+from rnn_darts.callbacks.divergence import DivergenceGuard
 
 # %% auto #0
 __all__ = ['curvature_batches', 'alpha_hvp', 'lanczos_eigs', 'hessian_extremes', 'Curvature', 'local_average', 'es_decision',
