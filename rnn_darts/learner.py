@@ -84,10 +84,8 @@ def device_name(device) -> str:
 
 def run_genotype(learn):
     "The run's cell: derived from α (DARTS), the chosen candidate (random search: None until `choose_cell`), or the one trained"
-    m = learn.model
-    if hasattr(m, 'alpha'): return m.genotype()
     rnd = getattr(learn, 'random_arch', None)
-    return m.genotype if rnd is None else rnd.chosen
+    return learn.model.genotype() if rnd is None else rnd.chosen
 
 class RunInfo(TrainEpochEnd):
     "Write `run.json` (settings, device, epoch times, best validation loss, ASGD epoch, genotype) every epoch"

@@ -467,8 +467,9 @@ class DartsRnn(LanguageModel):
                  dropouti=0.2, dropoute=0.1):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
         super().__init__(ntoken, emsize, nhid, DartsCell(emsize, nhid, genotype, dropoutx, dropouth), dropout, dropouti, dropoute)
-        self.genotype = self.cell.genotype
         self.flatten_()
+
+    def genotype(self) -> Genotype: return self.cell.genotype
 
 class DartsRnnSearch(LanguageModel):
     "A language model around the DARTS search cell, with architecture parameters α (edges × ops)"
@@ -507,8 +508,9 @@ class DartsRnnShared(LanguageModel):
         self.steps = steps
         self.flatten_()
 
-    @property
-    def genotype(self) -> Genotype: return self.cell.genotype
+    def genotype(self) -> Genotype:
+        "The cell the next forward runs"
+        return self.cell.genotype
     def use(self, genotype):
         "Run `genotype` (of `steps` nodes) from the next forward on"
         self.cell.use(genotype)

@@ -124,7 +124,7 @@ class CellLog(Callback):
     order = 50
     def before_fit(self): self.cells = []
     def after_pred(self):
-        if self.training: self.cells.append(self.model.genotype)
+        if self.training: self.cells.append(self.model.genotype())
 
 def random_fit():
     "A 1-epoch random search on this process's share of the streams: the cell of every batch, and the weights"

@@ -131,5 +131,5 @@ def test_train_names_its_cell_in_its_first_line(tmp_path, capsys):
     assert cell_name('ENAS', 'flag') == 'ENAS' and cell_name('runs/s', 'flag') == 'the cell in runs/s'
     run = tmp_path/'search'; run.mkdir(); save_genotype(ENAS, run/'genotype.json')
     learn = cli.run_command(['train', *TINY, '--genotype', str(run), '--out', str(tmp_path/'t')])
-    assert learn.model.genotype == check_genotype(ENAS)
+    assert learn.model.genotype() == check_genotype(ENAS)
     assert capsys.readouterr().out.splitlines()[0].startswith(f"train the cell in {run} on ")

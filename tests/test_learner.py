@@ -223,7 +223,7 @@ def test_readme_python_example_with_a_preset(tmp_path):
     learn_t = train_learner(dls, g, path=tmp_path/'train', **learner_kwargs(p, train_learner))
     learn_t.fit(1)
     res = evaluate(learn_t, test_dl(corpus, p['bptt']))
-    assert learn.arch_param_update.mode == 'second' and learn.model.nhid == 16 and learn_t.model.genotype == g
+    assert learn.arch_param_update.mode == 'second' and learn.model.nhid == 16 and learn_t.model.genotype() == g
     assert res['ppl'] == pytest.approx(torch.tensor(res['loss']).exp().item()) and res['ppl'] < len(corpus.vocab) * 2
 
 @pytest.mark.slow

@@ -77,7 +77,7 @@ class CellSpy(Callback):
     "Record the cell the model runs at every batch (after RandomArch chose it)"
     order = 50
     def before_fit(self): self.trained, self.validated = [], []
-    def after_pred(self): (self.trained if self.training else self.validated).append(self.model.genotype)
+    def after_pred(self): (self.trained if self.training else self.validated).append(self.model.genotype())
 
 def test_a_new_cell_every_training_batch_from_the_seeded_sampler(tmp_path):
     "In a fit: training batch k runs the sampler's k-th cell; validation runs the same fixed sequence every epoch; no α anywhere"
@@ -146,7 +146,7 @@ def test_random_search_cli_end_to_end(tmp_path, capsys):
     cli.run_command(['report', str(out)])
     assert (out/'report'/'candidates.png').is_file() and 'candidates.png' in (out/'report'/'report.md').read_text()
     t = cli.run_command(['train', *TINY[:-2], '--epochs', '1', '--genotype', str(out/'genotype.json'), '--out', str(tmp_path/'t')])
-    assert t.model.genotype == win
+    assert t.model.genotype() == win
     res = cli.run_command(['evaluate', str(out), '--split', 'valid', '--checkpoint', 'last', '--threads', '1'])
     assert res['loss'] == pytest.approx(df.valid_loss[0], abs=0.05)   # fastai's validate weighs windows, not tokens: close, not equal
 
@@ -202,4 +202,4 @@ def test_readme_python_example(tmp_path):
     learn.fit(p['epochs'])
     df = choose_cell(learn, show=False)
     assert len(df) == 100 and df['rank'].tolist() == list(range(1, 101))   # at least 100 cells by default
-    assert load_genotype(tmp_path/'py_random'/'genotype.json') == learn.model.genotype == learn.random_arch.chosen
+    assert load_genotype(tmp_path/'py_random'/'genotype.json') == learn.model.genotype() == learn.random_arch.chosen

@@ -24,7 +24,7 @@ def model_meta(model) -> dict:
     d = dict(kind=kind, ntoken=model.ntoken, emsize=model.emsize, nhid=model.nhid)
     if kind == 'search': d.update(steps=model.steps, relax=model.relax)
     elif kind == 'shared': d['steps'] = model.steps   # any cell of that many nodes runs on its weights
-    else: d['genotype'] = genotype_to_dict(model.genotype)
+    else: d['genotype'] = genotype_to_dict(model.genotype())
     return d
 
 def check_meta(saved:dict, model, where) -> None:
