@@ -291,10 +291,10 @@ def predict(self:DartsLearner, text:str, n_words:int=1, temperature:float=1., no
     x, new, training = torch.tensor([[stoi[w] for w in words]], device=m.flat.data.device), [], m.training
     m.eval()
     try:
-        with torch.no_grad(), eval_weights(self), m.streaming('predict'):
+        with torch.no_grad(), eval_weights(self):
             m.hidden.pop('predict', None)
             for _ in range(n_words):
-                p = m(x)[0][0, -1].float().softmax(-1)
+                p = m(x, stream='predict')[0][0, -1].float().softmax(-1)
                 if unk is not None: p[unk] = 0.
                 if temperature != 1.: p = p.pow(1 / temperature)
                 x = torch.multinomial(p, 1)[None]

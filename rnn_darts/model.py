@@ -393,18 +393,13 @@ class LanguageModel(FlatModule):
         nn.init.uniform_(self.encoder.weight, -0.04, 0.04)
         self.decoder_bias = nn.Parameter(torch.zeros(ntoken))
         self.cell = cell
-        self.masks, self.hidden, self.stream = MaskBank(), {}, None
+        self.masks, self.hidden = MaskBank(), {}
         self.fused_loss = True   # decoder losses (`loss`, `forward(x, y)`) through `linear_cross_entropy`
 
     def reset(self): self.hidden = {}
-    def current_stream(self): return self.stream or ('train' if self.training else 'valid')
-
-    @contextmanager
-    def streaming(self, name):
-        "Run the forward passes inside on stream `name`"
-        old, self.stream = self.stream, name
-        try: yield self
-        finally: self.stream = old
+    def current_stream(self, stream=None):
+        "`stream`, or by default 'train' in training mode and 'valid' in eval mode"
+        return stream or ('train' if self.training else 'valid')
 
     def frozen_masks(self): return self.masks.freeze()
 
@@ -429,9 +424,9 @@ class LanguageModel(FlatModule):
         out = raw * self.masks((stream, 'o'), (1, bs, self.nhid), self.dropout, raw) if self.training and self.dropout else raw
         return raw, out, h
 
-    def forward(self, x, y=None):
-        "Logits, raw and dropped outputs, batch-first views of time-major tensors; given targets `y`, the loss in place of the logits"
-        stream = self.current_stream()
+    def forward(self, x, y=None, stream=None):
+        "Logits, raw and dropped outputs, batch-first views of time-major tensors, continuing `stream` (`current_stream`); given targets `y`, the loss in place of the logits"
+        stream = self.current_stream(stream)
         raw, out, h = self.hidden_stream(x, stream)
         self.hidden[stream] = h.detach()
         raw_b, out_b = raw.transpose(0, 1), out.transpose(0, 1)

@@ -111,10 +111,10 @@ def test_predict_generates_words_from_the_vocabulary_like_plain_sampling(corpus,
     # plain sampling: rerun the whole text from a fresh state for every word, as fastai's LMLearner does
     m, stoi, ids = learn.model, {w: i for i, w in enumerate(corpus.vocab)}, [corpus.vocab.index(w) for w in words[:3]]
     m.eval(); torch.manual_seed(5)
-    with torch.no_grad(), m.streaming('plain'):
+    with torch.no_grad():
         for _ in range(7):
             m.hidden.pop('plain', None)
-            p = m(torch.tensor([ids]))[0][0, -1].softmax(-1).pow(1 / 0.7)
+            p = m(torch.tensor([ids]), stream='plain')[0][0, -1].softmax(-1).pow(1 / 0.7)
             ids.append(int(torch.multinomial(p, 1)))
     m.train()
     assert [corpus.vocab[i] for i in ids] == words

@@ -134,7 +134,7 @@ def test_eval_determinism_and_streams():
     assert torch.equal(a, b)
     # streams keep separate states: running 'search' does not move 'valid'
     m.reset(); m(x); hv = m.hidden['valid'].clone()
-    with m.streaming('search'): m(torch.randint(0, 20, (3, 4)))
+    m(torch.randint(0, 20, (3, 4)), stream='search')
     assert torch.equal(m.hidden['valid'], hv) and 'search' in m.hidden
     # loss(advance=False) leaves the stream's state alone
     m.loss(x, x, 'valid', advance=False); assert torch.equal(m.hidden['valid'], hv)
