@@ -4,7 +4,7 @@
 
 # %% ../nbs/03a_kernels.ipynb #156345de
 from __future__ import annotations
-import ctypes, json, math, os, time, warnings
+import ctypes, json, math, os, time, warnings, weakref
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -179,14 +179,17 @@ def product(a, b):
     return onednn_mm_t(a, b) if onednn_faster(a, b) else F.linear(a, b)
 
 class _SummedGrad(torch.autograd.Function):
-    "A token that depends on `W`; its backward (after every step's) returns the gradient summed from the stashed products"
+    """A token that depends on `W`; its backward (after every step's) returns the gradient summed from the stashed products.
+    It refers to its `DeferredWeight` weakly: the weight holds the token, and a cycle would keep the step's autograd graph
+    (and on CUDA its stream-bound gradient accumulators) alive until Python's garbage collector ran"""
     @staticmethod
     def forward(ctx, W, dw):
-        ctx.dw = dw
+        ctx.dw = weakref.ref(dw)
         return W.new_zeros(())
     @staticmethod
     def backward(ctx, _):
-        g, ctx.dw.grad = ctx.dw.flush(), None   # a second backward (retain_graph) sums afresh
+        dw = ctx.dw()                         # alive: the step's products, which reach this node, hold it
+        g, dw.grad = dw.flush(), None         # a second backward (retain_graph) sums afresh
         return g, None
 
 class _StashedLinear(torch.autograd.Function):

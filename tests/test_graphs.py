@@ -185,6 +185,29 @@ def test_cuda_graphs_fit_like_eager_on_a_gpu(corpus, tmp_path):
         for k in sa: torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-5, msg=k)
         torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-5)
 
+@pytest.mark.gpu
+def test_an_exact_search_captures_its_weight_steps_on_a_gpu(corpus, tmp_path, capsys):
+    "The exact hypergradient runs eager (double backward) right before each graphed weight step: nothing of its autograd graph may outlive it, or the capture fails"
+    if not torch.cuda.is_available(): pytest.skip('no CUDA device')
+    learn = make('search', corpus, tmp_path, device='cuda', graphs=True, compile=False, checkpoint=False, mode='exact', curvature=False)
+    learn.fit(1)
+    g = learn.cuda_graphs.graphs
+    assert 'capturing a step failed' not in capsys.readouterr().out and g.failed is None
+    assert any(k[0] == 'train' and e.run.graph is not None for k, e in g.graphs.items())
+
+@pytest.mark.gpu
+def test_a_failed_capture_gives_the_cuda_generator_its_state_back():
+    "A capture that fails (a host read) leaves random draws working and where they were: the eager step after it draws what it would have"
+    if not torch.cuda.is_available(): pytest.skip('no CUDA device')
+    run = Captured(lambda: torch.rand(4, device='cuda').sum().item())
+    run()
+    before = torch.cuda.get_rng_state()
+    with pytest.raises(Exception): run()
+    assert run.graph is None
+    drawn = torch.empty(8, device='cuda').bernoulli_(.5)   # raised "Offset increment outside graph capture" without the reset
+    torch.cuda.set_rng_state(before)
+    assert torch.equal(drawn, torch.empty(8, device='cuda').bernoulli_(.5))
+
 def test_the_benchs_graphed_steps_equal_its_eager_steps():
     "`rnn-darts bench --graphs` times `search_step` and `weight_step` through `StepGraphs`: here emulated, three steps equal the eager ones bit for bit"
     from rnn_darts.bench import arch_updater, search_step, weight_step, _batches

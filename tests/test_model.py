@@ -479,6 +479,36 @@ def test_compiled_steps_tap_only_large_weights():
     big = [w.numel() >= TAP_MIN_NUMEL for w in (m.cell.W0[128:].t(), *(m.cell.WhT[j * 256:] for j in range(8)))]
     assert deferred() == big and any(big) and not all(big)
 
+def _mark_accumulators(loss):
+    "Tag every gradient accumulator `loss` reaches (a node's metadata lives as long as the node)"
+    todo, seen = [loss.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen: continue
+        seen.add(fn)
+        if type(fn).__name__ == 'AccumulateGrad': fn.metadata['step'] = True
+        else: todo += [n for n, _ in fn.next_functions]
+
+def _live_accumulators(m):
+    "Parameters whose tagged accumulator is still alive (`view_as` returns the live one, or makes a new one)"
+    return [n for n, p in m.named_parameters() if p.requires_grad and p.view_as(p).grad_fn.next_functions[0][0].metadata.get('step')]
+
+@pytest.mark.parametrize('compiled', [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_steps_graph_dies_with_its_last_reference(compiled):
+    "No reference cycle keeps a step's autograd graph: freed at once, not when Python's collector runs. On CUDA a graph kept alive holds accumulators bound to the eager stream, and capturing the next step fails"
+    import gc
+    m = DartsRnnSearch(50, 16, 16).train()
+    if compiled: m.cell.compile_step()
+    x, y = torch.randint(0, 50, (6, 3)), torch.randint(0, 50, (6, 3))
+    gc.disable()
+    try:
+        loss = m.loss(x, y, advance=False)
+        _mark_accumulators(loss)
+        assert 'cell.block' in _live_accumulators(m)
+        loss.backward(); del loss
+        assert _live_accumulators(m) == []
+    finally: gc.enable()
+
 # ------------------------------------------------------------------ evaluation stays bounded (issue 22)
 def _stream_loss(m, x, bptt=50):
     "Mean eval-mode loss over the stream `x` (bs, n), carried batch to batch as validation does"

@@ -4,6 +4,7 @@
 
 # %% ../../nbs/05e_graphs.ipynb #43e2c18d
 from __future__ import annotations
+import gc
 from functools import partial
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -27,6 +28,12 @@ def _on_side_stream(f):
 
 EMULATIONS = ('emulate', 'trace')
 
+def _reset_cuda_rng(state):
+    "Give the default CUDA generator `state` in a fresh state object: after a failed capture its own still counts a capture under way, and every random draw raises"
+    fresh = torch.Generator('cuda')
+    fresh.set_state(state)
+    torch.cuda.default_generators[torch.cuda.current_device()].graphsafe_set_state(fresh.graphsafe_get_state())
+
 class Captured:
     """`body()` (fixed shapes, no host reads) as a CUDA graph: run eager at the first call (the warm-up is the batch's own
     step), captured at the second and replayed from then on. Without a GPU, `emulate='emulate'` runs `body()` at every call;
@@ -47,12 +54,21 @@ class Captured:
         elif self.emulate:
             with torch.no_grad(): self.out = self.graph()   # the recorded backward is plain operators
         else:
-            if self.graph is None:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool): self.out = self.body()
-                self.graph = g
+            if self.graph is None: self.graph = self._capture()
             self.graph.replay()
         return self.out
+
+    def _capture(self):
+        "Capture `body()`; if that fails, the CUDA generator is given back the state it had before, and the error raised"
+        gc.collect()   # a dead cycle holding an eager step's autograd graph would make the capture's backward wait on the eager stream
+        rng = torch.cuda.get_rng_state()
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, pool=self.pool): self.out = self.body()
+        except Exception:
+            _reset_cuda_rng(rng)
+            raise
+        return g
 
     def _keep(self):
         self.out = self.body()
