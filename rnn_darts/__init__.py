@@ -12,7 +12,8 @@ except _PackageNotFoundError: __version__ = '0.1.0'   # run from a checkout with
 
 _API = {
     'rnn_darts.learner': ['search_learner', 'train_learner', 'evaluate', 'eval_weights', 'DartsLearner', 'SeqCrossEntropy',
-                          'flat_splitter', 'load_preset', 'learner_kwargs'],
+                          'flat_splitter', 'load_preset'],
+    'rnn_darts.config': ['RunConfig', 'SearchConfig', 'TrainConfig', 'StudyConfig'],
     'rnn_darts.model': ['DartsRnn', 'DartsRnnSearch', 'DartsRnnShared', 'n_weights', 'linear_cross_entropy'],
     'rnn_darts.random_search': ['choose_cell'],
     'rnn_darts.data': ['Corpus', 'numbers_corpus', 'read_corpus', 'write_corpus', 'get_ptb', 'lm_dls', 'search_stream',

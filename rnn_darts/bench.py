@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import torch, torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from rnn_darts.core import cpu_name, naming
-from rnn_darts.genotypes import DARTS_V2, sample_genotype
+from rnn_darts.genotypes import DARTS_V2, load_genotype, sample_genotype
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
-from rnn_darts.callbacks.arch import ArchParamUpdate, arch_grad, hypergrad
+from rnn_darts.callbacks.arch import ArchParamUpdate, ARCH_BETAS, arch_grad, hypergrad
+from rnn_darts.config import SearchConfig, TrainConfig
 from rnn_darts.callbacks.graphs import StepGraphs
 
 # %% auto #0
@@ -24,12 +25,13 @@ __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_
            'cpu_kernels', 'write_json', 'run_bench', 'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
-FULL_SHAPES = dict(search=dict(bs=256, bptt=35, nhid=300, ntoken=10000),
-                   train=dict(bs=64, bptt=35, nhid=850, ntoken=10000), eval_bs=10)
-SMALL_SHAPES = dict(search=dict(bs=32, bptt=35, nhid=64, ntoken=10000),
-                    train=dict(bs=32, bptt=35, nhid=128, ntoken=10000), eval_bs=10)
-SEARCH_DROPOUTS = dict(dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2, dropoute=0.)
-STEP = dict(lr=20., wd=5e-7, clip=0.25, arch_lr=3e-3, arch_betas=(0.9, 0.999), arch_wd=1e-3)
+_S, _T = SearchConfig(), TrainConfig()   # the paper's search and training settings
+FULL_SHAPES = dict(search=dict(bs=_S.bs, bptt=_S.bptt, nhid=_S.nhid, ntoken=10000),
+                   train=dict(bs=_T.bs, bptt=_T.bptt, nhid=_T.nhid, ntoken=10000), eval_bs=_S.eval_bs)
+SMALL_SHAPES = dict(search=dict(bs=32, bptt=_S.bptt, nhid=64, ntoken=10000),
+                    train=dict(bs=32, bptt=_T.bptt, nhid=128, ntoken=10000), eval_bs=_S.eval_bs)
+SEARCH_DROPOUTS = dict(dropout=_S.dropout, dropouth=_S.dropouth, dropoutx=_S.dropoutx, dropouti=_S.dropouti, dropoute=_S.dropoute)
+STEP = dict(lr=_S.lr, wd=_S.wd, clip=_S.clip, arch_lr=_S.arch_lr, arch_betas=ARCH_BETAS, arch_wd=_S.arch_wd)
 
 # %% ../nbs/10_bench.ipynb #dac184bb
 def _sync(device):
@@ -114,7 +116,7 @@ def weight_step(model, xb, yb, lr=STEP['lr'], clip=STEP['clip'], graphs=None):
     model.zero_grad()
     return loss.detach()
 
-def arch_updater(model, mode='second', arch_bf16=False, graphs=None, **kwargs):
+def arch_updater(model, mode=_S.mode, arch_bf16=False, graphs=None, **kwargs):
     "An `ArchParamUpdate` bound to `model` outside a `Learner` (the search learner's callback, its Adam and guard); its steps as graphs of `graphs` (a `StepGraphs`) if given"
     cb = ArchParamUpdate(None, mode, arch_lr=STEP['arch_lr'], arch_betas=STEP['arch_betas'], arch_wd=STEP['arch_wd'],
                          arch_bf16=arch_bf16, **kwargs)
@@ -123,7 +125,7 @@ def arch_updater(model, mode='second', arch_bf16=False, graphs=None, **kwargs):
     cb.before_fit()
     return cb
 
-def arch_hypergrad(model, trn, val, mode='second', lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
+def arch_hypergrad(model, trn, val, mode=_S.mode, lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
     "The hypergradient of `mode` (first|second|exact) as an architecture pass (`arch_grad`: shared masks, frozen BatchNorm statistics), in the surrounding precision"
     return arch_grad(model, trn, val, partial(hypergrad, model, mode=mode, lr=lr, wd=wd, clip=clip), arch_bf16=True)[0]
 
@@ -132,7 +134,7 @@ def random_step(model, gen, xb, yb, lr=STEP['lr'], clip=STEP['clip']):
     model.use(sample_genotype(model.steps, gen))
     return weight_step(model, xb, yb, lr=lr, clip=clip)
 
-def search_step(model, cb, trn, val, mode='second', lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
+def search_step(model, cb, trn, val, mode=_S.mode, lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
     "One architecture step (the callback's own `arch_step`, in mode `mode`) then one weight step (both graphed if the callback's are)"
     cb.mode, cb.hypers = mode, (lr, wd, clip)
     cb.arch_step(trn, val)
@@ -288,7 +290,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     if graphs: warmup = max(warmup, 2)   # a graph's first call runs eager, its second captures it
     res = dict(device=dev, device_name=_device_name(dev), kernels=None, torch=torch.__version__, threads=torch.get_num_threads(),
                small=small, iters=iters, warmup=warmup, compile=compile, bf16=bf16, graphs=graphs, mem_kind=mem_kind(dev),
-               shapes=dict(search=S, train=dict(TS, genotype='DARTS_V2'), eval_bs=ebs), step=dict(STEP), rows=[],
+               shapes=dict(search=S, train=dict(TS, genotype=_T.genotype), eval_bs=ebs), step=dict(STEP), rows=[],
                ratios={}, ratios_min={},
                ops_kind='kernel launches per step (launch_count)' if compile else 'operators per step (op_count)')
     def ours(m):
@@ -337,7 +339,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
         m = cb = None
     if train:
         torch.manual_seed(seed)
-        d = ours(DartsRnn(TS['ntoken'], DARTS_V2, TS['nhid'], TS['nhid']).to(dev).train())
+        d = ours(DartsRnn(TS['ntoken'], load_genotype(_T.genotype), TS['nhid'], TS['nhid']).to(dev).train())
         tb = _batches(TS['ntoken'], TS['bs'], TS['bptt'], 1, dev, seed + 1)[0]
         sg = graphed(d)
         log(_row('derived DARTS_V2 training step', 'ours', TS, measure(amp(lambda: weight_step(d, *tb, graphs=sg)))))
@@ -345,7 +347,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     if evaluate:
         for name, sh, make in (('search model eval forward', S, search_model),
                                ('derived DARTS_V2 eval forward', TS,
-                                lambda: ours(DartsRnn(TS['ntoken'], DARTS_V2, TS['nhid'], TS['nhid']).to(dev)))):
+                                lambda: ours(DartsRnn(TS['ntoken'], load_genotype(_T.genotype), TS['nhid'], TS['nhid']).to(dev)))):
             torch.manual_seed(seed)
             m = make().eval()
             es = dict(sh, bs=ebs)

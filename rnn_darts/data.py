@@ -11,6 +11,7 @@ import numpy as np, torch
 from fastai.data.load import DataLoader
 from fastai.data.core import DataLoaders
 from rnn_darts.core import check_positive, check_bptt, get_device, naming
+from rnn_darts.config import RunConfig
 
 # %% auto #0
 __all__ = ['SPLITS', 'EOS', 'NUMBER_WORDS', 'PTB_URL', 'PTB_HASHES', 'POLICIES', 'Corpus', 'read_corpus', 'fingerprint',
@@ -179,7 +180,7 @@ def _number_sentences(rng:np.random.Generator, n_tokens:int, stoi:dict) -> torch
         ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
 
-def numbers_corpus(seed:int=0, n_train:int=200_000, n_valid:int=20_000, n_test:int=20_000) -> Corpus:
+def numbers_corpus(seed:int=0, n_train:int=RunConfig.n_train, n_valid:int=20_000, n_test:int=20_000) -> Corpus:
     "A generated corpus of numbers and arithmetic in English words, deterministic from `seed`; sizes are approximate token counts"
     for k, v in dict(n_train=n_train, n_valid=n_valid, n_test=n_test).items(): check_positive(k, v)
     stoi = {w: i for i, w in enumerate(NUMBER_WORDS)}
@@ -263,7 +264,7 @@ def _check_int(name, v, lo):
 
 class StreamDL(DataLoader):
     "A fastai `DataLoader` of consecutive `(x, y)` slices, `(bs, seq_len)`, of a batchified token stream"
-    def __init__(self, data, bs:int, bptt:int, policy:str='fixed', seed:int|None=None, max_delta:int=20,
+    def __init__(self, data, bs:int, bptt:int, policy:str='fixed', seed:int|None=None, max_delta:int=RunConfig.max_delta,
                  device=None, where:str='stream', **kwargs):
         bs = _check_int('bs', bs, 1); check_bptt(bptt)
         if policy not in POLICIES: raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -377,7 +378,7 @@ class SearchStream:
     def __repr__(self): return f"SearchStream({self.where}: bs={self.bs}, {self.data.shape[1]:,} tokens per row, pos={self.pos}, wrapped={self.wrapped})"
 
 # %% ../nbs/01_data.ipynb #3a696ba8
-def lm_dls(corpus:Corpus, bs:int, bptt:int, phase:str='search', eval_bs:int=10, seed:int=0, max_delta:int=20, device=None) -> DataLoaders:
+def lm_dls(corpus:Corpus, bs:int, bptt:int, phase:str='search', eval_bs:int=RunConfig.eval_bs, seed:int=0, max_delta:int=RunConfig.max_delta, device=None) -> DataLoaders:
     "Train (`phase` 'search' or 'train') and valid `StreamDL`s over `corpus`, as fastai `DataLoaders`"
     check_positive('bs', bs); check_positive('eval_bs', eval_bs); check_bptt(bptt)
     if phase not in ('search', 'train'): raise ValueError(f"phase must be 'search' or 'train', got {phase!r}")

@@ -22,6 +22,7 @@ from fastai.optimizer import SGD
 import fastai.callback.schedule  # adds Learner.lr_find and fit_one_cycle
 from fastai.callback.progress import CSVLogger
 from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name, naming
+from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
 from rnn_darts.callbacks.arch import ArchParamUpdate
@@ -39,7 +40,7 @@ from rnn_darts.callbacks.graphs import CudaGraphs, EMULATIONS
 
 # %% auto #0
 __all__ = ['SEARCH_MODES', 'DartsLearner', 'flat_splitter', 'device_name', 'run_genotype', 'RunInfo', 'SeqCrossEntropy',
-           'search_learner', 'train_learner', 'eval_weights', 'evaluate', 'VocabDLs', 'load_preset', 'learner_kwargs']
+           'search_learner', 'train_learner', 'eval_weights', 'evaluate', 'VocabDLs', 'load_preset']
 
 # %% ../nbs/07_learner.ipynb #237f3218
 class DartsLearner(Learner):
@@ -129,72 +130,75 @@ def _ntoken(dls, ntoken):
     if getattr(dls, 'vocab', None) is None: raise ValueError("pass ntoken=..., or DataLoaders with a .vocab (as lm_dls makes)")
     return len(dls.vocab)
 
-def _common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss, checkpoint_every=None):
-    cbs = [ModelResetter(), RNNCallback(), RNNRegularizer(alpha, beta), SeqLenLR(), FlatGradClip(clip), DivergenceGuard(on_nan), BestValidLoss(),
-           FiniteValidation()]
-    if fused_loss: cbs.append(FusedDecoderLoss())
-    if checkpoint: cbs += [Checkpoint(keep=keep, resume=resume), Preemption(None if checkpoint_every is None else 60 * checkpoint_every)]
-    elif checkpoint_every: raise ValueError("checkpoint_every needs checkpoint=True")
+def _common_cbs(c:RunConfig, resume=None):
+    "The callbacks every run has, set by `c`: state, regularization, the clip, the fault guards, the fused loss, checkpoints"
+    cbs = [ModelResetter(), RNNCallback(), RNNRegularizer(c.alpha, c.beta), SeqLenLR(), FlatGradClip(c.clip), DivergenceGuard(c.on_nan),
+           BestValidLoss(), FiniteValidation()]
+    if c.fused_loss: cbs.append(FusedDecoderLoss())
+    if c.checkpoint: cbs += [Checkpoint(keep=c.keep, resume=resume), Preemption(None if c.checkpoint_every is None else 60 * c.checkpoint_every)]
+    elif c.checkpoint_every: raise ValueError("checkpoint_every needs checkpoint=True")
     elif resume: raise ValueError("resume needs checkpoint=True")
     return cbs
 
-def _learner(dls, model, lr, wd, cbs, metrics, path, device, compile=None, bf16=False, fused_loss=True, auto_compile=False, graphs=None):
+def _learner(dls, model, c:RunConfig, path, device, compile=None, auto_compile=False, graphs=None):
     "`compile=None`: compiled on CUDA; on a CPU, `AutoCompile` if `auto_compile` (long fits), else eager (see below). `graphs`: `CudaGraphs`'s `enabled`, or an emulation without a GPU ('emulate', 'trace')"
     dev = torch.device(device) if device is not None else getattr(dls, 'device', None) or torch.device('cpu')
     model.to(dev)
-    model.fused_loss = fused_loss
+    model.fused_loss = c.fused_loss
     if compile is None and dev.type == 'cuda': compile = True
     if compile: model.cell.compile_step()
     auto = ([AutoCompile()] if compile is None and auto_compile else []) + [CompileNotice()]
     auto.append(CudaGraphs(emulate=graphs) if graphs in EMULATIONS else CudaGraphs(graphs))
-    return DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=lr, splitter=flat_splitter, wd=wd,
-                        wd_bn_bias=True, metrics=metrics, path=path, cbs=list(L(cbs)) + auto + ([BF16Autocast()] if bf16 else []))
+    learn = DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=c.lr, splitter=flat_splitter, wd=c.wd,
+                         wd_bn_bias=True, metrics=[Perplexity()], path=path, cbs=auto + ([BF16Autocast()] if c.bf16 else []))
+    learn.config = c
+    return learn
 
 SEARCH_MODES = ('second', 'first', 'exact', 'random')
 
-def search_learner(dls, search_dl, emsize=300, nhid=300, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
-                   dropoute=0., lr=20., wd=5e-7, clip=0.25, alpha=0., beta=1e-3, mode='second', arch_lr=3e-3,
-                   arch_wd=1e-3, relax='softmax', same_masks=True, zero_one=0., op_decay=0., on_nan='rollback', path='.',
-                   checkpoint=True, keep=2, resume=None, cbs=None, device=None, ntoken=None, compile:bool|None=None, bf16=False,
-                   arch_bf16=False, fused_loss=True, candidates:int|None=None, top=10, curvature=True, curvature_windows=9,
-                   early_stop=False, checkpoint_every:float|None=None, graphs:bool|None=None) -> DartsLearner:
-    "A `Learner` for the search phase, with the paper's defaults: DARTS (`mode` second|first|exact), or random search with weight sharing (`mode='random'`: `search_dl` unused, `candidates` and `top` for `choose_cell`)"
-    if mode not in SEARCH_MODES: raise ValueError(f"mode must be one of {', '.join(map(repr, SEARCH_MODES))}, got {mode!r}")
-    rnd = mode == 'random'
-    if rnd:   # random search has no α: its settings would be ignored, and a new cell every batch would recompile a compiled step
-        moved = {k: v for k, v in dict(relax=relax, zero_one=zero_one, op_decay=op_decay, early_stop=early_stop).items()
-                 if v != dict(relax='softmax', zero_one=0., op_decay=0., early_stop=False)[k]}
-        if moved: raise ValueError(f"mode='random' has no α: {', '.join(f'{k}={v!r}' for k, v in moved.items())} would be ignored")
-        if compile: raise ValueError("compile=True with mode='random': every batch runs another cell, and a compiled step recompiles for "
-                                     "each new cell (see rnn_darts.random_search); random search runs eager")
-        if graphs: raise ValueError("graphs=True with mode='random': every batch runs another cell, and each would need its own CUDA graphs; "
-                                    "random search runs eager")
-    if early_stop and not curvature: raise ValueError("early_stop=True needs curvature=True: DARTS-ES stops on λ_max")
-    kw = dict(dropout=dropout, dropouth=dropouth, dropoutx=dropoutx, dropouti=dropouti, dropoute=dropoute)
-    model = (DartsRnnShared(_ntoken(dls, ntoken), emsize, nhid, **kw) if rnd else
-             DartsRnnSearch(_ntoken(dls, ntoken), emsize, nhid, **kw, relax=relax))
-    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, False if rnd else compile, bf16, fused_loss, auto_compile=not rnd,
-                     graphs=False if rnd else graphs)
-    if rnd: own = [RandomArch(candidates=candidates, top=top)]
+def _dropouts(c:RunConfig) -> dict: return dict(dropout=c.dropout, dropouth=c.dropouth, dropoutx=c.dropoutx, dropouti=c.dropouti, dropoute=c.dropoute)
+
+def _check_random(c:SearchConfig):
+    "Random search has no α: its settings would be ignored, and a new cell every batch would recompile a compiled step"
+    d = SearchConfig()
+    moved = {k: getattr(c, k) for k in ('relax', 'zero_one', 'op_decay', 'early_stop') if getattr(c, k) != getattr(d, k)}
+    if moved: raise ValueError(f"mode='random' has no α: {', '.join(f'{k}={v!r}' for k, v in moved.items())} would be ignored")
+    if c.compile: raise ValueError("compile=True with mode='random': every batch runs another cell, and a compiled step recompiles for "
+                                   "each new cell (see rnn_darts.random_search); random search runs eager")
+    if c.graphs: raise ValueError("graphs=True with mode='random': every batch runs another cell, and each would need its own CUDA graphs; "
+                                  "random search runs eager")
+
+def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resume=None, cbs=None, device=None, ntoken=None,
+                   **settings) -> DartsLearner:
+    """A `Learner` for the search phase with the settings of `config` (default: the paper's, `SearchConfig`), any of them
+    overridden by keyword: DARTS (`mode` second|first|exact), or random search with weight sharing (`mode='random'`:
+    `search_dl` unused, `candidates` and `top` for `choose_cell`)"""
+    c = configured(SearchConfig, config, 'search_learner', settings)
+    if c.mode not in SEARCH_MODES: raise ValueError(f"mode must be one of {', '.join(map(repr, SEARCH_MODES))}, got {c.mode!r}")
+    rnd = c.mode == 'random'
+    if rnd: _check_random(c)
+    if c.early_stop and not c.curvature: raise ValueError("early_stop=True needs curvature=True: DARTS-ES stops on λ_max")
+    n = _ntoken(dls, ntoken)
+    model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c)) if rnd else DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax)
+    learn = _learner(dls, model, c, path, device, False if rnd else c.compile, auto_compile=not rnd, graphs=False if rnd else c.graphs)
+    if rnd: own = [RandomArch(candidates=c.candidates, top=c.top)]
     else:
-        arch = ArchParamUpdate(search_dl, mode, arch_lr, arch_wd=arch_wd, same_masks=same_masks, zero_one=zero_one, op_decay=op_decay,
-                               arch_bf16=arch_bf16)
+        arch = ArchParamUpdate(search_dl, c.mode, c.arch_lr, arch_wd=c.arch_wd, same_masks=c.same_masks, zero_one=c.zero_one,
+                               op_decay=c.op_decay, arch_bf16=c.arch_bf16)
         learn.metrics.append(ValueMetric(arch.search_loss, 'search_loss'))
-        curv = [Curvature(curvature_windows)] if curvature else []
+        curv = [Curvature(c.curvature_windows)] if c.curvature else []
         for cb in curv: learn.metrics.append(ValueMetric(cb.lambda_max, 'lambda_max'))
-        own = [arch, GenotypeLogger()] + curv + ([CurvatureStop()] if early_stop else [])
-    learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss, checkpoint_every) + own + list(L(cbs)))
+        own = [arch, GenotypeLogger()] + curv + ([CurvatureStop()] if c.early_stop else [])
+    learn.add_cbs(_common_cbs(c, resume) + own + list(L(cbs)))
     return learn
 
-def train_learner(dls, genotype, emsize=850, nhid=850, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
-                  dropoute=0.1, lr=20., wd=8e-7, clip=0.25, alpha=0., beta=1e-3, nonmono=5, asgd=False,
-                  on_nan='rollback', path='.', checkpoint=True, keep=2, resume=None, cbs=None, device=None,
-                  ntoken=None, compile:bool|None=None, bf16=False, fused_loss=True, checkpoint_every:float|None=None,
-                  graphs:bool|None=None) -> DartsLearner:
-    "A `Learner` that trains a derived genotype from scratch with NT-ASGD, with the paper's defaults"
-    model = DartsRnn(_ntoken(dls, ntoken), load_genotype(genotype), emsize, nhid, dropout, dropouth, dropoutx, dropouti, dropoute)
-    learn = _learner(dls, model, lr, wd, None, [Perplexity()], path, device, compile, bf16, fused_loss, graphs=graphs)
-    learn.add_cbs(_common_cbs(alpha, beta, clip, on_nan, checkpoint, keep, resume, fused_loss, checkpoint_every) + [ASGDSwitch(nonmono, start=asgd)] + list(L(cbs)))
+def train_learner(dls, genotype, config:TrainConfig|None=None, path='.', resume=None, cbs=None, device=None, ntoken=None,
+                  **settings) -> DartsLearner:
+    "A `Learner` that trains the cell `genotype` from scratch with NT-ASGD, with the settings of `config` (default: the paper's, `TrainConfig`), any of them overridden by keyword"
+    c = configured(TrainConfig, config, 'train_learner', settings)
+    model = DartsRnn(_ntoken(dls, ntoken), load_genotype(genotype), c.emsize, c.nhid, **_dropouts(c))
+    learn = _learner(dls, model, c, path, device, c.compile, graphs=c.graphs)
+    learn.add_cbs(_common_cbs(c, resume) + [ASGDSwitch(c.nonmono, start=c.asgd)] + list(L(cbs)))
     return learn
 
 # %% ../nbs/07_learner.ipynb #e972eb06
@@ -332,10 +336,3 @@ def load_preset(name:str, settings=None) -> dict:
     "Preset `name` from `settings.ini` (the nearest one, or `settings`), typed and checked as the command line does"
     from rnn_darts.options import known_options
     return read_preset(name, known_options(), settings)
-
-_NOT_FROM_PRESETS = ('dls', 'search_dl', 'genotype', 'cbs', 'path', 'resume', 'device', 'ntoken')
-
-def learner_kwargs(settings:dict, learner=None) -> dict:
-    "The entries of `settings` that `learner` (default `search_learner`) takes as keywords; data settings are left out"
-    keys = set(inspect.signature(learner or search_learner).parameters) - set(_NOT_FROM_PRESETS)
-    return {k: v for k, v in settings.items() if k in keys}

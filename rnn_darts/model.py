@@ -11,7 +11,7 @@ from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
 from rnn_darts import kernels
 from rnn_darts.kernels import mm_t, fastest, linear, tanh, DeferredWeight, WeightTap, _Tapped, _map, _collect
-
+from rnn_darts.config import SearchConfig, TrainConfig
 
 # %% auto #0
 __all__ = ['ACTS', 'LOG2E', 'FlatParams', 'FlatModule', 'MaskBank', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm',
@@ -456,10 +456,12 @@ class LanguageModel(FlatModule):
         finally: self.fused_loss = fused
 
 # %% ../nbs/03_model.ipynb #e7e8d9d7
+_S, _T = SearchConfig(), TrainConfig()   # the defaults: the paper's search and training sizes and dropouts
+
 class DartsRnn(LanguageModel):
     "A language model around a derived DARTS cell"
-    def __init__(self, ntoken, genotype, emsize=850, nhid=850, dropout=0.75, dropouth=0.25, dropoutx=0.75,
-                 dropouti=0.2, dropoute=0.1):
+    def __init__(self, ntoken, genotype, emsize=_T.emsize, nhid=_T.nhid, dropout=_T.dropout, dropouth=_T.dropouth,
+                 dropoutx=_T.dropoutx, dropouti=_T.dropouti, dropoute=_T.dropoute):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
         super().__init__(ntoken, emsize, nhid, DartsCell(emsize, nhid, genotype, dropoutx, dropouth), dropout, dropouti, dropoute)
         self.flatten_()
@@ -468,8 +470,8 @@ class DartsRnn(LanguageModel):
 
 class DartsRnnSearch(LanguageModel):
     "A language model around the DARTS search cell, with architecture parameters α (edges × ops)"
-    def __init__(self, ntoken, emsize=300, nhid=300, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
-                 dropoute=0., steps=STEPS, relax='softmax'):
+    def __init__(self, ntoken, emsize=_S.emsize, nhid=_S.nhid, dropout=_S.dropout, dropouth=_S.dropouth, dropoutx=_S.dropoutx,
+                 dropouti=_S.dropouti, dropoute=_S.dropoute, steps=STEPS, relax=_S.relax):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
         if relax not in ('softmax', 'sigmoid'): raise ValueError(f"relax must be 'softmax' or 'sigmoid', got {relax!r}")
         super().__init__(ntoken, emsize, nhid, DartsCellSearch(emsize, nhid, dropoutx, dropouth, steps), dropout, dropouti, dropoute)
@@ -495,8 +497,8 @@ class DartsRnnSearch(LanguageModel):
 
 class DartsRnnShared(LanguageModel):
     "The search space with weight sharing (random search, Li & Talwalkar 2019): the search cell's matrices, one per node, running one discrete cell at a time (`use`)"
-    def __init__(self, ntoken, emsize=300, nhid=300, dropout=0.75, dropouth=0.25, dropoutx=0.75, dropouti=0.2,
-                 dropoute=0., steps=STEPS):
+    def __init__(self, ntoken, emsize=_S.emsize, nhid=_S.nhid, dropout=_S.dropout, dropouth=_S.dropouth, dropoutx=_S.dropoutx,
+                 dropouti=_S.dropouti, dropoute=_S.dropoute, steps=STEPS):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
         chain = Genotype(tuple(('tanh', i) for i in range(steps)), tuple(range(1, steps + 1)))   # until the first `use`
         super().__init__(ntoken, emsize, nhid, DartsCell(emsize, nhid, chain, dropoutx, dropouth, shared=True), dropout, dropouti, dropoute)

@@ -5,55 +5,32 @@
 # %% ../nbs/07a_options.ipynb #bee5bc81
 from __future__ import annotations
 import inspect, os
-from functools import lru_cache
+from dataclasses import fields
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, read_preset, check_number, check_choice, option_type
+from rnn_darts.config import CONFIGS
 
 # %% auto #0
-__all__ = ['DATA_DEFAULTS', 'TRAIN_DEFAULTS', 'NOT_SETTINGS', 'FLAGS', 'CONTROL', 'SWITCHES', 'CHOICES', 'learner_options',
-           'known_options', 'options_of_defaults', 'code_defaults', 'settings_and_sources', 'resolve_settings',
-           'command_flags', 'flag_default', 'flags_signature', 'check_random', 'setting_name', 'check_settings',
-           'check_fits', 'memory_estimate', 'available_memory', 'check_memory']
+__all__ = ['FLAGS', 'CONTROL', 'SWITCHES', 'CHOICES', 'learner_options', 'known_options', 'code_defaults', 'settings_and_sources',
+           'resolve_settings', 'command_flags', 'flag_default', 'flags_signature', 'check_random', 'setting_name',
+           'check_settings', 'check_fits', 'memory_estimate', 'available_memory', 'check_memory']
 
 # %% ../nbs/07a_options.ipynb #09131284
-DATA_DEFAULTS = dict(data='numbers', files='', unk='', n_train=200_000, epochs=50, bs=256, bptt=35, eval_bs=10,
-                     max_delta=20, seed=3, out='')
-TRAIN_DEFAULTS = dict(bs=64, seed=1267, test_bs=1, genotype='DARTS_V2')   # the paper's derived-cell training; only `train` has these
-NOT_SETTINGS = ('cbs', 'device', 'path', 'ntoken', 'resume')   # learner arguments no preset or flag sets
-_LEARNERS = dict(search='search_learner', train='train_learner')
-
-@lru_cache
 def learner_options(command:str) -> dict:
-    "name -> (default, type) of every keyword argument of `search_learner` / `train_learner`, read from `learner.py`'s source"
-    import ast, importlib.util
-    fn = _LEARNERS[command]
-    tree = ast.parse(Path(importlib.util.find_spec('rnn_darts.learner').origin).read_text())
-    a = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == fn).args
-    pairs = list(zip(a.args[len(a.args) - len(a.defaults):], a.defaults)) + [(k, d) for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
-    res = {}
-    for arg, node in pairs:
-        try: d = ast.literal_eval(node)
-        except ValueError: raise TypeError(f"{fn}({arg.arg}=...): a default must be a literal, for the settings to read it") from None
-        res[arg.arg] = (d, option_type(d, ast.unparse(arg.annotation) if arg.annotation is not None else ''))
-    return res
+    "name -> (default, type) of every setting of `command` (search | train): its config's fields"
+    return {f.name: (f.default, option_type(f.default, f.type)) for f in fields(CONFIGS[command])}
 
 def known_options() -> dict:
-    "Every option a preset may set, with its type"
-    opts = {k: t for c in _LEARNERS for k, (_, t) in learner_options(c).items() if k not in NOT_SETTINGS}
-    return {**opts, **{k: type(v) for k, v in {**DATA_DEFAULTS, **TRAIN_DEFAULTS}.items()}}
-
-def options_of_defaults(fn) -> dict:
-    "The defaults of `fn`'s arguments that have one"
-    return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty}
+    "Every setting a preset may set, with its type"
+    return {k: t for c in ('search', 'train') for k, (_, t) in learner_options(c).items()}
 
 def code_defaults(command) -> dict:
     "The defaults `command` uses when neither a preset nor a flag sets a value"
-    return {**DATA_DEFAULTS, **{k: d for k, (d, _) in learner_options(command).items()}, **(TRAIN_DEFAULTS if command == 'train' else {})}
+    return CONFIGS[command]().asdict()
 
 def settings_and_sources(command, preset=None, settings_file=None, **flags):
     "`resolve_settings`, and for each setting where it came from: 'flag', 'SETTINGS: [preset] key', or 'default'"
-    own = {k: d for k, (d, _) in learner_options(command).items() if k not in NOT_SETTINGS}
-    res = {**DATA_DEFAULTS, **own, **(TRAIN_DEFAULTS if command == 'train' else {})}
+    res = code_defaults(command)
     src = {k: 'default' for k in res}
     if preset:
         from rnn_darts.core import find_settings
@@ -65,9 +42,8 @@ def settings_and_sources(command, preset=None, settings_file=None, **flags):
     return res, src
 
 def resolve_settings(command, preset=None, settings_file=None, **flags) -> dict:
-    "Code defaults for `command`, overridden by `preset`, overridden by the flags that were given (not None)"
+    "The config's defaults for `command`, overridden by `preset`, overridden by the flags that were given (not None)"
     return settings_and_sources(command, preset, settings_file, **flags)[0]
-
 
 # %% ../nbs/07a_options.ipynb #c0212800
 # The flags of `rnn-darts search | train`, in the order `-h` lists them: name -> help, or {command: help} where the

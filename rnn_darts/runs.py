@@ -8,7 +8,8 @@ import json, os, socket, sys, time
 from contextlib import suppress
 from pathlib import Path
 from rnn_darts.core import UserError, UsageError, get_device, set_seed, check_number, check_choice, naming
-from rnn_darts.options import (DATA_DEFAULTS, TRAIN_DEFAULTS, CHOICES, CONTROL, learner_options, settings_and_sources, options_of_defaults,
+from rnn_darts.config import RunConfig, SearchConfig, TrainConfig
+from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources,
                                check_settings, check_fits, check_memory, command_flags, flag_default, flags_signature)
 
 # %% auto #0
@@ -30,9 +31,7 @@ def load_corpus(s:dict, url:str|None=None):
         files = dict(zip(('train', 'valid', 'test'), (n.strip() for n in names)))
     return read_corpus(path, unk=s['unk'] or None, files=files)
 
-def _kwargs(fn, s, drop=()):
-    keys = options_of_defaults(fn)
-    return {k: v for k, v in s.items() if k in keys and k not in ('cbs', 'path', 'resume', 'device', 'ntoken', *drop)}
+
 
 # %% ../nbs/07b_runs.ipynb #c11c0005
 RUN_FILES = ('run.json', 'log.csv', 'history.json', 'genotype.json', 'candidates.csv', 'checkpoints')
@@ -183,8 +182,6 @@ def _prepare(command, flags:dict) -> _Run:
     check_settings(r.s, r.src)
     if c['threads'] is not None: check_number('--threads', c['threads'], 1, integer=True)
     if c['url'] is not None and r.s['data'] != 'ptb': raise UsageError(f"--url applies to --data ptb (it names a mirror to download it from), not --data {r.s['data']}")
-    if flags.get('op_decay') is not None and 'op_decay' not in learner_options(command):
-        raise UsageError("--op-decay: this version's search_learner has no op_decay")
     dev = get_device(c['device'])
     if command == 'train':
         from rnn_darts.genotypes import load_genotype
@@ -239,8 +236,8 @@ def search(**flags):
         if r.rank == 0: print(f"search on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         rnd = s['mode'] == 'random'
-        learn = search_learner(dls, None if rnd else search_stream(corpus, s['bs'], device=dev), path=out, resume=True if resume else None,
-                               device=dev, cbs=[RunLogger('log.csv', append=resume), RunInfo('search', s, r.data)], **_kwargs(search_learner, s))
+        learn = search_learner(dls, None if rnd else search_stream(corpus, s['bs'], device=dev), SearchConfig.of(s), path=out,
+                               resume=True if resume else None, device=dev, cbs=[RunLogger('log.csv', append=resume), RunInfo('search', s, r.data)])
         learn = distrib_learner(learn)
         if r.rank == 0: plain_output(learn)   # into a file or a pipe: a line per epoch, no bar frames
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
@@ -279,8 +276,8 @@ def train(**flags):
         s, dev, out, corpus, g, resume = r.s, r.dev, r.out, r.corpus, r.genotype, r.resume
         if r.rank == 0: print(f"train {cell_name(s['genotype'], r.src['genotype'])} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
-        learn = train_learner(dls, g, path=out, resume=True if resume else None, device=dev,
-                              cbs=[RunLogger('log.csv', append=resume), RunInfo('train', s, r.data)], **_kwargs(train_learner, s, ('genotype',)))
+        learn = train_learner(dls, g, TrainConfig.of(s), path=out, resume=True if resume else None, device=dev,
+                              cbs=[RunLogger('log.csv', append=resume), RunInfo('train', s, r.data)])
         learn = distrib_learner(learn)
         if r.rank == 0: plain_output(learn)
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
@@ -308,7 +305,7 @@ def evaluate_run(
     run = Path(run)
     if not run.is_dir(): raise FileNotFoundError(f"run folder {run} does not exist" if not run.exists() else f"{run} is not a run folder")
     info = read_run_json(run/'run.json')
-    s = {**DATA_DEFAULTS, 'test_bs': TRAIN_DEFAULTS['test_bs'], **info['settings']}
+    s = {**RunConfig().asdict(), 'test_bs': TrainConfig.test_bs, **info['settings']}   # an older run.json may lack a setting
     check_settings({k: v for k, v in s.items() if k not in ('threads',)}, {k: f"{run/'run.json'}: settings.{k}" for k in s})
     dev = get_device(device)
     from rnn_darts.callbacks.checkpoint import load_checkpoint, latest_checkpoint, restore
@@ -330,11 +327,10 @@ def evaluate_run(
     dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search' if info['command'] == 'search' else 'train', eval_bs=s['eval_bs'], device=dev)
     if info['command'] == 'search':
         sdl = None if s.get('mode') == 'random' else search_stream(corpus, s['bs'], device=dev)
-        learn = search_learner(dls, sdl, path=run, checkpoint=False, device=dev,
-                               **_kwargs(search_learner, s, ('checkpoint', 'checkpoint_every')))
+        learn = search_learner(dls, sdl, SearchConfig.of(s), path=run, device=dev, checkpoint=False, checkpoint_every=None)
     else:
-        learn = train_learner(dls, load_genotype(s['genotype']), path=run, checkpoint=False, device=dev,
-                              **_kwargs(train_learner, s, ('checkpoint', 'genotype', 'checkpoint_every')))
+        learn = train_learner(dls, load_genotype(s['genotype']), TrainConfig.of(s), path=run, device=dev, checkpoint=False,
+                              checkpoint_every=None)
     restore(learn, state, str(p), full=False)
     if getattr(learn, 'random_arch', None) is not None:   # a random search's weights, with the cell it chose
         gp = run/'genotype.json'

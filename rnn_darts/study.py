@@ -6,9 +6,10 @@
 from __future__ import annotations
 import json, math, re, time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_number, check_choice, write_text_atomic
+from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_number, check_choice, write_text_atomic, option_type
+from rnn_darts.config import StudyConfig
 
 # %% auto #0
 __all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'study_settings', 'Stage', 'plan_stages', 'check_study', 'stage_command',
@@ -17,10 +18,7 @@ __all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'study_settings', 'Stage'
            'write_study_report']
 
 # %% ../nbs/17_study.ipynb #160dffce
-STUDY_OPTIONS = dict(   # name -> (type, default): the defaults are the paper's protocol
-    data=(str, ''), files=(str, ''), unk=(str, ''),
-    methods=(str, 'second,first,random'), seeds=(str, '1,2,3,4'), references=(str, 'DARTS_V2'),
-    search_preset=(str, 'search'), train_preset=(str, 'train'), short_epochs=(int, 300), final_epochs=(int, 3600))
+STUDY_OPTIONS = {f.name: (option_type(f.default, f.type), f.default) for f in fields(StudyConfig)}   # name -> (type, default): `StudyConfig`'s, the paper's protocol
 
 def study_settings(preset:str|None=None, settings_file=None, **flags) -> tuple:
     "The study's settings (defaults, then the study `preset`, then the `flags` that are not None) and where each came from"

@@ -10,7 +10,7 @@ from rnn_darts.core import set_seed
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream, test_dl as split_dl   # not collected as a test
 from rnn_darts.genotypes import DARTS_V2
 from rnn_darts.model import DartsRnnSearch
-from rnn_darts.learner import search_learner, train_learner, SeqCrossEntropy, load_preset, learner_kwargs, flat_splitter
+from rnn_darts.learner import search_learner, train_learner, SeqCrossEntropy, load_preset, flat_splitter
 from rnn_darts.callbacks.arch import ArchParamUpdate
 from rnn_darts.callbacks.training import FlatGradClip, FusedDecoderLoss
 from tests._devices import ON_DEVICES
@@ -208,19 +208,19 @@ def test_host_reads_are_seen(corpus, tmp_path):
 
 @pytest.mark.slow
 def test_readme_python_example_with_a_preset(tmp_path):
-    "The README's Python example, at tiny sizes: a preset split into data settings and learner keywords"
-    from rnn_darts import numbers_corpus, lm_dls, search_stream, test_dl, search_learner, train_learner, evaluate, load_preset, learner_kwargs
+    "The README's Python example, at tiny sizes: a preset's data settings and the learners' configs of it"
+    from rnn_darts import numbers_corpus, lm_dls, search_stream, test_dl, search_learner, train_learner, evaluate, load_preset, SearchConfig, TrainConfig
     p = load_preset('quick')
     p.update(n_train=1_500, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=16, nhid=16)   # tiny, for the test
     with pytest.raises(TypeError): search_learner(None, None, **p)   # a preset is not a list of learner keywords
     set_seed(p['seed'])
     corpus = numbers_corpus(seed=p['seed'], n_train=p['n_train'], n_valid=600, n_test=400)   # README: default valid/test sizes
     dls = lm_dls(corpus, bs=p['bs'], bptt=p['bptt'], eval_bs=p['eval_bs'], seed=p['seed'])
-    learn = search_learner(dls, search_stream(corpus, bs=p['bs']), path=tmp_path/'search', **learner_kwargs(p, search_learner))
+    learn = search_learner(dls, search_stream(corpus, bs=p['bs']), SearchConfig.of(p), path=tmp_path/'search')
     learn.fit(p['epochs'])
     g = learn.model.genotype()
     dls = lm_dls(corpus, bs=p['bs'], bptt=p['bptt'], phase='train', eval_bs=p['eval_bs'], seed=p['seed'])
-    learn_t = train_learner(dls, g, path=tmp_path/'train', **learner_kwargs(p, train_learner))
+    learn_t = train_learner(dls, g, TrainConfig.of(p), path=tmp_path/'train')
     learn_t.fit(1)
     res = evaluate(learn_t, test_dl(corpus, p['bptt']))
     assert learn.arch_param_update.mode == 'second' and learn.model.nhid == 16 and learn_t.model.genotype() == g
@@ -230,7 +230,7 @@ def test_readme_python_example_with_a_preset(tmp_path):
 @pytest.mark.slow
 def test_readme_python_example_and_the_command_line_give_the_same_losses(tmp_path):
     "The README's Python example and `rnn-darts search --preset quick`, at tiny sizes and one thread: the same losses, bit for bit"
-    from rnn_darts import cli, set_seed, numbers_corpus, lm_dls, search_stream, search_learner, load_preset, learner_kwargs
+    from rnn_darts import cli, set_seed, numbers_corpus, lm_dls, search_stream, search_learner, load_preset, SearchConfig
     tiny = dict(n_train=1_500, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=16, nhid=16)
     n = torch.get_num_threads()
     try:
@@ -240,7 +240,7 @@ def test_readme_python_example_and_the_command_line_give_the_same_losses(tmp_pat
         set_seed(p['seed'])   # the README's example, as written there
         corpus = numbers_corpus(seed=p['seed'], n_train=p['n_train'])
         dls = lm_dls(corpus, bs=p['bs'], bptt=p['bptt'], eval_bs=p['eval_bs'], seed=p['seed'])
-        learn = search_learner(dls, search_stream(corpus, bs=p['bs']), path=tmp_path/'py', **learner_kwargs(p, search_learner))
+        learn = search_learner(dls, search_stream(corpus, bs=p['bs']), SearchConfig.of(p), path=tmp_path/'py')
         learn.fit(p['epochs'])
     finally: torch.set_num_threads(n)
     assert learn.recorder.values == by_cli.recorder.values and learn.model.genotype() == by_cli.model.genotype()

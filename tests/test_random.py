@@ -95,9 +95,9 @@ def test_a_new_cell_every_training_batch_from_the_seeded_sampler(tmp_path):
 def test_compile_and_alpha_options_are_refused_in_python():
     c = numbers_corpus(0, 2000, 600, 300)
     dls = lm_dls(c, 8, 10, 'search', eval_bs=4)
-    with pytest.raises(ValueError, match="mode='random' has no α: op_decay=0.1"): search_learner(dls, None, 8, 8, mode='random', op_decay=0.1)
-    with pytest.raises(ValueError, match='recompiles for each new cell'): search_learner(dls, None, 8, 8, mode='random', compile=True)
-    with pytest.raises(ValueError, match="mode must be one of"): search_learner(dls, None, 8, 8, mode='randm')
+    with pytest.raises(ValueError, match="mode='random' has no α: op_decay=0.1"): search_learner(dls, None, emsize=8, nhid=8, mode='random', op_decay=0.1)
+    with pytest.raises(ValueError, match='recompiles for each new cell'): search_learner(dls, None, emsize=8, nhid=8, mode='random', compile=True)
+    with pytest.raises(ValueError, match="mode must be one of"): search_learner(dls, None, emsize=8, nhid=8, mode='randm')
 
 # --- the command line ---------------------------------------------------------------------------------------------
 TINY = ['--data', 'numbers', '--n-train', '4000', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '16', '--nhid', '16',
@@ -192,13 +192,13 @@ def test_kill_and_resume_is_exact(tmp_path, where):
     _same_result(tmp_path/'ref', run)
 
 def test_readme_python_example(tmp_path):
-    "The random-search lines in Python (15_random, *Running it*), at tiny sizes: a preset's keywords with mode='random', fit, choose_cell"
-    from rnn_darts import numbers_corpus, lm_dls, search_learner, load_preset, learner_kwargs, choose_cell
+    "The random-search lines in Python (15_random, *Running it*), at tiny sizes: a preset's config with mode='random', fit, choose_cell"
+    from rnn_darts import numbers_corpus, lm_dls, search_learner, load_preset, SearchConfig, choose_cell
     p = load_preset('quick')
     p.update(n_train=1_500, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=16, nhid=16)
     corpus = numbers_corpus(seed=p['seed'], n_train=p['n_train'], n_valid=600, n_test=400)
     dls = lm_dls(corpus, bs=p['bs'], bptt=p['bptt'], eval_bs=p['eval_bs'], seed=p['seed'])
-    learn = search_learner(dls, None, path=tmp_path/'py_random', **{**learner_kwargs(p, search_learner), 'mode': 'random'})
+    learn = search_learner(dls, None, SearchConfig.of(p), path=tmp_path/'py_random', mode='random')
     learn.fit(p['epochs'])
     df = choose_cell(learn, show=False)
     assert len(df) == 100 and df['rank'].tolist() == list(range(1, 101))   # at least 100 cells by default

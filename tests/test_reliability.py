@@ -361,9 +361,9 @@ def test_bad_sizes_and_settings():
     with pytest.raises(ValueError, match=r"numbers_corpus\(seed=0\) split 'valid': \d+ tokens are too few for batch size 1000"): search_stream(c, 1000)
     with pytest.raises(ValueError, match=r"numbers_corpus\(seed=0\) split 'train': \d+ tokens are too few for batch size 400"): lm_dls(c, 400, 10)
     dls, ss = lm_dls(c, 4, 10), search_stream(c, 4)
-    with pytest.raises(ValueError, match=r"on_nan must be 'rollback', 'stop' or 'skip', got 'ignore'"): search_learner(dls, ss, 16, 16, on_nan='ignore')
-    with pytest.raises(ValueError, match=r"mode must be one of 'second', 'first', 'exact', 'random', got 'third'"): search_learner(dls, ss, 16, 16, mode='third')
-    with pytest.raises(ValueError, match=r"resume needs checkpoint=True"): search_learner(dls, ss, 16, 16, checkpoint=False, resume=True)
+    with pytest.raises(ValueError, match=r"on_nan must be 'rollback', 'stop' or 'skip', got 'ignore'"): search_learner(dls, ss, emsize=16, nhid=16, on_nan='ignore')
+    with pytest.raises(ValueError, match=r"mode must be one of 'second', 'first', 'exact', 'random', got 'third'"): search_learner(dls, ss, emsize=16, nhid=16, mode='third')
+    with pytest.raises(ValueError, match=r"resume needs checkpoint=True"): search_learner(dls, ss, emsize=16, nhid=16, checkpoint=False, resume=True)
     with pytest.raises(ValueError, match=r"keep must be >= 1, got 0"): Checkpoint(keep=0)
     with pytest.raises(ValueError, match=r"nonmono \(NT-ASGD patience, in epochs\) must be an integer >= 1, got 0"): ASGDSwitch(nonmono=0)
 

@@ -9,12 +9,13 @@ from functools import partial
 import torch, torch.nn.functional as F
 from fastai.callback.core import Callback
 from rnn_darts.genotypes import PRIMITIVES
+from rnn_darts.config import SearchConfig
 from rnn_darts.callbacks.training import SeqLenLR, check_flat_opt
 
 # %% auto #0
-__all__ = ['train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first', 'fd_hvp', 'exact_hvp', 'hypergrad_second',
-           'hypergrad', 'op_param_counts', 'op_decay_grad', 'check_zero_one', 'zero_one_grad', 'arch_adam',
-           'guarded_adam_step', 'arch_precision', 'arch_grad', 'arch_step', 'ArchParamUpdate']
+__all__ = ['ARCH_BETAS', 'train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first', 'fd_hvp', 'exact_hvp',
+           'hypergrad_second', 'hypergrad', 'op_param_counts', 'op_decay_grad', 'check_zero_one', 'zero_one_grad',
+           'arch_adam', 'guarded_adam_step', 'arch_precision', 'arch_grad', 'arch_step', 'ArchParamUpdate']
 
 # %% ../../nbs/04_arch.ipynb #bb97d689
 def train_loss(model, xb, yb, weight_grads=True): return model.loss(xb, yb, 'train', advance=False, weight_grads=weight_grads)
@@ -62,7 +63,7 @@ def hypergrad_second(model, trn, val, eta, wd, clip, hvp=fd_hvp):
     with torch.no_grad(): w.copy_(w0)
     return ga - eta * c * hvp(model, trn, v, w0), loss.detach()
 
-def hypergrad(model, trn, val, mode='second', lr=20., wd=0., clip=None):
+def hypergrad(model, trn, val, mode=SearchConfig.mode, lr=SearchConfig.lr, wd=0., clip=None):
     "The hypergradient of `mode` (first|second|exact) and the search loss"
     if mode == 'first': return hypergrad_first(model, trn, val)
     return hypergrad_second(model, trn, val, lr, wd, clip, exact_hvp if mode == 'exact' else fd_hvp)
@@ -93,7 +94,9 @@ def zero_one_grad(model, zero_one):
         return torch.autograd.grad(-zero_one * F.mse_loss(torch.sigmoid(a), torch.full_like(a, 0.5)), a)[0]
 
 # %% ../../nbs/04_arch.ipynb #c9a8e3f2
-def arch_adam(alpha, lr=3e-3, betas=(0.9, 0.999), wd=1e-3):
+ARCH_BETAS = (0.9, 0.999)   # Adam's betas for α (DARTS's `--arch_lr` Adam; not a setting)
+
+def arch_adam(alpha, lr=SearchConfig.arch_lr, betas=ARCH_BETAS, wd=SearchConfig.arch_wd):
     "Adam over α; `capturable` on CUDA, so its step count stays on the device"
     return torch.optim.Adam([alpha], lr=lr, betas=betas, weight_decay=wd, capturable=alpha.is_cuda)
 
@@ -136,7 +139,7 @@ def arch_grad(model, trn, val, grad_fn, same_masks=True, arch_bf16=False):
             return grad_fn(trn, val)
     finally: a.requires_grad_(False)
 
-def arch_step(model, opt, trn, val, mode='second', lr=20., wd=0., clip=None, same_masks=True, arch_bf16=False,
+def arch_step(model, opt, trn, val, mode=SearchConfig.mode, lr=SearchConfig.lr, wd=0., clip=None, same_masks=True, arch_bf16=False,
               zero_one=0., op_decay=0., reduce=None, grad_fn=None):
     "One architecture step: the hypergradient of `mode` (or `grad_fn(trn, val)`), `reduce`, the zero-one gradient, the guarded Adam step with the op decay. Returns the search loss and the finiteness flag (tensors)"
     grad_fn = grad_fn or partial(hypergrad, model, mode=mode, lr=lr, wd=wd, clip=clip)
@@ -150,7 +153,7 @@ def arch_step(model, opt, trn, val, mode='second', lr=20., wd=0., clip=None, sam
 class ArchParamUpdate(Callback):
     "One DARTS architecture step (α) per training batch, before the weight step"
     order = SeqLenLR.order + 1   # after SeqLenLR has set the batch's learning rate (the virtual step uses it)
-    def __init__(self, search_dl, mode='second', arch_lr=3e-3, arch_betas=(0.9, 0.999), arch_wd=1e-3,
+    def __init__(self, search_dl, mode=SearchConfig.mode, arch_lr=SearchConfig.arch_lr, arch_betas=ARCH_BETAS, arch_wd=SearchConfig.arch_wd,
                  same_masks=True, clip='learn', zero_one=0., op_decay=0., arch_bf16=False):
         if mode not in ('first', 'second', 'exact'): raise ValueError(f"mode must be 'first', 'second' or 'exact', got {mode!r}")
         if op_decay < 0: raise ValueError(f"op_decay must be >= 0, got {op_decay}")

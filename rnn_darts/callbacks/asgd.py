@@ -9,6 +9,7 @@ import torch
 from fastai.learner import Recorder
 from fastai.optimizer import Optimizer, weight_decay, l2_reg, sgd_step
 from rnn_darts.callbacks.epochs import TrainEpochEnd, in_lr_find, valid_loss_of
+from rnn_darts.config import TrainConfig
 
 # %% auto #0
 __all__ = ['average_step', 'ASGD', 'ASGDSwitch']
@@ -29,7 +30,7 @@ def ASGD(params, lr, wd=0., decouple_wd=True):
 class ASGDSwitch(TrainEpochEnd):
     "NT-ASGD: switch to averaged SGD when validation stops improving; evaluate with the averaged weights"
     order = Recorder.order + 1   # after the Recorder has the epoch's validation loss
-    def __init__(self, nonmono=5, start=False):
+    def __init__(self, nonmono=TrainConfig.nonmono, start=False):
         if isinstance(nonmono, bool) or not isinstance(nonmono, int) or nonmono < 1:
             raise ValueError(f"nonmono (NT-ASGD patience, in epochs) must be an integer >= 1, got {nonmono!r}")
         self.nonmono, self.start = nonmono, start

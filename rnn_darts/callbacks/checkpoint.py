@@ -11,6 +11,7 @@ from fastai.torch_core import rank_distrib
 from rnn_darts.core import rng_states, set_rng_states, naming
 from rnn_darts.genotypes import genotype_to_dict
 from rnn_darts.callbacks.epochs import TrainEpochEnd, best_tracker, in_lr_find
+from rnn_darts.config import RunConfig
 
 # %% auto #0
 __all__ = ['KEPT', 'MID_EPOCH', 'model_meta', 'check_meta', 'stateful_cbs', 'mid_epoch_state', 'learner_state', 'named_floats',
@@ -167,7 +168,7 @@ MID_EPOCH = 'mid_epoch.pth'   # the state after a batch inside an epoch (`Preemp
 class Checkpoint(TrainEpochEnd):
     "Atomic, rotating checkpoints of the whole run state, the best one by validation loss, and resume"
     order = 90  # after everything that updates state at the end of an epoch
-    def __init__(self, dirname='checkpoints', every=1, keep=2, save_best=True, resume=None):
+    def __init__(self, dirname='checkpoints', every=1, keep=RunConfig.keep, save_best=True, resume=None):
         if keep < 1: raise ValueError(f"keep must be >= 1, got {keep}")
         self.dirname, self.every, self.keep, self.save_best, self.resume = dirname, every, keep, save_best, resume
         self.written = []   # `written`: this run's epoch checkpoints (names), oldest first

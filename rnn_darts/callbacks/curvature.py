@@ -13,6 +13,7 @@ from rnn_darts.data import batchify
 from rnn_darts.callbacks.epochs import TrainEpochEnd, in_lr_find
 from rnn_darts.callbacks.checkpoint import Checkpoint, save_atomic, load_checkpoint
 from rnn_darts.callbacks.divergence import DivergenceGuard
+from rnn_darts.config import SearchConfig
 
 # %% auto #0
 __all__ = ['curvature_batches', 'alpha_hvp', 'lanczos_eigs', 'hessian_extremes', 'Curvature', 'local_average', 'es_decision',
@@ -66,7 +67,7 @@ def hessian_extremes(model, batches, k:int=8, seed:int=0) -> torch.Tensor:
 class Curvature(Callback):
     "λ_max of ∇²_α L_valid after every training epoch: the median over `windows` fixed, seeded validation windows, each measured alone (`lambda_max` in the log)"
     order = DivergenceGuard.order + 1   # after the guard's epoch check: a rolled-back state is the one measured
-    def __init__(self, windows:int=9, bs:int=16, k:int=8, seed:int=0):
+    def __init__(self, windows:int=SearchConfig.curvature_windows, bs:int=16, k:int=8, seed:int=0):
         if isinstance(windows, bool) or not isinstance(windows, int) or windows < 1: raise ValueError(f"windows must be a whole number >= 1, got {windows!r}")
         self.windows, self.bs, self.k, self.seed = windows, bs, k, seed
         self.batches, self.history, self.value, self.per_window = None, [], float('nan'), []

@@ -10,6 +10,7 @@ from fastai.callback.core import Callback
 from rnn_darts.callbacks.training import FlatGradClip
 from rnn_darts.callbacks.epochs import TrainEpochEnd, in_lr_find, valid_loss_of
 from rnn_darts.callbacks.checkpoint import named_floats, kept_nonfinite, short_list, load_checkpoint, restore
+from rnn_darts.config import RunConfig
 
 # %% auto #0
 __all__ = ['LOG_MAX', 'skip_counters', 'cb_optimizers', 'DivergenceGuard', 'finite_validation', 'FiniteValidation']
@@ -29,7 +30,7 @@ class DivergenceGuard(Callback):
     "Skip non-finite steps on the device; once per epoch check the state, log, and roll back or stop"
     order = FlatGradClip.order + 1   # before_step after the gradient is clipped; after_step it restores
     skip_name = 'weight'
-    def __init__(self, on_nan='rollback'):
+    def __init__(self, on_nan=RunConfig.on_nan):
         if on_nan not in ('rollback', 'stop', 'skip'): raise ValueError(f"on_nan must be 'rollback', 'stop' or 'skip', got {on_nan!r}")
         self.on_nan, self.events, self.backup, self.n_skipped, self.opt_backup = on_nan, [], None, None, {}
 

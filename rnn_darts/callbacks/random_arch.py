@@ -8,6 +8,7 @@ import torch
 from fastai.callback.core import Callback
 from rnn_darts.genotypes import sample_genotype
 from rnn_darts.callbacks.training import SeqLenLR
+from rnn_darts.config import SearchConfig
 
 # %% auto #0
 __all__ = ['RandomArch']
@@ -16,7 +17,7 @@ __all__ = ['RandomArch']
 class RandomArch(Callback):
     "Random search with weight sharing: a uniformly drawn cell for every training batch; validation runs a fixed sequence of drawn cells, or the `chosen` one"
     order = SeqLenLR.order + 1
-    def __init__(self, seed:int|None=None, candidates:int|None=None, top:int=10):
+    def __init__(self, seed:int|None=None, candidates:int|None=None, top:int=SearchConfig.top):
         for k, v, lo in (('candidates', candidates, 1), ('top', top, 1), ('seed', seed, 0)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo): raise ValueError(f"{k} must be an integer >= {lo}, got {v!r}")
         if candidates is not None and top > candidates: raise ValueError(f"top ({top}) cannot exceed candidates ({candidates})")

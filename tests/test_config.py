@@ -1,0 +1,65 @@
+"""The settings' one source (`rnn_darts.config`): the learners take a config or keyword overrides of one, the command
+line and `run.json` read its defaults, and no default is written twice in the package"""
+import ast, re
+from dataclasses import fields
+from pathlib import Path
+import pytest
+from rnn_darts.config import SearchConfig, TrainConfig, StudyConfig, RunConfig
+from rnn_darts.learner import search_learner, train_learner, VocabDLs
+from rnn_darts.genotypes import DARTS_V2
+
+PKG = Path(__file__).resolve().parents[1]/'rnn_darts'
+DLS = VocabDLs(list('abcdefgh'))
+
+def test_a_learner_takes_a_config_or_keywords_and_nothing_else():
+    "The same settings by config and by keyword give the same learner; a misspelt keyword and a positional size are refused by name"
+    by_config = search_learner(DLS, None, SearchConfig(emsize=8, nhid=8, mode='first'), checkpoint=False)
+    by_keyword = search_learner(DLS, None, emsize=8, nhid=8, mode='first', checkpoint=False)
+    assert by_config.config == by_keyword.config == SearchConfig(emsize=8, nhid=8, mode='first', checkpoint=False)
+    assert by_config.model.nhid == 8 and by_config.arch_param_update.mode == 'first'
+    over = search_learner(DLS, None, SearchConfig(emsize=8, nhid=8), arch_lr=1e-2, checkpoint=False)
+    assert over.arch_param_update.arch_lr == 1e-2 and over.config.nhid == 8            # a keyword overrides the config
+    with pytest.raises(TypeError, match="search_learner\\(\\) got an unexpected keyword argument 'arch_lrr'"):
+        search_learner(DLS, None, arch_lrr=1e-2)
+    with pytest.raises(TypeError, match="config must be a SearchConfig, got int 16; settings go by keyword"):
+        search_learner(DLS, None, 16, 16)
+    with pytest.raises(TypeError, match="train_learner\\(\\) got an unexpected keyword argument 'arch_lr'"):
+        train_learner(DLS, DARTS_V2, arch_lr=1e-2)
+    t = train_learner(DLS, DARTS_V2, TrainConfig(emsize=8, nhid=8, nonmono=2), checkpoint=False)
+    assert t.asgd_switch.nonmono == 2 and t.model.nhid == 8 and t.config.nonmono == 2
+
+def test_the_command_line_resolves_onto_the_configs_fields():
+    "A command's resolved settings are its config's fields, no more and no fewer; the help's defaults are the config's"
+    from rnn_darts.options import resolve_settings
+    from rnn_darts.cli import command_parser
+    for cmd, cls in (('search', SearchConfig), ('train', TrainConfig)):
+        s = resolve_settings(cmd, 'quick')
+        assert list(s) == list(cls.names()) and cls.of(s).asdict() == s
+    help = ' '.join(command_parser('search').format_help().split())
+    assert f"--arch-lr ARCH_LR learning rate of α (Adam), > 0 (default: {SearchConfig.arch_lr}, or the preset)" in help
+    assert f"(default: {TrainConfig.nonmono}, or the preset)" in ' '.join(command_parser('train').format_help().split())
+
+def _literal_defaults(tree):
+    "(name, value, line) of every keyword default of a function and every keyword argument of a `dict(...)` that is a literal"
+    for node in ast.walk(tree):
+        pairs = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            pairs += list(zip(a.args[len(a.args) - len(a.defaults):], a.defaults))
+            pairs += [(k, d) for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+            pairs = [(arg.arg, d) for arg, d in pairs]
+        elif isinstance(node, ast.Call) and getattr(node.func, 'id', None) == 'dict':
+            pairs = [(k.arg, k.value) for k in node.keywords if k.arg]
+        for name, d in pairs:
+            try: yield name, ast.literal_eval(d), d.lineno
+            except ValueError: pass
+
+def test_each_settings_default_is_written_once():
+    "No function default or `dict(...)` entry in the package repeats a setting's default: it reads the config instead"
+    defaults = {}
+    for cls in (SearchConfig, TrainConfig, StudyConfig):
+        for f in fields(cls): defaults.setdefault(f.name, set()).add(repr(f.default))
+    repeats = [f"{p.name}:{line} {name}={v!r}" for p in sorted(PKG.rglob('*.py')) if p.name not in ('config.py', '_modidx.py')
+               for name, v, line in _literal_defaults(ast.parse(p.read_text()))
+               if name in defaults and repr(v) in defaults[name] and v not in (None, False, True, '', 0, 0.)]
+    assert repeats == [], repeats
