@@ -5,9 +5,10 @@
 # %% ../nbs/00a_config.ipynb #d9e22679
 from __future__ import annotations
 from dataclasses import dataclass, fields, replace, asdict
+from rnn_darts.core import UsageError
 
 # %% auto #0
-__all__ = ['CONFIGS', 'RunConfig', 'SearchConfig', 'TrainConfig', 'StudyConfig', 'configured']
+__all__ = ['CONFIGS', 'RunConfig', 'SearchConfig', 'TrainConfig', 'StudyConfig', 'configured', 'check_rules']
 
 # %% ../nbs/00a_config.ipynb #fed0f08a
 @dataclass(frozen=True)
@@ -113,4 +114,18 @@ def configured(cls, config, caller:str, settings:dict):
     if config is not None and not isinstance(config, cls):
         raise TypeError(f"{caller}(): config must be a {cls.__name__}, got {type(config).__name__} {config!r}; "
                         f"settings go by keyword ({caller}(..., nhid=...))")
-    return (config or cls()).updated(caller, **settings)
+    c = (config or cls()).updated(caller, **settings)
+    check_rules(c.asdict())
+    return c
+
+def check_rules(s:dict, name=str):
+    """The rules between settings, on the entries of `s` they concern: a `UsageError` naming the settings by `name(key)`
+    (the command line: its flag or the preset key that set it). The one place each rule is written: the configs, the
+    command line, the model and `RandomArch` call it"""
+    has = lambda *ks: all(s.get(k) is not None for k in ks)
+    if has('emsize', 'nhid') and s['emsize'] != s['nhid']:
+        raise UsageError(f"{name('emsize')} ({s['emsize']}) must equal {name('nhid')} ({s['nhid']}): the decoder is tied to the embedding")
+    if has('top', 'candidates') and s['top'] > s['candidates']:
+        raise UsageError(f"{name('top')} ({s['top']}) cannot exceed {name('candidates')} ({s['candidates']})")
+    if s.get('early_stop') and s.get('curvature') is False:
+        raise UsageError(f"{name('early_stop')} true needs {name('curvature')} true: DARTS-ES stops on λ_max")

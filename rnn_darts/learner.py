@@ -177,7 +177,6 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resu
     if c.mode not in SEARCH_MODES: raise ValueError(f"mode must be one of {', '.join(map(repr, SEARCH_MODES))}, got {c.mode!r}")
     rnd = c.mode == 'random'
     if rnd: _check_random(c)
-    if c.early_stop and not c.curvature: raise ValueError("early_stop=True needs curvature=True: DARTS-ES stops on λ_max")
     n = _ntoken(dls, ntoken)
     model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c)) if rnd else DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax)
     learn = _learner(dls, model, c, path, device, False if rnd else c.compile, auto_compile=not rnd, graphs=False if rnd else c.graphs)

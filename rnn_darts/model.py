@@ -11,7 +11,7 @@ from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
 from rnn_darts import kernels
 from rnn_darts.kernels import mm_t, fastest, linear, tanh, DeferredWeight, WeightTap, _Tapped, _map, _collect
-from rnn_darts.config import SearchConfig, TrainConfig
+from rnn_darts.config import SearchConfig, TrainConfig, check_rules
 
 # %% auto #0
 __all__ = ['ACTS', 'LOG2E', 'FlatParams', 'FlatModule', 'MaskBank', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm',
@@ -386,7 +386,7 @@ class LanguageModel(FlatModule):
         super().__init__()
         for k, v in dict(ntoken=ntoken, emsize=emsize, nhid=nhid).items(): check_positive(k, v)
         for k, v in dict(dropout=dropout, dropouti=dropouti, dropoute=dropoute).items(): check_prob(k, v)
-        if emsize != nhid: raise ValueError(f"emsize ({emsize}) must equal nhid ({nhid}): the decoder is tied to the embedding")
+        check_rules(dict(emsize=emsize, nhid=nhid))
         self.ntoken, self.emsize, self.nhid = ntoken, emsize, nhid
         self.dropout, self.dropouti, self.dropoute = dropout, dropouti, dropoute
         self.encoder = nn.Embedding(ntoken, emsize)

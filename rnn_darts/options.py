@@ -8,7 +8,7 @@ import inspect, os
 from dataclasses import fields
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, read_preset, check_number, check_choice, option_type
-from rnn_darts.config import CONFIGS
+from rnn_darts.config import CONFIGS, check_rules
 
 # %% auto #0
 __all__ = ['FLAGS', 'CONTROL', 'SWITCHES', 'CHOICES', 'learner_options', 'known_options', 'code_defaults', 'settings_and_sources',
@@ -141,8 +141,6 @@ def check_random(s:dict, src:dict|None=None):
                                           "recompile for each; random search runs eager")
     if s.get('graphs'): raise UsageError(f"{n('graphs')}: --mode random runs another cell every batch, and each would need its own "
                                          "CUDA graphs; random search runs eager")
-    if s.get('candidates') is not None and s.get('top') is not None and s['top'] > s['candidates']:
-        raise UsageError(f"{n('top')} ({s['top']}) cannot exceed {n('candidates')} ({s['candidates']})")
 _NONNEG_INT = ('seed', 'max_delta')
 _POS_FLOAT = ('lr', 'arch_lr', 'checkpoint_every')
 _NONNEG_FLOAT = ('wd', 'arch_wd', 'clip', 'alpha', 'beta', 'zero_one', 'op_decay')
@@ -169,12 +167,9 @@ def check_settings(s:dict, src:dict|None=None) -> dict:
         elif k in CHOICES: check_choice(n(k), v, CHOICES[k])
     if 'bptt' in s: check_number(n('bptt'), s['bptt'], 2, integer=True)
     if 'mode' in s: check_random(s, src)
-    if s.get('early_stop') and s.get('curvature') is False:
-        raise UsageError(f"{n('early_stop')} true needs {n('curvature')} true: DARTS-ES stops on λ_max")
+    check_rules(s, n)
     if s.get('curvature') is False and (src or {}).get('curvature_windows') == 'flag':
         raise UsageError(f"{n('curvature_windows')} sets how λ_max is measured, and {n('curvature')} is false")
-    if s.get('emsize') is not None and s.get('nhid') is not None and s['emsize'] != s['nhid']:
-        raise UsageError(f"{n('emsize')} ({s['emsize']}) must equal {n('nhid')} ({s['nhid']}): the decoder is tied to the embedding")
     if s.get('data') in ('numbers', 'ptb'):
         for k in ('files', 'unk'):
             if s.get(k) and (src or {}).get(k) == 'flag': raise UsageError(f"--{k} applies to a corpus folder, not --data {s['data']}")

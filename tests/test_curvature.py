@@ -145,4 +145,4 @@ def test_cli_early_stop_flag_and_report(tmp_path):
     assert 'lambda_max' in (out/'log.csv').read_text().splitlines()[0]
     cli.run_command(['report', str(out)])
     assert (out/'report'/'curvature.png').is_file()
-    with pytest.raises(ValueError, match='early_stop=True needs curvature=True'): learner(tmp_path/'x', curvature=False, early_stop=True)
+    with pytest.raises(ValueError, match='early_stop true needs curvature true'): learner(tmp_path/'x', curvature=False, early_stop=True)

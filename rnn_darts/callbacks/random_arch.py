@@ -8,7 +8,7 @@ import torch
 from fastai.callback.core import Callback
 from rnn_darts.genotypes import sample_genotype
 from rnn_darts.callbacks.training import SeqLenLR
-from rnn_darts.config import SearchConfig
+from rnn_darts.config import SearchConfig, check_rules
 
 # %% auto #0
 __all__ = ['RandomArch']
@@ -20,7 +20,7 @@ class RandomArch(Callback):
     def __init__(self, seed:int|None=None, candidates:int|None=None, top:int=SearchConfig.top):
         for k, v, lo in (('candidates', candidates, 1), ('top', top, 1), ('seed', seed, 0)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo): raise ValueError(f"{k} must be an integer >= {lo}, got {v!r}")
-        if candidates is not None and top > candidates: raise ValueError(f"top ({top}) cannot exceed candidates ({candidates})")
+        check_rules(dict(top=top, candidates=candidates))
         self.seed = int(torch.randint(0, 2**62, ())) if seed is None else seed
         self.gen, self.candidates, self.top, self.chosen = torch.Generator().manual_seed(self.seed), candidates, top, None
 
