@@ -3,7 +3,8 @@ import json, subprocess, sys, warnings
 import pytest, torch, torch.nn.functional as F
 from rnn_darts import kernels
 from rnn_darts.kernels import linear, mm_t, machine_key, product_key, kernel_choices, fastest
-from rnn_darts.model import DartsRnnSearch, linear_cross_entropy
+from rnn_darts.model import DartsRnnSearch
+from rnn_darts.loss import linear_cross_entropy
 from tests.test_model import ops_seen
 
 pytestmark = pytest.mark.skipif(not kernels.ONEDNN, reason="oneDNN's fp32 inner product is not available here")

@@ -3,7 +3,8 @@ import copy, math, tempfile
 from pathlib import Path
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.genotypes import PRIMITIVES, DARTS_V1, DARTS_V2, ENAS
-from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsCell, DartsCellSearch, FlatParams, FlatModule
+from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsCell, DartsCellSearch
+from rnn_darts.flat import FlatParams, FlatModule
 import rnn_darts.kernels as kernels
 from tests._reference import plain_search_step, plain_derived_step, run_plain
 from tests._devices import ON_DEVICES
@@ -209,7 +210,7 @@ def plain_ce(x, W, b, y): return F.cross_entropy(F.linear(x, W, b), y)
 @pytest.mark.parametrize('rows', [1, 4, 23, None])
 def test_linear_cross_entropy_equals_plain(rows):
     "The fused, chunked decoder + cross-entropy: loss and all three gradients equal the plain two-step version"
-    from rnn_darts.model import linear_cross_entropy
+    from rnn_darts.loss import linear_cross_entropy
     torch.manual_seed(0)
     x, W, b = torch.randn(23, 5, dtype=torch.double), torch.randn(11, 5, dtype=torch.double), torch.randn(11, dtype=torch.double)
     y = torch.randint(0, 11, (23,))
@@ -221,7 +222,7 @@ def test_linear_cross_entropy_equals_plain(rows):
     assert torch.autograd.gradcheck(lambda *t: linear_cross_entropy(*t, y, rows), leaves)
 
 def test_linear_cross_entropy_makes_only_the_needed_gradients():
-    from rnn_darts.model import LinearCrossEntropy, linear_cross_entropy
+    from rnn_darts.loss import LinearCrossEntropy, linear_cross_entropy
     torch.manual_seed(0)
     x, W, b, y = torch.randn(9, 4, requires_grad=True), torch.randn(7, 4), torch.randn(7), torch.randint(0, 7, (9,))
     loss = linear_cross_entropy(x, W, b, y, 4)            # detached W and b: only ∂/∂x is made and saved
