@@ -63,3 +63,10 @@ def test_each_settings_default_is_written_once():
                for name, v, line in _literal_defaults(ast.parse(p.read_text()))
                if name in defaults and repr(v) in defaults[name] and v not in (None, False, True, '', 0, 0.)]
     assert repeats == [], repeats
+
+def test_the_configs_import_no_torch():
+    "The command line reads the configs before it decides to import torch: `rnn-darts -h` stays fast"
+    import subprocess, sys
+    code = "import sys, rnn_darts.config, rnn_darts.options; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]"
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=PKG.parent)
+    assert r.returncode == 0, r.stderr
