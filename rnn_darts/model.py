@@ -211,31 +211,32 @@ class DartsCellSearch(PackedCell):
     def __init__(self, ninp, nhid, dropoutx=0., dropouth=0., steps=STEPS):
         super().__init__(ninp, nhid, steps, dropoutx, dropouth)
         self.bn = NodeNorm(steps + 1, nhid)   # s0 and every node: their own running statistics
-        self.bn_update = True
         self.probs = None   # the mixing weights of a forward not given `probs` (a cell run on its own)
         offs = [s.start for s in edge_slices(steps)]
         # rows of α for the edges leaving node j, towards nodes j+1..steps
         for j in range(steps): self.register_buffer(f'rows{j}', torch.tensor([offs[i - 1] + j for i in range(j + 1, steps + 1)]), persistent=False)
 
-    def norm(self, s, i):
-        "Normalise node `i` (0 is s0); architecture passes (`bn_update=False`) leave the running statistics alone"
-        return self.bn(s, i, self.bn_update)
+    def norm(self, s, i, update_stats=True):
+        "Normalise node `i` (0 is s0); architecture passes (`update_stats=False`) leave the running statistics alone"
+        return self.bn(s, i, update_stats)
 
-    def per_sequence(self, block=None, probs=None):
+    def per_sequence(self, block=None, probs=None, update_stats=True):
         """Once per sequence: per node j, the rows of all downstream matrices, and the weights (tanh, relu, sigmoid,
-        identity; each (downstream, 1)) and non-`none` sum of the edges leaving j, from the mixing weights `probs` (edges, ops)"""
+        identity; each (downstream, 1)) and non-`none` sum of the edges leaving j, from the mixing weights `probs` (edges, ops);
+        and whether the steps update the normalisation's running statistics (not in architecture passes)"""
         n2, steps = 2 * self.nhid, self.n_nodes
         probs = self.probs if probs is None else probs
         if probs is None: raise ValueError("the search cell mixes its ops by `probs` (edges, ops): pass probs=... (the model passes softmax(α))")
         WhT = self.WhT_of(self.block if block is None else block)
         Wsuf = tuple(WhT[j * n2:] for j in range(steps))
         w = [probs[getattr(self, f'rows{j}')].t()[1:, :, None] for j in range(steps)]
-        return (*super().per_sequence(block), tuple(self.step_weight(W) for W in Wsuf), tuple(tuple(p.unbind(0)) for p in w), tuple(p.sum(0) for p in w))
+        return (*super().per_sequence(block), tuple(self.step_weight(W) for W in Wsuf), tuple(tuple(p.unbind(0)) for p in w),
+                tuple(p.sum(0) for p in w), update_stats)
 
     def step(self, xw_t, h, mh, ctx):
-        W0hT, Wsuf, edge_w, edge_sum = ctx
+        W0hT, Wsuf, edge_w, edge_sum, update_stats = ctx
         n, steps = self.nhid, self.n_nodes
-        s = self.norm(self.init_state(xw_t, h, mh, W0hT), 0)
+        s = self.norm(self.init_state(xw_t, h, mh, W0hT), 0, update_stats)
         rest, total = None, 0
         for j in range(steps):
             c, hh = linear(s if mh is None else s * mh, Wsuf[j]).view(s.shape[0], steps - j, 2 * n).split(n, dim=-1)
@@ -245,7 +246,7 @@ class DartsCellSearch(PackedCell):
             term = torch.addcmul(ps, c.sigmoid(), mix - ps)
             acc = term if rest is None else rest + term
             done, rest = acc.split([1, steps - j - 1], dim=1)
-            s = self.norm(done.squeeze(1), j + 1)
+            s = self.norm(done.squeeze(1), j + 1, update_stats)
             total = total + s
         return total / steps
 
@@ -276,12 +277,12 @@ class LanguageModel(FlatModule):
     def init_hidden(self, bs, like):
         return like.new_zeros(bs, self.nhid)
 
-    def cell_inputs(self) -> dict:
-        "What the cell takes besides its input and state, as arguments of each forward (the search model: its mixing weights)"
+    def cell_inputs(self, update_stats=True) -> dict:
+        "What the cell takes besides its input and state, as arguments of each forward (the search model: its mixing weights, and whether its normalisation updates its statistics)"
         return {}
 
-    def hidden_stream(self, x, stream, weight_grads=True):
-        "Embed `x` (bs, T) and run the cell from `stream`'s state: raw and dropped outputs, time-major, and the new state; `weight_grads=False`: weights as constants"
+    def hidden_stream(self, x, stream, weight_grads=True, update_stats=True):
+        "Embed `x` (bs, T) and run the cell from `stream`'s state: raw and dropped outputs, time-major, and the new state; `weight_grads=False`: weights as constants; `update_stats=False`: normalisation statistics untouched"
         bs = x.shape[0]
         w = self.encoder.weight if weight_grads else self.encoder.weight.detach()
         if self.training and self.dropoute:
@@ -290,7 +291,7 @@ class LanguageModel(FlatModule):
         if self.training and self.dropouti: emb = emb * self.masks((stream, 'i'), (1, bs, self.emsize), self.dropouti, emb)
         h = self.hidden.get(stream)
         if h is None or h.shape[0] != bs or h.device != x.device: h = self.init_hidden(bs, emb)
-        raw, h = self.cell(emb, h, self.masks, stream, weight_grads, **self.cell_inputs())
+        raw, h = self.cell(emb, h, self.masks, stream, weight_grads, **self.cell_inputs(update_stats))
         out = raw * self.masks((stream, 'o'), (1, bs, self.nhid), self.dropout, raw) if self.training and self.dropout else raw
         return raw, out, h
 
@@ -311,9 +312,10 @@ class LanguageModel(FlatModule):
         if self.fused_loss: return linear_cross_entropy(out, W, b, y)
         return F.cross_entropy(F.linear(out, W, b), y)
 
-    def loss(self, x, y, stream='train', advance=True, weight_grads=True):
-        "Cross-entropy of `y` given `x` on `stream`; `advance=False` keeps the stream's state; `weight_grads=False`: no gradient reaches the weights (∂/∂α passes)"
-        _, out, h = self.hidden_stream(x, stream, weight_grads)
+    def loss(self, x, y, stream='train', advance=True, weight_grads=True, update_stats=True):
+        """Cross-entropy of `y` given `x` on `stream`; `advance=False` keeps the stream's state; `weight_grads=False`: no
+        gradient reaches the weights (∂/∂α passes); `update_stats=False`: the normalisation's running statistics stay (architecture passes)"""
+        _, out, h = self.hidden_stream(x, stream, weight_grads, update_stats)
         if advance: self.hidden[stream] = h.detach()
         return self.decoder_loss(out, y, weight_grads)
 
@@ -353,17 +355,10 @@ class DartsRnnSearch(LanguageModel):
     def arch_weights(self):
         "The mixing weights: softmax(α) over ops (DARTS) or sigmoid(α) (Fair DARTS)"
         return F.softmax(self.alpha, dim=-1) if self.relax == 'softmax' else torch.sigmoid(self.alpha)
-    def cell_inputs(self): return dict(probs=self.arch_weights())
+    def cell_inputs(self, update_stats=True): return dict(probs=self.arch_weights(), update_stats=update_stats)
     def genotype(self) -> Genotype:
         "The DARTS rule applied to the current mixing weights"
         return derive_genotype(self.arch_weights(), self.steps)
-
-    @contextmanager
-    def arch_pass(self):
-        "Architecture passes: frozen BatchNorm running statistics"
-        self.cell.bn_update = False
-        try: yield self
-        finally: self.cell.bn_update = True
 
 class DartsRnnShared(LanguageModel):
     "The search space with weight sharing (random search, Li & Talwalkar 2019): the search cell's matrices, one per node, running one discrete cell at a time (`use`)"

@@ -15,8 +15,8 @@ def set_norm(model, bn, groups=2):
     "bn: 'batch' (the model's BatchNorm), 'off' (identity) or 'ghost' (batch statistics over `groups` row blocks)"
     cell = getattr(model, 'cell', None)
     if bn == 'batch' or not hasattr(cell, 'bn'): return
-    if bn == 'off': cell.norm = lambda s, i: s; return
-    def norm(s, i):
+    if bn == 'off': cell.norm = lambda s, i, update_stats=True: s; return
+    def norm(s, i, update_stats=True):
         if not cell.training: return cell.bn(s, i)
         return torch.cat([F.batch_norm(h, None, None, training=True, eps=cell.bn.eps) for h in s.chunk(groups)])
     cell.norm = norm
@@ -73,7 +73,7 @@ def half_hypergrads(world=2, bs=BS, bn='batch'):
     eta, k = learn.lr * sl / BPTT, bs // world
     m.train(); m.alpha.requires_grad_(True)
     gs = []
-    with m.arch_pass(), m.frozen_masks():
+    with m.frozen_masks():
         for r in range(world):
             m.reset(); b = slice(r * k, (r + 1) * k)
             gs.append(hypergrad_second(m, (x[b], y[b]), (sx[b], sy[b]), eta, learn.wd, 0.25)[0])

@@ -30,27 +30,24 @@ def ce(model, x, y, stream=None):
 def test_first_order_is_grad_of_val_loss():
     m, trn, val = tiny()
     m.alpha.requires_grad_(True)
-    with m.arch_pass():
-        m.reset(); g, _ = hypergrad_first(m, trn, val)
-        ref = torch.autograd.grad(ce(m, *val, stream='search'), m.alpha)[0]
+    m.reset(); g, _ = hypergrad_first(m, trn, val)
+    ref = torch.autograd.grad(ce(m, *val, stream='search'), m.alpha)[0]
     torch.testing.assert_close(g, ref)
 
 def test_second_order_equals_plain_implementation():
     m, trn, val = tiny(1)
     m.alpha.requires_grad_(True)
-    with m.arch_pass():
-        m.reset(); g, _ = hypergrad_second(m, trn, val, eta=2., wd=1e-3, clip=0.25)
-        p = plain_from(m); p.bn_update = False                         # the tests' reference: a fresh model for the unrolled step
-        ref = plain_hypergrad_second(p, trn, val, None, None, 2., 1e-3, 0.25)[0]
+    m.reset(); g, _ = hypergrad_second(m, trn, val, eta=2., wd=1e-3, clip=0.25)
+    p = plain_from(m); p.bn_update = False                         # the tests' reference: a fresh model for the unrolled step
+    ref = plain_hypergrad_second(p, trn, val, None, None, 2., 1e-3, 0.25)[0]
     torch.testing.assert_close(g, ref, rtol=2e-3, atol=1e-6)
 
 @pytest.mark.parametrize('seed', [0, 1, 2])
 def test_finite_differences_agree_with_exact(seed):
     m, trn, val = tiny(seed)
     m.alpha.requires_grad_(True)
-    with m.arch_pass():
-        m.reset(); g_fd, _ = hypergrad_second(m, trn, val, 1., 5e-7, 0.25, hvp=fd_hvp)
-        m.reset(); g_ex, _ = hypergrad_second(m, trn, val, 1., 5e-7, 0.25, hvp=exact_hvp)
+    m.reset(); g_fd, _ = hypergrad_second(m, trn, val, 1., 5e-7, 0.25, hvp=fd_hvp)
+    m.reset(); g_ex, _ = hypergrad_second(m, trn, val, 1., 5e-7, 0.25, hvp=exact_hvp)
     assert F.cosine_similarity(g_fd.flatten(), g_ex.flatten(), dim=0) >= 0.99
 
 HVPS = dict(first=None, second=fd_hvp, exact=exact_hvp)
@@ -61,10 +58,9 @@ def test_hypergradients_in_float64_equal_the_cpus(mode, device):
     "In float64, each hypergradient on `device` is the CPU's within 1e-10 (relative): the same math wherever it runs"
     def hypergrad(m, trn, val):
         m.alpha.requires_grad_(True)
-        with m.arch_pass():
-            m.reset()
-            if mode == 'first': return hypergrad_first(m, trn, val)[0]
-            return hypergrad_second(m, trn, val, 2., 1e-3, 0.25, hvp=HVPS[mode])[0]
+        m.reset()
+        if mode == 'first': return hypergrad_first(m, trn, val)[0]
+        return hypergrad_second(m, trn, val, 2., 1e-3, 0.25, hvp=HVPS[mode])[0]
     m, trn, val = tiny(4)
     m = m.double()
     on = copy.deepcopy(m).to(device)

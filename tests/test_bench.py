@@ -24,7 +24,7 @@ def test_plain_forward_equals_ours():
 def test_plain_first_order_equals_ours():
     m, p = pair(1)
     trn, val = _batches(30, 3, 4, 2, 'cpu', 1)
-    with m.arch_pass(), m.frozen_masks(): g, l = hypergrad_first(m, trn, val)
+    with m.frozen_masks(): g, l = hypergrad_first(m, trn, val)
     p.bn_update = False
     q, lq, _ = plain_hypergrad_first(p, val, None)
     torch.testing.assert_close(lq, l)
@@ -36,7 +36,7 @@ def test_plain_second_order_equals_ours(clip):
     m, p = pair(2)
     trn, val = _batches(30, 3, 4, 2, 'cpu', 2)
     w0, bn0 = m.flat.data.clone(), m.cell.bn.running_mean.clone()
-    with m.arch_pass(), m.frozen_masks(): g, l = hypergrad_second(m, trn, val, 2., 5e-7, clip, fd_hvp)
+    with m.frozen_masks(): g, l = hypergrad_second(m, trn, val, 2., 5e-7, clip, fd_hvp)
     assert torch.equal(m.flat.data, w0) and torch.equal(m.cell.bn.running_mean, bn0)
     p.bn_update = False
     q, lq, _ = plain_hypergrad_second(p, trn, val, None, None, 2., 5e-7, clip)
@@ -44,7 +44,7 @@ def test_plain_second_order_equals_ours(clip):
     torch.testing.assert_close(q, g, rtol=1e-5, atol=1e-9)
     # and both are the exact hypergradient up to the finite-difference error
     m.reset()
-    with m.arch_pass(), m.frozen_masks(): e, _ = hypergrad_second(m, trn, val, 2., 5e-7, clip, exact_hvp)
+    with m.frozen_masks(): e, _ = hypergrad_second(m, trn, val, 2., 5e-7, clip, exact_hvp)
     assert torch.nn.functional.cosine_similarity(q.flatten(), e.flatten(), dim=0) > 0.99
 
 def test_plain_step_matches_ours_over_a_few_steps():

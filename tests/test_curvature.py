@@ -17,8 +17,8 @@ def full_hessian(m, batches, seed=0):
     with torch.random.fork_rng():
         torch.manual_seed(seed); torch.randn(m.alpha.shape)     # hessian_extremes draws its start vector first
         m.train(); m.alpha.requires_grad_(True)
-        with m.arch_pass(), m.frozen_masks(), m.twice_differentiable():
-            loss = sum(m.loss(x, y, 'curvature', advance=False) for x, y in batches) / len(batches)
+        with m.frozen_masks(), m.twice_differentiable():
+            loss = sum(m.loss(x, y, 'curvature', advance=False, update_stats=False) for x, y in batches) / len(batches)
             g = torch.autograd.grad(loss, m.alpha, create_graph=True)[0].flatten()
             H = torch.stack([torch.autograd.grad(g[i], m.alpha, retain_graph=True)[0].flatten() for i in range(g.numel())])
         m.alpha.requires_grad_(False)

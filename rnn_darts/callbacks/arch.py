@@ -18,8 +18,12 @@ __all__ = ['ARCH_BETAS', 'train_loss', 'search_loss', 'clip_coef', 'weight_grad'
            'arch_adam', 'guarded_adam_step', 'arch_precision', 'arch_grad', 'arch_step', 'ArchParamUpdate']
 
 # %% ../../nbs/04_arch.ipynb #bb97d689
-def train_loss(model, xb, yb, weight_grads=True): return model.loss(xb, yb, 'train', advance=False, weight_grads=weight_grads)
-def search_loss(model, xb, yb, weight_grads=True): return model.loss(xb, yb, 'search', advance=True, weight_grads=weight_grads)
+def train_loss(model, xb, yb, weight_grads=True):
+    "An architecture pass's training loss: the training stream's state kept, the normalisation's statistics untouched"
+    return model.loss(xb, yb, 'train', advance=False, weight_grads=weight_grads, update_stats=False)
+def search_loss(model, xb, yb, weight_grads=True):
+    "An architecture pass's validation loss on the search stream (advanced), the normalisation's statistics untouched"
+    return model.loss(xb, yb, 'search', advance=True, weight_grads=weight_grads, update_stats=False)
 
 def clip_coef(g, max_norm):
     "The factor that clipping `g` to norm `max_norm` multiplies it by (a tensor: no host sync)"
@@ -135,7 +139,7 @@ def arch_grad(model, trn, val, grad_fn, same_masks=True, arch_bf16=False):
     a = model.alpha
     a.requires_grad_(True)
     try:
-        with model.arch_pass(), arch_precision(a.device, arch_bf16), (model.frozen_masks() if same_masks else nullcontext()):
+        with arch_precision(a.device, arch_bf16), (model.frozen_masks() if same_masks else nullcontext()):
             return grad_fn(trn, val)
     finally: a.requires_grad_(False)
 

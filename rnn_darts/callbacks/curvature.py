@@ -30,7 +30,7 @@ def curvature_batches(ids, bs:int, bptt:int, n:int, seed:int=0) -> list:
 def alpha_hvp(model, batches):
     "`v ↦ ∇²_α L v`, L the mean loss over `batches` at the current weights: one differentiable backward per batch, its graph kept for every product"
     a = model.alpha
-    g = sum(torch.autograd.grad(model.loss(x, y, 'curvature', advance=False), a, create_graph=True)[0] for x, y in batches) / len(batches)
+    g = sum(torch.autograd.grad(model.loss(x, y, 'curvature', advance=False, update_stats=False), a, create_graph=True)[0] for x, y in batches) / len(batches)
     return lambda v: torch.autograd.grad(g, a, v, retain_graph=True)[0]
 
 def lanczos_eigs(hvp, v0, k:int=8) -> torch.Tensor:
@@ -58,7 +58,7 @@ def hessian_extremes(model, batches, k:int=8, seed:int=0) -> torch.Tensor:
         v0 = torch.randn(a.shape).to(dev)
         model.train(); a.requires_grad_(True)
         try:
-            with model.arch_pass(), model.frozen_masks(), model.twice_differentiable():
+            with model.frozen_masks(), model.twice_differentiable():
                 ev = lanczos_eigs(alpha_hvp(model, batches), v0, k)
         finally: a.requires_grad_(req); model.train(training)
     return ev[[0, -1]].detach()
