@@ -4,47 +4,59 @@
 
 # %% ../nbs/00a_config.ipynb #d9e22679
 from __future__ import annotations
-from dataclasses import dataclass, fields, replace, asdict
+from dataclasses import dataclass, field, fields, replace, asdict
 from rnn_darts.core import UsageError
 
 # %% auto #0
-__all__ = ['CONFIGS', 'RunConfig', 'SearchConfig', 'TrainConfig', 'StudyConfig', 'configured', 'check_rules']
+__all__ = ['CONFIGS', 'setting', 'redefault', 'RunConfig', 'SearchConfig', 'TrainConfig', 'StudyConfig', 'configured',
+           'check_rules']
 
 # %% ../nbs/00a_config.ipynb #fed0f08a
+def setting(default, help:str|None=None, check=None):
+    """A config field: its `default`; the command line's `help` (None: no flag, a preset or Python sets it); its `check`:
+    'pos_int', 'nonneg_int', 'bptt' (an int >= 2), 'pos_float', 'nonneg_float', 'prob' (in [0, 1)) or a tuple of choices"""
+    return field(default=default, metadata=dict(help=help, check=check))
+
+def redefault(cls, name:str, default):
+    "Field `name` of `cls` with another default (a subclass's), its help and check kept"
+    return field(default=default, metadata=cls.__dataclass_fields__[name].metadata)
+
 @dataclass(frozen=True)
 class RunConfig:
     "What every run sets: the corpus and its batches, the language model, the weights' SGD and regularization, faults, checkpoints and speed"
-    data: str = 'numbers'                # numbers | ptb | a corpus folder
-    files: str = ''                      # train,valid,test file names in the folder
-    unk: str = ''                        # the token for words train lacks
-    n_train: int = 200_000               # tokens of the generated train split
-    epochs: int = 50
-    bs: int = 256
-    bptt: int = 35
-    eval_bs: int = 10
-    max_delta: int = 20                  # the largest sequence-length jitter
-    seed: int = 3
-    out: str = ''
-    emsize: int = 300
-    nhid: int = 300
-    dropout: float = 0.75
-    dropouth: float = 0.25
-    dropoutx: float = 0.75
-    dropouti: float = 0.2
-    dropoute: float = 0.
-    lr: float = 20.
-    wd: float = 5e-7
-    clip: float = 0.25
-    alpha: float = 0.                    # activation regularization (AR)
-    beta: float = 1e-3                   # temporal activation regularization (TAR)
-    on_nan: str = 'rollback'
-    checkpoint: bool = True
-    keep: int = 2                        # epoch checkpoints kept
-    compile: bool|None = None            # None: on for CUDA (and a long search on a CPU)
-    bf16: bool = False
-    fused_loss: bool = True
-    checkpoint_every: float|None = None  # minutes between mid-epoch checkpoints
-    graphs: bool|None = None             # None: on for CUDA
+    data: str = setting('numbers', "numbers (generated) | ptb (downloaded once to fastai's data folder, ~/.fastai/data/penn) | a folder with "
+                        "train.txt, valid.txt, test.txt (one sentence a line, words split by spaces)")
+    files: str = setting('', 'train,valid,test file names inside the corpus folder, if not train.txt,valid.txt,test.txt')
+    unk: str = setting('', "token for words of valid/test that train lacks (PTB: '<unk>'); default: such a word is an error")
+    n_train: int = setting(200_000, 'tokens in the generated train split (--data numbers)', 'pos_int')
+    epochs: int = setting(50, 'epochs in all (with --resume: the total, so a finished run can be extended)', 'pos_int')
+    bs: int = setting(256, 'training batch size (text streams)', 'pos_int')
+    bptt: int = setting(35, 'tokens per batch (mean sequence length), >= 2', 'bptt')
+    eval_bs: int = setting(10, 'validation batch size', 'pos_int')
+    max_delta: int = setting(20, check='nonneg_int')                           # the largest sequence-length jitter
+    seed: int = setting(3, 'random seed (data, weights, dropout)', 'nonneg_int')
+    out: str = setting('', 'run folder (default: runs/train)')
+    emsize: int = setting(300, 'embedding size (must equal --nhid: tied decoder)', 'pos_int')
+    nhid: int = setting(300, 'hidden size of the cell', 'pos_int')
+    dropout: float = setting(0.75, "dropout on the cell's output, in [0, 1)", 'prob')
+    dropouth: float = setting(0.25, 'dropout on the hidden state (between time steps)', 'prob')
+    dropoutx: float = setting(0.75, "dropout on the cell's input", 'prob')
+    dropouti: float = setting(0.2, 'dropout on the embedded input', 'prob')
+    dropoute: float = setting(0., 'embedding (word) dropout', 'prob')
+    lr: float = setting(20., 'learning rate (SGD, then averaged SGD), > 0', 'pos_float')
+    wd: float = setting(5e-7, 'weight decay', 'nonneg_float')
+    clip: float = setting(0.25, 'gradient norm clipping, >= 0', 'nonneg_float')
+    alpha: float = setting(0., check='nonneg_float')                          # activation regularization (AR)
+    beta: float = setting(1e-3, check='nonneg_float')                         # temporal activation regularization (TAR)
+    on_nan: str = setting('rollback', 'on a non-finite loss: rollback (to the last checkpoint) | stop | skip', ('rollback', 'stop', 'skip'))
+    checkpoint: bool = setting(True)
+    keep: int = setting(2, check='pos_int')                                    # epoch checkpoints kept
+    compile: bool|None = setting(None, 'fuse the recurrent step with torch.compile (default: on for CUDA, off on a CPU, where it saves little)')
+    bf16: bool = setting(False, 'bf16 autocast (fp32 weights)')
+    fused_loss: bool = setting(True)
+    checkpoint_every: float|None = setting(None, 'minutes between mid-epoch checkpoints, for long epochs (default: off; Ctrl-C and SIGTERM always write one)', 'pos_float')
+    graphs: bool|None = setting(None, 'run each batch shape as captured CUDA graphs: the training step and evaluation (default: on for CUDA, '
+                                "except with --bf16; a step that cannot be captured falls back to eager, saying why)")
 
     @classmethod
     def names(cls) -> tuple: return tuple(f.name for f in fields(cls))
@@ -65,33 +77,46 @@ class RunConfig:
 @dataclass(frozen=True)
 class SearchConfig(RunConfig):
     "A search: DARTS's α (Adam, relaxation, regularizers, λ_max and DARTS-ES), or random search with weight sharing"
-    mode: str = 'second'                 # second | first | exact | random
-    arch_lr: float = 3e-3
-    arch_wd: float = 1e-3
-    relax: str = 'softmax'
-    same_masks: bool = True              # the architecture passes share the weight step's dropout masks
-    zero_one: float = 0.                 # Fair DARTS's zero-one loss weight
-    op_decay: float = 0.
-    arch_bf16: bool = False
-    candidates: int|None = None          # random search: cells scored after training (None: by the run's length)
-    top: int = 10
-    curvature: bool = True
-    curvature_windows: int = 9
-    early_stop: bool = False
+    out: str = setting('', 'run folder (default: runs/search)')
+    bs: int = setting(RunConfig.bs, 'training batch size (text streams); architecture steps use it on the valid split', 'pos_int')
+    bptt: int = setting(RunConfig.bptt, 'tokens per batch (sequence length), >= 2', 'bptt')
+    lr: float = setting(RunConfig.lr, 'learning rate of the weights (SGD), > 0', 'pos_float')
+    wd: float = setting(RunConfig.wd, 'weight decay of the weights', 'nonneg_float')
+    clip: float = setting(RunConfig.clip, 'gradient norm clipping of the weights, >= 0', 'nonneg_float')
+    compile: bool|None = setting(None, 'fuse the recurrent step with torch.compile (default: on for CUDA; on a CPU for runs of 150 training '
+                                 'batches or more, where its 40–60 s warm-up pays)')
+    bf16: bool = setting(False, 'bf16 autocast (fp32 weights and α)')
+    graphs: bool|None = setting(None, 'run each batch shape as captured CUDA graphs: the weight step, the architecture step (first and second '
+                                "order) and evaluation (default: on for CUDA, except with --bf16; a step that cannot be captured falls back to eager, saying why)")
+    mode: str = setting('second', 'architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product); '
+                        'or random: random search with weight sharing, no α', ('second', 'first', 'exact', 'random'))
+    arch_lr: float = setting(3e-3, 'learning rate of α (Adam), > 0', 'pos_float')
+    arch_wd: float = setting(1e-3, 'weight decay of α', 'nonneg_float')
+    relax: str = setting('softmax', 'softmax (DARTS) | sigmoid (Fair DARTS)', ('softmax', 'sigmoid'))
+    same_masks: bool = setting(True)                                           # the architecture passes share the weight step's dropout masks
+    zero_one: float = setting(0., check='nonneg_float')                       # Fair DARTS's zero-one loss weight
+    op_decay: float = setting(0., "α decay per weight: each op's α decays by op_decay × its weight count (`none` has none); default: off", 'nonneg_float')
+    arch_bf16: bool = setting(False, 'with --bf16, run the architecture passes in bf16 too (loses the hypergradient: see README)')
+    candidates: int|None = setting(None, '--mode random: cells to score with the shared weights after training (default: 1,000 per 10,000 '
+                                   'training batches, at least 100)', 'pos_int')
+    top: int = setting(10, '--mode random: the best cells of the screening pass scored again on the full valid split', 'pos_int')
+    curvature: bool = setting(True, 'λ_max of the validation Hessian in α after every epoch, logged as lambda_max (default: on)')
+    curvature_windows: int = setting(9, 'validation windows of 16 rows λ_max is measured on, each alone; the median is logged (default: 9)', 'pos_int')
+    early_stop: bool = setting(False, "DARTS-ES: stop when λ_max's 5-epoch average grows more than 1.3x over 4 epochs; α and weights go back 6 epochs")
 
 @dataclass(frozen=True)
 class TrainConfig(RunConfig):
     "Training a derived cell from scratch with NT-ASGD, at the paper's sizes"
-    bs: int = 64
-    seed: int = 1267
-    emsize: int = 850
-    nhid: int = 850
-    dropoute: float = 0.1
-    wd: float = 8e-7
-    nonmono: int = 5
-    asgd: bool = False
-    test_bs: int = 1
-    genotype: str = 'DARTS_V2'
+    bs: int = redefault(RunConfig, 'bs', 64)
+    seed: int = redefault(RunConfig, 'seed', 1267)
+    emsize: int = redefault(RunConfig, 'emsize', 850)
+    nhid: int = redefault(RunConfig, 'nhid', 850)
+    dropoute: float = redefault(RunConfig, 'dropoute', 0.1)
+    wd: float = redefault(RunConfig, 'wd', 8e-7)
+    nonmono: int = setting(5, 'NT-ASGD patience (epochs without improvement before averaging starts)', 'pos_int')
+    asgd: bool = setting(False, 'average from the start')
+    test_bs: int = setting(1, 'test batch size (checked against the test split before training starts)', 'pos_int')
+    genotype: str = setting('DARTS_V2', 'genotype JSON file (from search), or a published name: DARTS_V2, DARTS_V1, ENAS')
 
 @dataclass(frozen=True)
 class StudyConfig:

