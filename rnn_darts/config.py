@@ -5,11 +5,29 @@
 # %% ../nbs/00a_config.ipynb #d9e22679
 from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace, asdict
+from functools import partial
 from rnn_darts.core import UsageError
 
+RELAXATIONS = ('softmax', 'sigmoid', 'gdas', 'snas', 'drnas')   # `rnn_darts.relax`
+TEMPERED, DRAWN = ('gdas', 'snas'), ('gdas', 'snas', 'drnas')  # the relaxations with a temperature; those that draw their weights
+ALPHA_PARTS = ('relax', 'zero_one', 'op_decay', 'early_stop', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay', 'dirichlet_kl', 'perturb', 'epsilon')   # what α's search does
+ALPHA_ONLY = ALPHA_PARTS + ('arch_lr', 'arch_wd', 'arch_bf16', 'same_masks', 'curvature', 'curvature_windows')   # the settings of α, which random search has not
+METHODS = {   # name -> the settings of its parts (on the defaults of `SearchConfig`)
+    'second': dict(mode='second'), 'first': dict(mode='first'), 'exact': dict(mode='exact'), 'random': dict(mode='random'),
+    'darts': dict(mode='second'),                                  # DARTS (Liu et al., ICLR 2019), its second order
+    'gdas': dict(relax='gdas', mode='first'),                      # Dong & Yang, CVPR 2019
+    'snas': dict(relax='snas', mode='single'),                     # Xie et al., ICLR 2019
+    'drnas': dict(relax='drnas', mode='first', dirichlet_kl=1e-3), # Chen et al., ICLR 2021
+    'milenas': dict(mode='mixed'),                                 # He et al., CVPR 2020
+    'beta-darts': dict(mode='first', beta_decay=50.),              # Ye et al., CVPR 2022
+    'sdarts-rs': dict(mode='first', perturb='random'),             # Chen & Hsieh, ICML 2020
+    'sdarts-adv': dict(mode='first', perturb='adversarial'),
+}
+
 # %% auto #0
-__all__ = ['CONFIGS', 'setting', 'redefault', 'RunConfig', 'SearchConfig', 'TrainConfig', 'StudyConfig', 'configured',
-           'check_rules']
+__all__ = ['RELAXATIONS', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS', 'CONFIGS', 'setting', 'redefault',
+           'RunConfig', 'SearchConfig', 'TrainConfig', 'StudyConfig', 'configured', 'with_method', 'check_rules',
+           'has_all']
 
 # %% ../nbs/00a_config.ipynb #fed0f08a
 def setting(default, help:str|None=None, check=None):
@@ -88,11 +106,26 @@ class SearchConfig(RunConfig):
     bf16: bool = setting(False, 'bf16 autocast (fp32 weights and α)')
     graphs: bool|None = setting(None, 'run each batch shape as captured CUDA graphs: the weight step, the architecture step (first and second '
                                 "order) and evaluation (default: on for CUDA, except with --bf16; a step that cannot be captured falls back to eager, saying why)")
-    mode: str = setting('second', 'architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product); '
-                        'or random: random search with weight sharing, no α', ('second', 'first', 'exact', 'random'))
+    mode: str = setting('second', "architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product) | "
+                        "mixed (MiLeNAS: training and validation) | single (SNAS: the training loss); or random: random search with "
+                        "weight sharing, no α", ('second', 'first', 'exact', 'mixed', 'single', 'random'))
+    method: str|None = setting(None, 'a method of the DARTS family: ' + ' | '.join(METHODS) + "; it sets its parts' settings that are left "
+                               'at their defaults (see rnn_darts.config.METHODS)', tuple(METHODS))
     arch_lr: float = setting(3e-3, 'learning rate of α (Adam), > 0', 'pos_float')
     arch_wd: float = setting(1e-3, 'weight decay of α', 'nonneg_float')
-    relax: str = setting('softmax', 'softmax (DARTS) | sigmoid (Fair DARTS)', ('softmax', 'sigmoid'))
+    relax: str = setting('softmax', 'how α mixes the ops: softmax (DARTS) | sigmoid (Fair DARTS) | gdas (a Gumbel-max cell, straight-through) | '
+                         'snas (Gumbel-softmax) | drnas (Dirichlet)', RELAXATIONS)
+    tau_max: float|None = setting(None, '--relax gdas|snas: the temperature τ of the first epoch, annealed linearly to --tau-min in the last '
+                                  '(default: GDAS 10, SNAS 1)', 'pos_float')
+    tau_min: float|None = setting(None, '--relax gdas|snas: τ of the last epoch (default: GDAS 0.1, SNAS 0.03)', 'pos_float')
+    mixed_lambda: float = setting(1., "--mode mixed (MiLeNAS): α's gradient is ∇α L_train + λ ∇α L_valid; λ", 'pos_float')
+    beta_decay: float = setting(0., "β-DARTS: α's loss adds λ · mean over edges of logsumexp(α), λ rising linearly as beta_decay × epoch / "
+                                "epochs (β-DARTS: 50); default: off", 'nonneg_float')
+    dirichlet_kl: float = setting(0., "--relax drnas: α's loss adds this × Σ over edges of KL(Dirichlet(ELU(α)+1) ‖ Dirichlet(1)) "
+                                  "(--method drnas: 1e-3); default: off", 'nonneg_float')
+    perturb: str = setting('none', "SDARTS: every weight step mixes by softmax(α) perturbed within ε: random (RS) | adversarial (ADV: 7 PGD "
+                           "steps raising the batch's loss) | none", ('none', 'random', 'adversarial'))
+    epsilon: float = setting(0.3, '--perturb: ε rises linearly from 0.03 in the first epoch towards this (SDARTS: 0.3)', 'pos_float')
     same_masks: bool = setting(True)                                           # the architecture passes share the weight step's dropout masks
     zero_one: float = setting(0., check='nonneg_float')                       # Fair DARTS's zero-one loss weight
     op_decay: float = setting(0., "α decay per weight: each op's α decays by op_decay × its weight count (`none` has none); default: off", 'nonneg_float')
@@ -103,6 +136,10 @@ class SearchConfig(RunConfig):
     curvature: bool = setting(True, 'λ_max of the validation Hessian in α after every epoch, logged as lambda_max (default: on)')
     curvature_windows: int = setting(9, 'validation windows of 16 rows λ_max is measured on, each alone; the median is logged (default: 9)', 'pos_int')
     early_stop: bool = setting(False, "DARTS-ES: stop when λ_max's 5-epoch average grows more than 1.3x over 4 epochs; α and weights go back 6 epochs")
+
+    def __post_init__(self):   # the method's parts, where this config leaves them at their defaults
+        for k, v in with_method(dict(method=self.method, **{k: getattr(self, k) for k in METHODS.get(self.method or '', {})})).items():
+            object.__setattr__(self, k, v)
 
 @dataclass(frozen=True)
 class TrainConfig(RunConfig):
@@ -143,14 +180,49 @@ def configured(cls, config, caller:str, settings:dict):
     check_rules(c.asdict())
     return c
 
+def _default(k): return SearchConfig.__dataclass_fields__[k].default
+
+def with_method(s:dict) -> dict:
+    "`s` with the settings of its `method`'s parts (`METHODS`) where it leaves them at their defaults (absent or equal)"
+    parts = METHODS.get(s.get('method') or '', {})
+    return {**s, **{k: v for k, v in parts.items() if s.get(k, _default(k)) == _default(k)}}
+
 def check_rules(s:dict, name=str):
     """The rules between settings, on the entries of `s` they concern: a `UsageError` naming the settings by `name(key)`
     (the command line: its flag or the preset key that set it). The one place each rule is written: the configs, the
     command line, the model and `RandomArch` call it"""
-    has = lambda *ks: all(s.get(k) is not None for k in ks)
+    has = partial(has_all, s)
     if has('emsize', 'nhid') and s['emsize'] != s['nhid']:
         raise UsageError(f"{name('emsize')} ({s['emsize']}) must equal {name('nhid')} ({s['nhid']}): the decoder is tied to the embedding")
     if has('top', 'candidates') and s['top'] > s['candidates']:
         raise UsageError(f"{name('top')} ({s['top']}) cannot exceed {name('candidates')} ({s['candidates']})")
     if s.get('early_stop') and s.get('curvature') is False:
         raise UsageError(f"{name('early_stop')} true needs {name('curvature')} true: DARTS-ES stops on λ_max")
+    _check_family(with_method(s) if s.get('method') else s, name)
+
+def _check_family(s:dict, name):
+    "The rules between the parts of the DARTS family (`METHODS`): the method's own, and the combinations that have no meaning"
+    m, r, mode = s.get('method'), s.get('relax'), s.get('mode')
+    for k, v in METHODS.get(m or '', {}).items():
+        if k in s and s[k] != v: raise UsageError(f"{name('method')} {m} sets {k} to {v!r}; {name(k)} {s[k]!r} contradicts it")
+    if r in DRAWN and mode == 'exact':
+        raise UsageError(f"{name('relax')} {r} draws its mixing weights: the exact hypergradient ({name('mode')} exact) would differentiate "
+                         "one draw twice, which has no meaning; use first, second, mixed or single")
+    if r == 'drnas' and mode == 'second':
+        raise UsageError(f"{name('relax')} drnas with {name('mode')} second: the unrolled step's passes would each draw another Dirichlet "
+                         "sample, and its finite differences measure the draws; DrNAS is first order (use first, mixed or single)")
+    for k in ('tau_max', 'tau_min'):
+        if s.get(k) is not None and r is not None and r not in TEMPERED:
+            raise UsageError(f"{name(k)} sets the temperature of --relax gdas or snas; {name('relax')} {r} has none")
+    if has_all(s, 'tau_max', 'tau_min') and s['tau_min'] > s['tau_max']:
+        raise UsageError(f"{name('tau_min')} ({s['tau_min']}) cannot exceed {name('tau_max')} ({s['tau_max']}): τ is annealed down")
+    if s.get('dirichlet_kl') and r is not None and r != 'drnas':
+        raise UsageError(f"{name('dirichlet_kl')} regularises the Dirichlet of --relax drnas; {name('relax')} {r} has none")
+    if s.get('beta_decay') and r in ('sigmoid', 'drnas'):
+        raise UsageError(f"{name('beta_decay')} (β-DARTS) decays α's logsumexp, the normaliser of a softmax; {name('relax')} {r} has none")
+    if s.get('perturb') not in (None, 'none') and r is not None and r != 'softmax':
+        raise UsageError(f"{name('perturb')} (SDARTS) perturbs softmax mixing weights on the simplex; {name('relax')} {r} is not softmax")
+    if s.get('mixed_lambda', 1.) != 1. and mode is not None and mode != 'mixed':
+        raise UsageError(f"{name('mixed_lambda')} weighs the validation gradient of {name('mode')} mixed, not {mode}")
+
+def has_all(s:dict, *ks) -> bool: return all(s.get(k) is not None for k in ks)

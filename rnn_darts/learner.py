@@ -22,10 +22,11 @@ from fastai.optimizer import SGD
 import fastai.callback.schedule  # adds Learner.lr_find and fit_one_cycle
 from fastai.callback.progress import CSVLogger
 from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name, naming
-from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured
+from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, ALPHA_PARTS, TEMPERED
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
-from rnn_darts.callbacks.arch import ArchParamUpdate
+from rnn_darts.callbacks.arch import ArchParamUpdate, Temperature
+from rnn_darts.callbacks.perturb import Perturbation
 from rnn_darts.callbacks.random_arch import RandomArch
 from rnn_darts.callbacks.curvature import Curvature, CurvatureStop
 from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer, FusedDecoderLoss
@@ -39,8 +40,8 @@ from rnn_darts.callbacks.divergence import DivergenceGuard, FiniteValidation
 from rnn_darts.callbacks.graphs import CudaGraphs, EMULATIONS
 
 # %% auto #0
-__all__ = ['SEARCH_MODES', 'DartsLearner', 'flat_splitter', 'device_name', 'run_genotype', 'RunInfo', 'SeqCrossEntropy',
-           'search_learner', 'train_learner', 'eval_weights', 'evaluate', 'VocabDLs', 'load_preset']
+__all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'run_genotype', 'RunInfo', 'SeqCrossEntropy', 'search_learner',
+           'train_learner', 'eval_weights', 'evaluate', 'VocabDLs', 'load_preset']
 
 # %% ../nbs/07_learner.ipynb #237f3218
 class DartsLearner(Learner):
@@ -154,14 +155,13 @@ def _learner(dls, model, c:RunConfig, path, device, compile=None, auto_compile=F
     learn.config = c
     return learn
 
-SEARCH_MODES = ('second', 'first', 'exact', 'random')
 
 def _dropouts(c:RunConfig) -> dict: return dict(dropout=c.dropout, dropouth=c.dropouth, dropoutx=c.dropoutx, dropouti=c.dropouti, dropoute=c.dropoute)
 
 def _check_random(c:SearchConfig):
     "Random search has no α: its settings would be ignored, and a new cell every batch would recompile a compiled step"
     d = SearchConfig()
-    moved = {k: getattr(c, k) for k in ('relax', 'zero_one', 'op_decay', 'early_stop') if getattr(c, k) != getattr(d, k)}
+    moved = {k: getattr(c, k) for k in ALPHA_PARTS if getattr(c, k) != getattr(d, k)}
     if moved: raise ValueError(f"mode='random' has no α: {', '.join(f'{k}={v!r}' for k, v in moved.items())} would be ignored")
     if c.compile: raise ValueError("compile=True with mode='random': every batch runs another cell, and a compiled step recompiles for "
                                    "each new cell (see rnn_darts.random_search); random search runs eager")
@@ -174,7 +174,8 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resu
     overridden by keyword: DARTS (`mode` second|first|exact), or random search with weight sharing (`mode='random'`:
     `search_dl` unused, `candidates` and `top` for `choose_cell`)"""
     c = configured(SearchConfig, config, 'search_learner', settings)
-    if c.mode not in SEARCH_MODES: raise ValueError(f"mode must be one of {', '.join(map(repr, SEARCH_MODES))}, got {c.mode!r}")
+    modes = SearchConfig.__dataclass_fields__['mode'].metadata['check']
+    if c.mode not in modes: raise ValueError(f"mode must be one of {', '.join(map(repr, modes))}, got {c.mode!r}")
     rnd = c.mode == 'random'
     if rnd: _check_random(c)
     n = _ntoken(dls, ntoken)
@@ -183,11 +184,14 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resu
     if rnd: own = [RandomArch(candidates=c.candidates, top=c.top)]
     else:
         arch = ArchParamUpdate(search_dl, c.mode, c.arch_lr, arch_wd=c.arch_wd, same_masks=c.same_masks, zero_one=c.zero_one,
-                               op_decay=c.op_decay, arch_bf16=c.arch_bf16)
+                               op_decay=c.op_decay, arch_bf16=c.arch_bf16, mixed_lambda=c.mixed_lambda, beta_decay=c.beta_decay,
+                               dirichlet_kl=c.dirichlet_kl)
         learn.metrics.append(ValueMetric(arch.search_loss, 'search_loss'))
         curv = [Curvature(c.curvature_windows)] if c.curvature else []
         for cb in curv: learn.metrics.append(ValueMetric(cb.lambda_max, 'lambda_max'))
         own = [arch, GenotypeLogger()] + curv + ([CurvatureStop()] if c.early_stop else [])
+        if c.relax in TEMPERED: own.append(Temperature(c.tau_max, c.tau_min))
+        if c.perturb != 'none': own.append(Perturbation(c.perturb, c.epsilon))
     learn.add_cbs(_common_cbs(c, resume) + own + list(L(cbs)))
     return learn
 

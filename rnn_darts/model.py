@@ -14,6 +14,7 @@ from rnn_darts.kernels import mm_t, fastest, linear, tanh, DeferredWeight, Weigh
 from rnn_darts.config import SearchConfig, TrainConfig, check_rules
 from rnn_darts.flat import FlatModule
 from rnn_darts.loss import linear_cross_entropy
+from rnn_darts.relax import RELAXATIONS, gumbel_
 
 # %% auto #0
 __all__ = ['ACTS', 'MaskBank', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm', 'DartsCellSearch', 'LanguageModel',
@@ -21,13 +22,15 @@ __all__ = ['ACTS', 'MaskBank', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeN
 
 # %% ../nbs/03_model.ipynb #6679dd87
 class MaskBank:
-    "Draws Bernoulli dropout masks, scaled by 1/keep; caches them by key while `frozen`"
+    "Draws Bernoulli dropout masks, scaled by 1/keep, and a relaxation's noise; caches them by key while `frozen`"
     def __init__(self): self.frozen, self.cache = False, {}
-    def __call__(self, key, shape, p, like):
+    def draw(self, key, shape, like, fill):
+        "A new tensor of `shape` like `like`, filled in place by `fill`; while `frozen`, the one drawn first under `key`"
         if self.frozen and key in self.cache and self.cache[key].shape == shape: return self.cache[key]
-        m = like.new_empty(shape).bernoulli_(1 - p).div_(1 - p)
+        m = fill(like.new_empty(shape))
         if self.frozen: self.cache[key] = m
         return m
+    def __call__(self, key, shape, p, like): return self.draw(key, shape, like, lambda m: m.bernoulli_(1 - p).div_(1 - p))
     @contextmanager
     def freeze(self):
         self.frozen, self.cache = True, {}
@@ -277,8 +280,8 @@ class LanguageModel(FlatModule):
     def init_hidden(self, bs, like):
         return like.new_zeros(bs, self.nhid)
 
-    def cell_inputs(self, update_stats=True) -> dict:
-        "What the cell takes besides its input and state, as arguments of each forward (the search model: its mixing weights, and whether its normalisation updates its statistics)"
+    def cell_inputs(self, update_stats=True, stream=None) -> dict:
+        "What the cell takes besides its input and state, as arguments of each forward on `stream` (the search model: its mixing weights, and whether its normalisation updates its statistics)"
         return {}
 
     def hidden_stream(self, x, stream, weight_grads=True, update_stats=True):
@@ -291,7 +294,7 @@ class LanguageModel(FlatModule):
         if self.training and self.dropouti: emb = emb * self.masks((stream, 'i'), (1, bs, self.emsize), self.dropouti, emb)
         h = self.hidden.get(stream)
         if h is None or h.shape[0] != bs or h.device != x.device: h = self.init_hidden(bs, emb)
-        raw, h = self.cell(emb, h, self.masks, stream, weight_grads, **self.cell_inputs(update_stats))
+        raw, h = self.cell(emb, h, self.masks, stream, weight_grads, **self.cell_inputs(update_stats, stream))
         out = raw * self.masks((stream, 'o'), (1, bs, self.nhid), self.dropout, raw) if self.training and self.dropout else raw
         return raw, out, h
 
@@ -345,17 +348,29 @@ class DartsRnnSearch(LanguageModel):
     def __init__(self, ntoken, emsize=_S.emsize, nhid=_S.nhid, dropout=_S.dropout, dropouth=_S.dropouth, dropoutx=_S.dropoutx,
                  dropouti=_S.dropouti, dropoute=_S.dropoute, steps=STEPS, relax=_S.relax):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
-        if relax not in ('softmax', 'sigmoid'): raise ValueError(f"relax must be 'softmax' or 'sigmoid', got {relax!r}")
+        if relax not in RELAXATIONS: raise ValueError(f"relax must be one of {', '.join(map(repr, RELAXATIONS))}, got {relax!r}")
         super().__init__(ntoken, emsize, nhid, DartsCellSearch(emsize, nhid, dropoutx, dropouth, steps), dropout, dropouti, dropoute)
-        self.steps, self.relax = steps, relax
+        self.steps, self.relax, self.relaxation = steps, relax, RELAXATIONS[relax](steps)
         self.alpha = nn.Parameter(1e-3 * torch.randn(steps * (steps + 1) // 2, len(PRIMITIVES)))
+        if self.relaxation.tau is not None: self.register_buffer('tau', torch.tensor(1.))   # set each epoch by `Temperature`
+        self.mixing_hook = None   # while set, a function of the mixing weights that replaces them (SDARTS's perturbation, DARTS-PT's projection)
         self.flatten_()
 
     def arch_parameters(self): return [self.alpha]
     def arch_weights(self):
-        "The mixing weights: softmax(α) over ops (DARTS) or sigmoid(α) (Fair DARTS)"
-        return F.softmax(self.alpha, dim=-1) if self.relax == 'softmax' else torch.sigmoid(self.alpha)
-    def cell_inputs(self, update_stats=True): return dict(probs=self.arch_weights(), update_stats=update_stats)
+        "The relaxation's deterministic mixing weights (`probs`): softmax(α) over ops (DARTS), sigmoid(α) (Fair DARTS), ... (`rnn_darts.relax`)"
+        return self.relaxation.probs(self.alpha)
+    def mixing_weights(self, stream=None):
+        """The weights a forward on `stream` mixes by: in training the relaxation's sample, whose noise the passes of one
+        architecture step share as they share dropout masks (`frozen_masks`); in evaluation its `evaluate`; then `mixing_hook`"""
+        r, a = self.relaxation, self.alpha
+        if not self.training: w = r.evaluate(a)
+        elif not r.stochastic: w = r.probs(a)
+        else:
+            shape = r.noise_shape(a)
+            w = r.sample(a, getattr(self, 'tau', None), None if shape is None else self.masks.draw((stream, 'relax'), shape, a, gumbel_))
+        return w if self.mixing_hook is None else self.mixing_hook(w)
+    def cell_inputs(self, update_stats=True, stream=None): return dict(probs=self.mixing_weights(stream), update_stats=update_stats)
     def genotype(self) -> Genotype:
         "The DARTS rule applied to the current mixing weights"
         return derive_genotype(self.arch_weights(), self.steps)

@@ -8,7 +8,7 @@ import inspect, os
 from dataclasses import fields
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, read_preset, check_number, check_choice, option_type
-from rnn_darts.config import CONFIGS, check_rules
+from rnn_darts.config import CONFIGS, ALPHA_ONLY, check_rules, with_method
 
 # %% auto #0
 __all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'FLAG_ORDER', 'FLAGS', 'CHECKS', 'CHOICES', 'learner_options', 'known_options',
@@ -64,7 +64,8 @@ SWITCHES = ('resume', 'overwrite')   # given or not (the other booleans take tru
 FLAG_ORDER = ('genotype', 'preset', 'settings', 'data', 'files', 'unk', 'url', 'out', 'device', 'resume', 'overwrite', 'override', 'threads',
               'epochs', 'seed', 'bs', 'bptt', 'eval_bs', 'test_bs', 'n_train', 'emsize', 'nhid', 'lr', 'wd', 'clip', 'dropout', 'dropouth',
               'dropoutx', 'dropouti', 'dropoute', 'nonmono', 'asgd', 'mode', 'candidates', 'top', 'curvature', 'curvature_windows',
-              'early_stop', 'arch_lr', 'arch_wd', 'relax', 'op_decay', 'on_nan', 'compile', 'graphs', 'checkpoint_every', 'bf16', 'arch_bf16')
+              'early_stop', 'method', 'arch_lr', 'arch_wd', 'relax', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay',
+              'dirichlet_kl', 'perturb', 'epsilon', 'op_decay', 'on_nan', 'compile', 'graphs', 'checkpoint_every', 'bf16', 'arch_bf16')
 
 def _flag_help(k) -> str|dict|None:
     "Flag `k`'s help: one text, {command: text} where the commands differ or one has no such flag, or None (no flag)"
@@ -99,7 +100,6 @@ def flags_signature(command:str) -> inspect.Signature:
 CHECKS = {**{f.name: f.metadata['check'] for c in ('search', 'train') for f in fields(CONFIGS[c]) if f.metadata.get('check')},
           'threads': 'pos_int', 'iters': 'pos_int', 'split': ('test', 'valid'), 'fmt': ('md', 'html')}
 CHOICES = {k: c for k, c in CHECKS.items() if isinstance(c, tuple)}   # name -> the values it may take
-_ALPHA_ONLY = ('arch_lr', 'arch_wd', 'relax', 'op_decay', 'zero_one', 'arch_bf16', 'same_masks', 'curvature', 'curvature_windows', 'early_stop')   # DARTS settings random search has no use for
 
 def check_random(s:dict, src:dict|None=None):
     "Raise a `UsageError` for flags that do not fit the search mode: α's with --mode random, --candidates/--top without it"
@@ -108,7 +108,7 @@ def check_random(s:dict, src:dict|None=None):
         for k in ('candidates', 'top'):
             if flag(k): raise UsageError(f"{n(k)} applies to --mode random (the cells it scores after training), not --mode {s.get('mode')}")
         return
-    for k in _ALPHA_ONLY:
+    for k in ALPHA_ONLY:
         if flag(k): raise UsageError(f"{n(k)} applies to the architecture weights α, which --mode random does not have")
     if s.get('compile'): raise UsageError(f"{n('compile')}: --mode random runs another cell every batch, and a compiled step would "
                                           "recompile for each; random search runs eager")
@@ -136,6 +136,7 @@ def check_settings(s:dict, src:dict|None=None) -> dict:
     n = lambda k: setting_name(k, src)
     for k, v in s.items():
         if v is not None and k in CHECKS: check_value(n(k), v, CHECKS[k])
+    if s.get('method'): s.update(with_method(s))   # the method's parts, where the settings leave them at their defaults
     if 'mode' in s: check_random(s, src)
     check_rules(s, n)
     if s.get('curvature') is False and (src or {}).get('curvature_windows') == 'flag':

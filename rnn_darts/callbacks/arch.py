@@ -9,13 +9,16 @@ from functools import partial
 import torch, torch.nn.functional as F
 from fastai.callback.core import Callback
 from rnn_darts.genotypes import PRIMITIVES
-from rnn_darts.config import SearchConfig
+from rnn_darts.config import SearchConfig, check_rules
+from rnn_darts.relax import dirichlet_kl, linear_schedule
 from rnn_darts.callbacks.training import SeqLenLR, check_flat_opt
 
 # %% auto #0
-__all__ = ['ARCH_BETAS', 'train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first', 'fd_hvp', 'exact_hvp',
-           'hypergrad_second', 'hypergrad', 'op_param_counts', 'op_decay_grad', 'check_zero_one', 'zero_one_grad',
-           'arch_adam', 'guarded_adam_step', 'arch_precision', 'arch_grad', 'arch_step', 'ArchParamUpdate']
+__all__ = ['UNROLLED', 'ARCH_MODES', 'ARCH_BETAS', 'train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first',
+           'fd_hvp', 'exact_hvp', 'hypergrad_second', 'hypergrad_mixed', 'hypergrad_single', 'hypergrad',
+           'op_param_counts', 'op_decay_grad', 'check_zero_one', 'penalty_grad', 'zero_one_grad', 'beta_decay_loss',
+           'alpha_penalty', 'arch_adam', 'guarded_adam_step', 'arch_precision', 'arch_grad', 'arch_step',
+           'ArchParamUpdate', 'Temperature']
 
 # %% ../../nbs/04_arch.ipynb #bb97d689
 def train_loss(model, xb, yb, weight_grads=True):
@@ -67,9 +70,25 @@ def hypergrad_second(model, trn, val, eta, wd, clip, hvp=fd_hvp):
     with torch.no_grad(): w.copy_(w0)
     return ga - eta * c * hvp(model, trn, v, w0), loss.detach()
 
-def hypergrad(model, trn, val, mode=SearchConfig.mode, lr=SearchConfig.lr, wd=0., clip=None):
-    "The hypergradient of `mode` (first|second|exact) and the search loss"
+def hypergrad_mixed(model, trn, val, lam=SearchConfig.mixed_lambda):
+    "MiLeNAS's mixed level: ∇α L_t + λ ∇α L_v at the current weights; returns it and the search loss"
+    gt = torch.autograd.grad(train_loss(model, *trn, weight_grads=False), model.alpha)[0]
+    gv, loss = hypergrad_first(model, trn, val)
+    return gt + lam * gv, loss
+
+def hypergrad_single(model, trn, val):
+    "A single level (SNAS): ∇α L_t on the training batch, the loss the weights descend; returns it and that loss (`val` unused)"
+    loss = train_loss(model, *trn, weight_grads=False)
+    return torch.autograd.grad(loss, model.alpha)[0], loss.detach()
+
+UNROLLED = ('second', 'exact')   # the modes with a virtual weight step
+ARCH_MODES = ('first', 'second', 'exact', 'mixed', 'single')
+
+def hypergrad(model, trn, val, mode=SearchConfig.mode, lr=SearchConfig.lr, wd=0., clip=None, mixed_lambda=SearchConfig.mixed_lambda):
+    "The hypergradient of `mode` (first|second|exact|mixed|single) and the loss α descends (the search loss; single: the training loss)"
     if mode == 'first': return hypergrad_first(model, trn, val)
+    if mode == 'mixed': return hypergrad_mixed(model, trn, val, mixed_lambda)
+    if mode == 'single': return hypergrad_single(model, trn, val)
     return hypergrad_second(model, trn, val, lr, wd, clip, exact_hvp if mode == 'exact' else fd_hvp)
 
 # %% ../../nbs/04_arch.ipynb #c55f570d
@@ -90,12 +109,25 @@ def check_zero_one(zero_one, relax):
     if zero_one and relax != 'sigmoid':
         raise ValueError(f"zero_one={zero_one} needs relax='sigmoid' (Fair DARTS); relax={relax!r} would ignore it")
 
+def penalty_grad(alpha, penalty):
+    "∇α of `penalty(α)`, a scalar function of α, at α"
+    with torch.enable_grad():
+        a = alpha.detach().requires_grad_()
+        return torch.autograd.grad(penalty(a), a)[0]
+
 def zero_one_grad(model, zero_one):
     "∇α of the Fair DARTS zero-one loss `−zero_one · mean((σ(α) − ½)²)`, which pushes σ(α) away from ½"
     check_zero_one(zero_one, model.relax)
-    with torch.enable_grad():
-        a = model.alpha.detach().requires_grad_()
-        return torch.autograd.grad(-zero_one * F.mse_loss(torch.sigmoid(a), torch.full_like(a, 0.5)), a)[0]
+    return penalty_grad(model.alpha, lambda a: -zero_one * F.mse_loss(torch.sigmoid(a), torch.full_like(a, 0.5)))
+
+def beta_decay_loss(alpha):
+    "β-DARTS's β-decay term: the mean over edges of logsumexp(α) over the ops (its gradient is softmax(α) / edges)"
+    return torch.logsumexp(alpha, dim=-1).mean()
+
+def alpha_penalty(beta_weight=None, kl=0.):
+    "The regulariser α's loss adds (None: none): `beta_weight` (a tensor, scheduled) × the β-decay term, plus `kl` × DrNAS's Dirichlet KL"
+    terms = ([lambda a: beta_weight * beta_decay_loss(a)] if beta_weight is not None else []) + ([lambda a: kl * dirichlet_kl(a)] if kl else [])
+    return (lambda a: sum(t(a) for t in terms)) if terms else None
 
 # %% ../../nbs/04_arch.ipynb #c9a8e3f2
 ARCH_BETAS = (0.9, 0.999)   # Adam's betas for α (DARTS's `--arch_lr` Adam; not a setting)
@@ -144,12 +176,13 @@ def arch_grad(model, trn, val, grad_fn, same_masks=True, arch_bf16=False):
     finally: a.requires_grad_(False)
 
 def arch_step(model, opt, trn, val, mode=SearchConfig.mode, lr=SearchConfig.lr, wd=0., clip=None, same_masks=True, arch_bf16=False,
-              zero_one=0., op_decay=0., reduce=None, grad_fn=None):
-    "One architecture step: the hypergradient of `mode` (or `grad_fn(trn, val)`), `reduce`, the zero-one gradient, the guarded Adam step with the op decay. Returns the search loss and the finiteness flag (tensors)"
+              zero_one=0., op_decay=0., reduce=None, grad_fn=None, penalty=None):
+    "One architecture step: the hypergradient of `mode` (or `grad_fn(trn, val)`), `reduce`, the zero-one gradient and `penalty(α)`'s, the guarded Adam step with the op decay. Returns the search loss and the finiteness flag (tensors)"
     grad_fn = grad_fn or partial(hypergrad, model, mode=mode, lr=lr, wd=wd, clip=clip)
     g, loss = arch_grad(model, trn, val, grad_fn, same_masks, arch_bf16)
     if reduce is not None: g = reduce(g)
     if zero_one: g = g + zero_one_grad(model, zero_one)
+    if penalty is not None: g = g + penalty_grad(model.alpha, penalty)
     ok = guarded_adam_step(opt, model.alpha, g, op_decay_grad(model, op_decay) if op_decay else None)
     return loss, ok
 
@@ -158,11 +191,14 @@ class ArchParamUpdate(Callback):
     "One DARTS architecture step (α) per training batch, before the weight step"
     order = SeqLenLR.order + 1   # after SeqLenLR has set the batch's learning rate (the virtual step uses it)
     def __init__(self, search_dl, mode=SearchConfig.mode, arch_lr=SearchConfig.arch_lr, arch_betas=ARCH_BETAS, arch_wd=SearchConfig.arch_wd,
-                 same_masks=True, clip='learn', zero_one=0., op_decay=0., arch_bf16=False):
-        if mode not in ('first', 'second', 'exact'): raise ValueError(f"mode must be 'first', 'second' or 'exact', got {mode!r}")
-        if op_decay < 0: raise ValueError(f"op_decay must be >= 0, got {op_decay}")
+                 same_masks=True, clip='learn', zero_one=0., op_decay=0., arch_bf16=False, mixed_lambda=SearchConfig.mixed_lambda,
+                 beta_decay=0., dirichlet_kl=0.):
+        if mode not in ARCH_MODES: raise ValueError(f"mode must be one of {', '.join(map(repr, ARCH_MODES))}, got {mode!r}")
+        for k, v in dict(op_decay=op_decay, beta_decay=beta_decay, dirichlet_kl=dirichlet_kl).items():
+            if v < 0: raise ValueError(f"{k} must be >= 0, got {v}")
         self.search_dl, self.mode, self.same_masks, self.clip = search_dl, mode, same_masks, clip
-        self.zero_one, self.op_decay = zero_one, op_decay
+        self.zero_one, self.op_decay, self.mixed_lambda, self.beta_decay, self.dirichlet_kl = zero_one, op_decay, mixed_lambda, beta_decay, dirichlet_kl
+        self.beta_weight = None   # β-DARTS's λ of this epoch, on α's device (a CUDA graph reads it)
         self.arch_bf16 = arch_bf16
         self.arch_lr, self.arch_betas, self.arch_wd = arch_lr, arch_betas, arch_wd
         self.arch_opt, self.n_skipped, self.loss_sum, self.n_steps = None, None, None, 0
@@ -172,13 +208,23 @@ class ArchParamUpdate(Callback):
     def before_fit(self):
         a = self.model.alpha
         check_zero_one(self.zero_one, self.model.relax)
+        check_rules(dict(relax=self.model.relax, mode=self.mode, mixed_lambda=self.mixed_lambda, beta_decay=self.beta_decay, dirichlet_kl=self.dirichlet_kl))
         a.requires_grad_(False)                    # the weight step never touches α
+        if self.beta_decay and self.beta_weight is None: self.beta_weight = torch.zeros((), device=a.device)
         check_flat_opt(self.learn)                 # nor does the weight optimizer (a hand-built Learner needs flat_splitter)
         if self.arch_opt is None: self.arch_opt = arch_adam(a, self.arch_lr, self.arch_betas, self.arch_wd)
         if hasattr(self.search_dl, 'to'): self.search_dl.to(a.device)
         if self.n_skipped is None: self.n_skipped = torch.zeros((), dtype=torch.long, device=a.device)
 
     def before_train(self): self.loss_sum, self.n_steps = None, 0
+
+    def before_epoch(self):
+        "β-DARTS's λ rises linearly with the epoch: `beta_decay × epoch / n_epoch` (its code: 50 × epoch / 100)"
+        if self.beta_weight is not None: self.beta_weight.fill_(self.beta_decay * self.epoch / self.n_epoch)
+
+    def penalty(self):
+        "The regulariser α's loss adds (`alpha_penalty`): β-DARTS's β-decay, DrNAS's Dirichlet KL; None: none"
+        return alpha_penalty(self.beta_weight if self.beta_decay else None, self.dirichlet_kl)
 
     def max_norm(self):
         if self.clip != 'learn': return self.clip
@@ -188,13 +234,13 @@ class ArchParamUpdate(Callback):
     def step_hypers(self):
         "(lr, wd, clip) of the virtual weight step: the learner's batch learning rate and weight decay, the weights' clip"
         if self.hypers is not None: return self.hypers
-        if self.mode == 'first': return 0., 0., None
+        if self.mode not in UNROLLED: return 0., 0., None
         hyp = self.opt.hypers[-1]
         return hyp['lr'], hyp.get('wd', 0.), self.max_norm()
 
     def hypergrad(self, trn, val):
         "The hypergradient of the mode and the search loss"
-        return hypergrad(self.model, trn, val, self.mode, *self.step_hypers())
+        return hypergrad(self.model, trn, val, self.mode, *self.step_hypers(), mixed_lambda=self.mixed_lambda)
 
     def precision(self):
         "Inside a bf16 autocast (`BF16Autocast`) the passes stay in bf16 if `arch_bf16`, else they run in fp32"
@@ -205,7 +251,8 @@ class ArchParamUpdate(Callback):
         graphs = getattr(getattr(self.learn, 'cuda_graphs', None), 'graphs', None)
         res = graphs.arch(self, trn, val) if graphs is not None else None
         loss, ok = res if res is not None else arch_step(self.model, self.arch_opt, trn, val, same_masks=self.same_masks, arch_bf16=self.arch_bf16,
-                                                         zero_one=self.zero_one, op_decay=self.op_decay, reduce=self.reduce, grad_fn=self.hypergrad)
+                                                         zero_one=self.zero_one, op_decay=self.op_decay, reduce=self.reduce, grad_fn=self.hypergrad,
+                                                         penalty=self.penalty())
         self.n_skipped += (~ok).long()
         self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
         self.n_steps += 1
@@ -246,3 +293,13 @@ class ArchParamUpdate(Callback):
     def rollback_state(self, d):
         "What a rollback restores: α's Adam state (α itself is in the model's state); the search stream and `n_skipped` go on"
         self.load_arch_opt(d['arch_opt'])
+
+# %% ../../nbs/04_arch.ipynb #8c16a17e
+class Temperature(Callback):
+    "τ of a Gumbel relaxation (GDAS, SNAS), annealed linearly over the fit from `tau_max` in the first epoch to `tau_min` in the last (None: the relaxation's paper values)"
+    def __init__(self, tau_max:float|None=None, tau_min:float|None=None): self.tau_max, self.tau_min = tau_max, tau_min
+    def before_fit(self):
+        r = getattr(self.model, 'relaxation', None)
+        if r is None or r.tau is None: raise ValueError(f"Temperature anneals the τ of relax 'gdas' or 'snas'; this model's relax is {getattr(self.model, 'relax', None)!r}")
+        self.range = (r.tau[0] if self.tau_max is None else self.tau_max, r.tau[1] if self.tau_min is None else self.tau_min)
+    def before_epoch(self): self.model.tau.fill_(linear_schedule(*self.range, self.epoch, self.n_epoch))

@@ -175,14 +175,14 @@ class StepGraphs:
         lr, wd, clip = cb.step_hypers()
         self.watch(cb.arch_opt)
         def body(xt, yt, xv, yv, ht, hs, lr, wd):
-            grad_fn = partial(hypergrad, m, mode=cb.mode, lr=lr, wd=wd, clip=clip)
+            grad_fn = partial(hypergrad, m, mode=cb.mode, lr=lr, wd=wd, clip=clip, mixed_lambda=cb.mixed_lambda)
             step = partial(arch_step, m, cb.arch_opt, (xt, yt), (xv, yv), same_masks=cb.same_masks, arch_bf16=cb.arch_bf16,
-                           zero_one=cb.zero_one, op_decay=cb.op_decay, grad_fn=grad_fn)
+                           zero_one=cb.zero_one, op_decay=cb.op_decay, grad_fn=grad_fn, penalty=cb.penalty())
             (loss, ok), hid = self._with_hidden(dict(train=ht, search=hs), step)
             return loss, ok, hid['search']
         g = cb.arch_opt.param_groups[0]
         key = ('arch', tuple(trn[0].shape), tuple(val[0].shape), cb.mode, clip, cb.same_masks, cb.arch_bf16, cb.zero_one,
-               cb.op_decay, tuple((k, v) for k, v in g.items() if k != 'params'))
+               cb.op_decay, cb.mixed_lambda, cb.beta_decay, cb.dirichlet_kl, tuple((k, v) for k, v in g.items() if k != 'params'))
         res = self.run(key, [*trn, *val, self.hidden_in('train', trn[0].shape[0]), self.hidden_in('search', val[0].shape[0]), lr, wd], body)
         if res is None: return None
         m.hidden['search'] = res[2].clone()

@@ -1,0 +1,236 @@
+"""The DARTS family's parts on the one supernet (`rnn_darts.relax`, `rnn_darts.callbacks.arch`): each part's equation against
+a plain version written here, and each method through a real `search_learner` fit: seeded runs repeat, a checkpoint resumes
+bit for bit, bad combinations get one line."""
+import tempfile
+import pytest, torch, torch.nn.functional as F
+from fastai.callback.core import Callback
+from rnn_darts.core import set_seed, UsageError
+from rnn_darts.config import SearchConfig, METHODS, RELAXATIONS as RELAX_NAMES, TEMPERED, DRAWN, configured
+from rnn_darts.data import numbers_corpus, lm_dls, search_stream
+from rnn_darts.genotypes import edge_slices
+from rnn_darts.learner import search_learner
+from rnn_darts.model import DartsRnnSearch
+from rnn_darts.relax import RELAXATIONS, Drnas, Gdas, dirichlet_concentration
+from rnn_darts.callbacks.arch import (hypergrad, hypergrad_mixed, hypergrad_single, train_loss, search_loss, penalty_grad,
+                                      beta_decay_loss, alpha_penalty, arch_grad)
+
+NHID = 8
+
+def learner(path=None, seed=0, **kw):
+    set_seed(seed)
+    c = numbers_corpus(seed=seed, n_train=1200, n_valid=800, n_test=300)
+    dls = lm_dls(c, 8, 10, 'search', seed=seed)
+    kw = dict(dict(checkpoint=False, curvature=False), **kw)
+    learn = search_learner(dls, search_stream(c, 8), emsize=NHID, nhid=NHID, path=path or tempfile.mkdtemp(), **kw)
+    learn.remove_cb(learn.progress)
+    return learn
+
+def fit(learn, n=1, cbs=()):
+    with learn.no_logging(): learn.fit(n, cbs=list(cbs))
+
+def tiny(relax='softmax', seed=0):
+    torch.manual_seed(seed)
+    return DartsRnnSearch(30, NHID, NHID, dropout=0, dropouth=0, dropoutx=0, dropouti=0, relax=relax).double().train()
+
+def batches(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 30, (4, 6), generator=g), torch.randint(0, 30, (4, 6), generator=g)) for _ in range(2)]
+
+# ------------------------------------------------------------------ the registries agree
+def test_the_config_names_every_relaxation_and_each_method_builds_a_valid_config():
+    assert tuple(RELAXATIONS) == RELAX_NAMES
+    assert {n for n, r in RELAXATIONS.items() if r.tau is not None} == set(TEMPERED)
+    assert {n for n, r in RELAXATIONS.items() if r.stochastic} == set(DRAWN)
+    for name, parts in METHODS.items():
+        c = configured(SearchConfig, None, 'search_learner', dict(method=name))
+        assert all(getattr(c, k) == v for k, v in parts.items()), name
+
+# ------------------------------------------------------------------ equations
+def test_dirichlet_pathwise_gradient_is_the_gradient_of_the_expectation():
+    "DrNAS's reparameterised sample: the mean over many draws of ∇α Σ c·w equals ∇α of Σ c·E[w], E[w] = conc / Σ conc"
+    torch.manual_seed(0)
+    a = torch.randn(3, 5, dtype=torch.float64)
+    c = torch.randn(3, 5, dtype=torch.float64)
+    big = a.expand(40_000, 3, 5).clone().requires_grad_()
+    (g,) = torch.autograd.grad((Drnas().sample(big) * c).sum() / 40_000, big)
+    a1 = a.clone().requires_grad_()
+    (want,) = torch.autograd.grad((Drnas().probs(a1) * c).sum(), a1)
+    torch.testing.assert_close(g.sum(0), want, atol=0.02, rtol=0.05)
+    assert (g.sum(0) - want).abs().max() < 0.5 * want.abs().max()   # not merely small: the same gradient
+
+def test_dirichlet_sample_is_torch_distributions_draw():
+    a = torch.randn(36, 5, dtype=torch.float64)
+    torch.manual_seed(3); w = Drnas().sample(a)
+    torch.manual_seed(3); d = torch.distributions.Dirichlet(F.elu(a) + 1).rsample()
+    assert torch.equal(w, d)
+
+def test_milenas_gradient_is_the_training_gradient_plus_lambda_validation_gradient():
+    m, (trn, val) = tiny(), batches()
+    m.alpha.requires_grad_(True)
+    with torch.random.fork_rng():
+        g, loss = hypergrad_mixed(m, trn, val, lam=0.3)
+    m.reset()
+    gt = torch.autograd.grad(m.loss(*trn, 'train', advance=False, weight_grads=False, update_stats=False), m.alpha)[0]
+    lv = m.loss(*val, 'search', weight_grads=False, update_stats=False)
+    gv = torch.autograd.grad(lv, m.alpha)[0]
+    torch.testing.assert_close(g, gt + 0.3 * gv, rtol=1e-10, atol=1e-12)
+    assert float(loss) == float(lv.detach())
+    assert not torch.allclose(gt, gv)   # the two levels differ: the sum is not one of them
+
+def test_single_level_gradient_is_the_training_losss():
+    m, (trn, val) = tiny(), batches()
+    m.alpha.requires_grad_(True)
+    g, loss = hypergrad_single(m, trn, val)
+    m.reset()
+    l = m.loss(*trn, 'train', advance=False, weight_grads=False, update_stats=False)
+    torch.testing.assert_close(g, torch.autograd.grad(l, m.alpha)[0], rtol=1e-10, atol=1e-12)
+    assert float(loss) == float(l.detach())
+
+def test_beta_decay_gradient_is_the_softmax_over_edges():
+    a = torch.randn(36, 5, dtype=torch.float64)
+    torch.testing.assert_close(penalty_grad(a, beta_decay_loss), F.softmax(a, -1) / 36)
+    w = torch.tensor(2.5, dtype=torch.float64)
+    kl = lambda x: torch.distributions.kl_divergence(torch.distributions.Dirichlet(F.elu(x) + 1),
+                                                     torch.distributions.Dirichlet(torch.ones_like(x))).sum()
+    x = a.clone().requires_grad_()
+    want = torch.autograd.grad(2.5 * torch.logsumexp(x, -1).mean() + 1e-3 * kl(x), x)[0]
+    torch.testing.assert_close(penalty_grad(a, alpha_penalty(w, 1e-3)), want)
+    assert alpha_penalty(None, 0.) is None
+
+def test_gumbel_noise_is_shared_by_the_passes_of_one_architecture_step_only():
+    "Inside an architecture pass (frozen masks) two training losses see one Gumbel draw, as the unrolled step's finite differences need; outside, each forward draws anew"
+    for relax in TEMPERED:
+        m, (trn, _) = tiny(relax), batches()
+        m.tau.fill_(0.5)
+        with m.frozen_masks(): a, b = train_loss(m, *trn), train_loss(m, *trn)
+        assert float(a) == float(b), relax
+        assert float(train_loss(m, *trn)) != float(train_loss(m, *trn)), relax
+
+def test_gdas_forward_runs_one_discrete_cell_per_draw():
+    "A GDAS training forward equals the derived model of its one-hot weights: each node one (predecessor, op) pair"
+    m = tiny('gdas'); m.tau.fill_(1.)
+    w = m.mixing_weights('train').detach()
+    for sl in edge_slices(8): assert w[sl].sum() == 1 and (w[sl] > 0).sum() == 1
+    assert w[:, 0].sum() == 0
+    m.eval()
+    e = m.mixing_weights('valid')
+    assert torch.equal(e, Gdas(8).evaluate(m.alpha.detach()))
+
+def test_the_stochastic_relaxations_evaluate_deterministically():
+    x = torch.randint(0, 30, (4, 6))
+    for relax in DRAWN:
+        m = tiny(relax).eval()
+        with torch.no_grad(): a, b = m(x)[0], (m.reset(), m(x)[0])[1]
+        assert torch.equal(a, b), relax
+
+# ------------------------------------------------------------------ through search_learner
+class Taus(Callback):
+    order = 100
+    def __init__(self): self.seen = []
+    def before_batch(self):
+        if self.training and self.iter == 0:
+            m = self.model
+            self.seen.append((float(m.tau) if hasattr(m, 'tau') else None,
+                              float(self.learn.arch_param_update.beta_weight) if self.learn.arch_param_update.beta_weight is not None else None))
+
+@pytest.mark.parametrize('method,want', [('gdas', [(10., None), (5.05, None), (0.1, None)]), ('snas', [(1., None), (0.515, None), (0.03, None)]),
+                                         ('beta-darts', [(None, 0.), (None, 50 / 3), (None, 100 / 3)])])
+def test_schedules_follow_the_papers_over_the_fit(method, want):
+    rec = Taus()
+    fit(learner(method=method), 3, [rec])
+    for (t, b), (wt, wb) in zip(rec.seen, want):
+        assert (t is None) == (wt is None) and (b is None) == (wb is None)
+        if t is not None: assert abs(t - wt) < 1e-6
+        if b is not None: assert abs(b - wb) < 1e-5
+    assert len(rec.seen) == 3
+
+def test_tau_settings_override_the_papers():
+    rec = Taus()
+    fit(learner(method='gdas', tau_max=4., tau_min=2.), 2, [rec])
+    assert [round(t, 6) for t, _ in rec.seen] == [4., 2.]
+
+def _state(learn):
+    m = learn.model
+    return torch.cat([m.alpha.detach().flatten(), m.flat.data]), [list(map(float, r)) for r in learn.recorder.values]
+
+FAMILY = ['gdas', 'snas', 'drnas', 'milenas', 'beta-darts', 'sdarts-rs', 'sdarts-adv']
+
+@pytest.mark.parametrize('method', FAMILY)
+def test_a_seeded_search_repeats_exactly(method):
+    a = learner(method=method); fit(a, 2)
+    b = learner(method=method); fit(b, 2)
+    sa, sb = _state(a), _state(b)
+    assert torch.equal(sa[0], sb[0]) and sa[1] == sb[1]
+    assert all(torch.isfinite(torch.tensor(r)).all() for r in sa[1])
+
+@pytest.mark.slow
+@pytest.mark.parametrize('method', FAMILY)
+def test_a_checkpoint_resumes_bit_for_bit(method, tmp_path):
+    "Two epochs straight == one epoch, then a new learner resumed from its checkpoint: τ, β's λ, Gumbel and Dirichlet draws included"
+    a = learner(tmp_path/'a', method=method, checkpoint=True); fit(a, 2)
+    b = learner(tmp_path/'b', method=method, checkpoint=True); fit(b, 1)
+    c = learner(tmp_path/'b', method=method, checkpoint=True, resume=True)
+    torch.manual_seed(99)   # the checkpoint brings back the RNG states, not this
+    fit(c, 2)
+    assert torch.equal(_state(a)[0], _state(c)[0])
+    assert _state(a)[1][1:] == _state(c)[1]
+
+# ------------------------------------------------------------------ bad combinations
+@pytest.mark.parametrize('settings,msg', [
+    (dict(relax='gdas', mode='exact'), "relax gdas draws its mixing weights: the exact hypergradient (mode exact)"),
+    (dict(relax='drnas', mode='second'), "relax drnas with mode second"),
+    (dict(tau_max=3.), "tau_max sets the temperature of --relax gdas or snas; relax softmax has none"),
+    (dict(relax='gdas', tau_max=1., tau_min=2.), "tau_min (2.0) cannot exceed tau_max (1.0)"),
+    (dict(dirichlet_kl=1e-3), "dirichlet_kl regularises the Dirichlet of --relax drnas; relax softmax has none"),
+    (dict(relax='sigmoid', beta_decay=1.), "beta_decay (β-DARTS) decays α's logsumexp, the normaliser of a softmax; relax sigmoid has none"),
+    (dict(relax='gdas', perturb='random'), "perturb (SDARTS) perturbs softmax mixing weights on the simplex; relax gdas is not softmax"),
+    (dict(mixed_lambda=2.), "mixed_lambda weighs the validation gradient of mode mixed, not second"),
+    (dict(method='gdas', relax='snas'), "method gdas sets relax to 'gdas'; relax 'snas' contradicts it"),
+    (dict(method='random', beta_decay=2.), "mode='random' has no α: beta_decay=2.0 would be ignored"),
+])
+def test_bad_combinations_are_refused_with_one_line(settings, msg):
+    with pytest.raises(ValueError) as e: learner(**settings)
+    assert msg in str(e.value) and '\n' not in str(e.value)
+
+# ------------------------------------------------------------------ SDARTS
+class Mixes(Callback):
+    "The mixing weights of every training forward, with softmax(α) at that moment: the weight steps' and the architecture passes'"
+    order = 100
+    def __init__(self): self.weight, self.arch = [], []
+    def before_fit(self):
+        m, rec = self.model, self
+        orig = type(m).cell_inputs
+        def spy(update_stats=True, stream=None):
+            d = orig(m, update_stats, stream)
+            if m.training: (rec.weight if update_stats else rec.arch).append((d['probs'].detach().clone(), F.softmax(m.alpha.detach(), -1)))
+            return d
+        m.cell_inputs = spy
+    def after_fit(self): del self.model.cell_inputs
+
+@pytest.mark.parametrize('kind', ['random', 'adversarial'])
+def test_sdarts_perturbs_the_weight_step_only_within_its_bound(kind):
+    rec = Mixes()
+    learn = learner(perturb=kind, mode='first')
+    fit(learn, 1, [rec])
+    assert len(rec.arch) > 5 and len(rec.weight) > 5
+    for p, clean in rec.arch: assert torch.equal(p, clean)          # α's passes: unperturbed
+    for w, clean in rec.weight:
+        torch.testing.assert_close(w.sum(-1), torch.ones(36))
+        assert not torch.allclose(w, clean, atol=1e-4)                  # perturbed ...
+        assert (w - clean).abs().max() <= 2 * 0.03 + 1e-6               # ... within the first epoch's ε (and the projection's renormalisation)
+    assert learn.model.mixing_hook is None
+
+def test_sdarts_adversarial_weights_raise_the_batch_loss():
+    "The attacked mixing weights give the batch a loss at least the clean one's (in evaluation mode, as the attack measures it)"
+    learn = learner(perturb='adversarial', mode='first')
+    fit(learn, 1)
+    cb, m = learn.perturbation, learn.model
+    x, y = next(iter(learn.dls.train))
+    cb.eps = 0.3
+    m.eval()
+    loss = cb.attack_loss(x, y)
+    from rnn_darts.callbacks.perturb import pgd_mixing
+    w = F.softmax(m.alpha.detach(), -1)
+    p = pgd_mixing(loss, w, 0.3)
+    with torch.no_grad(): assert float(loss(p)) >= float(loss(w))
+    assert not torch.equal(p, w) and (p - w).abs().max() <= 2 * 0.3
