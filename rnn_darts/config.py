@@ -10,7 +10,8 @@ from rnn_darts.core import UsageError
 
 RELAXATIONS = ('softmax', 'sigmoid', 'gdas', 'snas', 'drnas')   # `rnn_darts.relax`
 TEMPERED, DRAWN = ('gdas', 'snas'), ('gdas', 'snas', 'drnas')  # the relaxations with a temperature; those that draw their weights
-ALPHA_PARTS = ('relax', 'zero_one', 'op_decay', 'early_stop', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay', 'dirichlet_kl', 'perturb', 'epsilon')   # what α's search does
+ALPHA_PARTS = ('relax', 'zero_one', 'op_decay', 'early_stop', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay', 'dirichlet_kl', 'perturb', 'epsilon',
+               'select', 'pt_tune')   # what α's search does
 ALPHA_ONLY = ALPHA_PARTS + ('arch_lr', 'arch_wd', 'arch_bf16', 'same_masks', 'curvature', 'curvature_windows')   # the settings of α, which random search has not
 METHODS = {   # name -> the settings of its parts (on the defaults of `SearchConfig`)
     'second': dict(mode='second'), 'first': dict(mode='first'), 'exact': dict(mode='exact'), 'random': dict(mode='random'),
@@ -22,6 +23,7 @@ METHODS = {   # name -> the settings of its parts (on the defaults of `SearchCon
     'beta-darts': dict(mode='first', beta_decay=50.),              # Ye et al., CVPR 2022
     'sdarts-rs': dict(mode='first', perturb='random'),             # Chen & Hsieh, ICML 2020
     'sdarts-adv': dict(mode='first', perturb='adversarial'),
+    'darts-pt': dict(mode='first', select='pt'),                   # Wang et al., ICLR 2021
 }
 
 # %% auto #0
@@ -126,6 +128,9 @@ class SearchConfig(RunConfig):
     perturb: str = setting('none', "SDARTS: every weight step mixes by softmax(α) perturbed within ε: random (RS) | adversarial (ADV: 7 PGD "
                            "steps raising the batch's loss) | none", ('none', 'random', 'adversarial'))
     epsilon: float = setting(0.3, '--perturb: ε rises linearly from 0.03 in the first epoch towards this (SDARTS: 0.3)', 'pos_float')
+    select: str = setting('argmax', 'how the cell is chosen after the search: argmax (DARTS: the largest mixing weights) | pt (DARTS-PT: per '
+                          'node, the pair whose removal raises the validation loss most)', ('argmax', 'pt'))
+    pt_tune: int|None = setting(None, "--select pt: training batches of fine-tuning after each node's decision (default: one epoch's)", 'nonneg_int')
     same_masks: bool = setting(True)                                           # the architecture passes share the weight step's dropout masks
     zero_one: float = setting(0., check='nonneg_float')                       # Fair DARTS's zero-one loss weight
     op_decay: float = setting(0., "α decay per weight: each op's α decays by op_decay × its weight count (`none` has none); default: off", 'nonneg_float')
@@ -222,6 +227,10 @@ def _check_family(s:dict, name):
         raise UsageError(f"{name('beta_decay')} (β-DARTS) decays α's logsumexp, the normaliser of a softmax; {name('relax')} {r} has none")
     if s.get('perturb') not in (None, 'none') and r is not None and r != 'softmax':
         raise UsageError(f"{name('perturb')} (SDARTS) perturbs softmax mixing weights on the simplex; {name('relax')} {r} is not softmax")
+    if s.get('select') == 'pt' and r is not None and r != 'softmax':
+        raise UsageError(f"{name('select')} pt (DARTS-PT) removes ops from softmax mixing weights; {name('relax')} {r} is not softmax")
+    if s.get('pt_tune') is not None and s.get('select') not in (None, 'pt'):
+        raise UsageError(f"{name('pt_tune')} sets the fine-tuning of {name('select')} pt, not {s['select']}")
     if s.get('mixed_lambda', 1.) != 1. and mode is not None and mode != 'mixed':
         raise UsageError(f"{name('mixed_lambda')} weighs the validation gradient of {name('mode')} mixed, not {mode}")
 

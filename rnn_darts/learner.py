@@ -27,6 +27,7 @@ from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
 from rnn_darts.callbacks.arch import ArchParamUpdate, Temperature
 from rnn_darts.callbacks.perturb import Perturbation
+from rnn_darts.pt_select import PtSelection
 from rnn_darts.callbacks.random_arch import RandomArch
 from rnn_darts.callbacks.curvature import Curvature, CurvatureStop
 from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer, FusedDecoderLoss
@@ -85,8 +86,9 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(d) if d.type == 'cuda' else f"cpu: {cpu_name()}"
 
 def run_genotype(learn):
-    "The run's cell: derived from α (DARTS), the chosen candidate (random search: None until `choose_cell`), or the one trained"
-    rnd = getattr(learn, 'random_arch', None)
+    "The run's cell: derived from α (DARTS), chosen by DARTS-PT (once it has run), the chosen candidate (random search: None until `choose_cell`), or the one trained"
+    rnd, pt = getattr(learn, 'random_arch', None), getattr(learn, 'pt_selection', None)
+    if pt is not None and pt.chosen is not None: return pt.chosen
     return learn.model.genotype() if rnd is None else rnd.chosen
 
 class RunInfo(TrainEpochEnd):
@@ -192,6 +194,7 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resu
         own = [arch, GenotypeLogger()] + curv + ([CurvatureStop()] if c.early_stop else [])
         if c.relax in TEMPERED: own.append(Temperature(c.tau_max, c.tau_min))
         if c.perturb != 'none': own.append(Perturbation(c.perturb, c.epsilon))
+        if c.select == 'pt': own.append(PtSelection(c.pt_tune))
     learn.add_cbs(_common_cbs(c, resume) + own + list(L(cbs)))
     return learn
 

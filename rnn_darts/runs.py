@@ -228,7 +228,7 @@ def search(**flags):
     r = _prepare('search', flags)
     try:
         from rnn_darts.data import lm_dls, search_stream
-        from rnn_darts.learner import search_learner, RunInfo
+        from rnn_darts.learner import search_learner, RunInfo, run_genotype
         from rnn_darts.genotypes import save_genotype, genotype_to_dict
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
         from rnn_darts.callbacks.logs import RunLogger, plain_output
@@ -249,11 +249,12 @@ def search(**flags):
                                         candidates=dict(n=len(df), top=int(df.valid_loss.notna().sum()), seconds=time.time() - t0,
                                                         valid_loss=float(df.valid_loss[0]))))
         elif r.rank == 0:
-            g = learn.model.genotype()
+            g = run_genotype(learn)
             save_genotype(g, out/'genotype.json')
             print(f"genotype: {g}\nwritten to {out/'genotype.json'}")
             es = getattr(getattr(learn, 'curvature_stop', None), 'stopped', None)
-            _report_end(learn, out, dict(genotype=genotype_to_dict(g), early_stop=es))
+            pt = getattr(learn, 'pt_selection', None)
+            _report_end(learn, out, dict(genotype=genotype_to_dict(g), early_stop=es, **({} if pt is None else dict(pt_select=pt.record))))
         cleanup_distrib()
         return learn
     finally: r.close()

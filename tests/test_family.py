@@ -153,7 +153,7 @@ def _state(learn):
     m = learn.model
     return torch.cat([m.alpha.detach().flatten(), m.flat.data]), [list(map(float, r)) for r in learn.recorder.values]
 
-FAMILY = ['gdas', 'snas', 'drnas', 'milenas', 'beta-darts', 'sdarts-rs', 'sdarts-adv']
+FAMILY = ['gdas', 'snas', 'drnas', 'milenas', 'beta-darts', 'sdarts-rs', 'sdarts-adv', 'darts-pt']
 
 @pytest.mark.parametrize('method', FAMILY)
 def test_a_seeded_search_repeats_exactly(method):
@@ -184,6 +184,8 @@ def test_a_checkpoint_resumes_bit_for_bit(method, tmp_path):
     (dict(dirichlet_kl=1e-3), "dirichlet_kl regularises the Dirichlet of --relax drnas; relax softmax has none"),
     (dict(relax='sigmoid', beta_decay=1.), "beta_decay (β-DARTS) decays α's logsumexp, the normaliser of a softmax; relax sigmoid has none"),
     (dict(relax='gdas', perturb='random'), "perturb (SDARTS) perturbs softmax mixing weights on the simplex; relax gdas is not softmax"),
+    (dict(relax='snas', mode='first', select='pt'), "select pt (DARTS-PT) removes ops from softmax mixing weights; relax snas is not softmax"),
+    (dict(pt_tune=3), "pt_tune sets the fine-tuning of select pt, not argmax"),
     (dict(mixed_lambda=2.), "mixed_lambda weighs the validation gradient of mode mixed, not second"),
     (dict(method='gdas', relax='snas'), "method gdas sets relax to 'gdas'; relax 'snas' contradicts it"),
     (dict(method='random', beta_decay=2.), "mode='random' has no α: beta_decay=2.0 would be ignored"),
@@ -234,3 +236,57 @@ def test_sdarts_adversarial_weights_raise_the_batch_loss():
     p = pgd_mixing(loss, w, 0.3)
     with torch.no_grad(): assert float(loss(p)) >= float(loss(w))
     assert not torch.equal(p, w) and (p - w).abs().max() <= 2 * 0.3
+
+# ------------------------------------------------------------------ DARTS-PT
+from rnn_darts.pt_select import node_pairs_of, project, without
+from rnn_darts.random_search import stream_loss
+from rnn_darts.data import batchify
+
+def test_darts_pt_keeps_per_node_the_pair_whose_removal_hurts_most():
+    "Without fine-tuning the supernet does not change between decisions: each decision is checked again, pair by pair, with a plain loop"
+    learn = learner(method='darts-pt', pt_tune=0)
+    fit(learn, 1)
+    pt, m = learn.pt_selection, learn.model
+    rec = pt.record['decisions']
+    assert sorted(d['node'] for d in rec) == list(range(1, 9)) and pt.record['seconds'] > 0
+    vdl = learn.dls.valid
+    ids = vdl.data.reshape(-1)
+    data = batchify(ids, len(ids) // (vdl.bptt + 1))
+    m.eval()
+    decided = {}
+    for d in rec:
+        node = d['node'] - 1
+        losses = {}
+        for e, k in node_pairs_of(node, 8):
+            m.mixing_hook = lambda w: without(project(w, decided, 8), e, k)
+            losses[(e, k)] = float(stream_loss(m, data, vdl.bptt))
+        best = max(losses, key=losses.get)
+        assert abs(losses[best] - d['loss_without']) < 1e-9 and len(set(losses.values())) > 1
+        start = node * (node + 1) // 2
+        assert (best[0] - start, best[1]) == (d['predecessor'], ['none', 'tanh', 'relu', 'sigmoid', 'identity'].index(d['op']))
+        decided[node] = best
+    assert [(op, p) for op, p in pt.chosen.recurrent] == [(d['op'], d['predecessor']) for d in sorted(rec, key=lambda d: d['node'])]
+
+def test_darts_pt_repeats_and_the_supernet_runs_its_cell_after(tmp_path):
+    a = learner(method='darts-pt', pt_tune=2); fit(a, 1)
+    b = learner(method='darts-pt', pt_tune=2); fit(b, 1)
+    assert a.pt_selection.record['decisions'] == b.pt_selection.record['decisions']
+    assert torch.equal(a.model.flat.data, b.model.flat.data)
+    w = a.model.mixing_weights()
+    for sl in edge_slices(8): assert w[sl].sum() == 1 and (w[sl] == 1).sum() == 1   # one-hot per node: the chosen cell
+    fit(a, 1)                                                                         # a later fit trains the supernet again
+    assert a.pt_selection.chosen is not None and a.model.mixing_hook is not None
+
+@pytest.mark.slow
+def test_the_command_line_writes_darts_pts_cell_and_its_time(tmp_path):
+    import json
+    from rnn_darts import cli
+    from rnn_darts.genotypes import load_genotype
+    out = tmp_path/'pt'
+    cli.run_command(['search', '--data', 'numbers', '--n-train', '3000', '--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4',
+                     '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--method', 'darts-pt', '--pt-tune', '2', '--out', str(out)])
+    info = json.loads((out/'run.json').read_text())
+    assert info['settings']['select'] == 'pt' and info['settings']['mode'] == 'first'
+    assert info['pt_select']['seconds'] > 0 and len(info['pt_select']['decisions']) == 8
+    g = load_genotype(out/'genotype.json')
+    assert [(op, p) for op, p in g.recurrent] == [(d['op'], d['predecessor']) for d in sorted(info['pt_select']['decisions'], key=lambda d: d['node'])]
