@@ -17,12 +17,14 @@ from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.callbacks.arch import ArchParamUpdate, ARCH_BETAS, arch_grad, hypergrad
 from rnn_darts.config import SearchConfig, TrainConfig
 from rnn_darts.callbacks.graphs import StepGraphs
+from rnn_darts.callbacks.perturb import Perturbation
 
 # %% auto #0
-__all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'STEP_NAMES', 'mem_kind', 'time_fn',
-           'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'arch_hypergrad', 'random_step',
-           'search_step', 'in_bf16', 'kernel_profile', 'profiler_log_off', 'launch_count', 'bf16_agreement',
-           'cpu_kernels', 'write_json', 'run_bench', 'print_table']
+__all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'FAMILY', 'STEP_NAMES', 'mem_kind',
+           'time_fn', 'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'arch_hypergrad',
+           'random_step', 'method_model', 'method_updater', 'method_step', 'search_step', 'in_bf16', 'kernel_profile',
+           'profiler_log_off', 'launch_count', 'bf16_agreement', 'cpu_kernels', 'write_json', 'run_bench',
+           'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 _S, _T = SearchConfig(), TrainConfig()   # the paper's search and training settings
@@ -133,6 +135,33 @@ def random_step(model, gen, xb, yb, lr=STEP['lr'], clip=STEP['clip']):
     "Random search with weight sharing: a cell drawn from `gen` for this batch, then the weight step"
     model.use(sample_genotype(model.steps, gen))
     return weight_step(model, xb, yb, lr=lr, clip=clip)
+
+FAMILY = ('gdas', 'snas', 'drnas', 'milenas', 'beta-darts', 'sdarts-rs', 'sdarts-adv')   # darts-pt's steps are first order; its selection's time is in run.json
+
+def method_model(method, shape, seed=0):
+    "The search model of `method` (its relaxation; τ at its first epoch's) at `shape`"
+    c = SearchConfig(method=method)
+    torch.manual_seed(seed)
+    m = DartsRnnSearch(shape['ntoken'], shape['nhid'], shape['nhid'], **SEARCH_DROPOUTS, relax=c.relax)
+    if m.relaxation.tau is not None: m.tau.fill_(m.relaxation.tau[0])
+    return m
+
+def method_updater(model, method, graphs=None):
+    "The architecture callback (`arch_updater`) and SDARTS's `Perturbation` (or None) of `method`, bound to `model` outside a `Learner`; β-DARTS's λ at half its final value"
+    c = SearchConfig(method=method)
+    cb = arch_updater(model, c.mode, graphs=graphs, mixed_lambda=c.mixed_lambda, beta_decay=c.beta_decay, dirichlet_kl=c.dirichlet_kl)
+    if cb.beta_weight is not None: cb.beta_weight.fill_(c.beta_decay / 2)
+    if c.perturb == 'none': return cb, None
+    pert = Perturbation(c.perturb, c.epsilon)
+    pert.learn, pert.eps = SimpleNamespace(model=model), c.epsilon
+    return cb, pert
+
+def method_step(model, cb, pert, trn, val):
+    "One search step of a method: its architecture step, then its weight step, under SDARTS's perturbed mixing weights if it has them"
+    cb.arch_step(trn, val)
+    if pert is not None: pert.learn.xb, pert.learn.yb = trn[:1], trn[1:]; pert.apply()
+    try: return weight_step(model, *trn, graphs=cb.learn.cuda_graphs.graphs)
+    finally: model.mixing_hook = None
 
 def search_step(model, cb, trn, val, mode=_S.mode, lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
     "One architecture step (the callback's own `arch_step`, in mode `mode`) then one weight step (both graphed if the callback's are)"
@@ -269,7 +298,7 @@ STEP_NAMES = dict(second='search step, 2nd order (fd)', first='search step, 1st 
                   random='random search step (a new cell)')
 
 def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, iters:int|None=None,
-              warmup:int|None=None, modes=('second', 'first', 'exact', 'random'), baseline=None, train:bool=True,
+              warmup:int|None=None, modes=('second', 'first', 'exact', 'random'), methods=FAMILY, baseline=None, train:bool=True,
               evaluate:bool=True, shape:dict|None=None, train_shape:dict|None=None, eval_bs:int|None=None,
               seed:int=0, threads:int|None=None, compile:bool=False, bf16:bool=False, graphs:bool=False, verbose:bool=False) -> dict:
     "Time the search steps, the derived model's training step and evaluation (`graphs`: as captured CUDA graphs); `baseline(model, mode)`: another step to time beside ours"
@@ -278,6 +307,8 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     if threads: torch.set_num_threads(threads)
     bad = set(modes) - set(STEP_NAMES)
     if bad: raise ValueError(f"unknown modes {sorted(bad)}; modes are {list(STEP_NAMES)}")
+    bad = set(methods) - set(FAMILY)
+    if bad: raise ValueError(f"unknown methods {sorted(bad)}; methods are {list(FAMILY)}")
     dev = _device(device)
     if graphs and torch.device(dev).type != 'cuda': raise ValueError(f"graphs=True times captured CUDA graphs: it needs a CUDA device, not {dev}")
     if graphs and bf16: raise ValueError("graphs=True with bf16=True: bf16 autocast's cache of cast weights cannot be captured")
@@ -291,7 +322,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     res = dict(device=dev, device_name=_device_name(dev), kernels=None, torch=torch.__version__, threads=torch.get_num_threads(),
                small=small, iters=iters, warmup=warmup, compile=compile, bf16=bf16, graphs=graphs, mem_kind=mem_kind(dev),
                shapes=dict(search=S, train=dict(TS, genotype=_T.genotype), eval_bs=ebs), step=dict(STEP), rows=[],
-               ratios={}, ratios_min={},
+               ratios={}, ratios_min={}, method_ratios={},
                ops_kind='kernel launches per step (launch_count)' if compile else 'operators per step (op_count)')
     def ours(m):
         if compile: m.cell.compile_step()
@@ -302,6 +333,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     def log(r):
         res['rows'].append(r)
         if verbose: print(f"{r['name']:<34} {r['impl']:<6} {r['ms']:10.1f} ms")
+        return r
 
     def search_model():
         torch.manual_seed(seed)
@@ -337,6 +369,13 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
             del step
         else: log(_row(STEP_NAMES[mode], 'ours', S, measure(fn)))
         m = cb = None
+    first = next((r['ms'] for r in res['rows'] if r['name'] == STEP_NAMES['first'] and r['impl'] == 'ours'), None)
+    for method in methods:
+        m = ours(method_model(method, S, seed).to(dev).train())
+        cb, pert = method_updater(m, method, graphs=graphed(m))
+        r = log(_row(f"search step, {method}", 'ours', S, measure(amp(lambda: method_step(m, cb, pert, trn, val)))))
+        if first: res['method_ratios'][method] = r['ms'] / first
+        m = cb = pert = None
     if train:
         torch.manual_seed(seed)
         d = ours(DartsRnn(TS['ntoken'], load_genotype(_T.genotype), TS['nhid'], TS['nhid']).to(dev).train())
@@ -383,6 +422,8 @@ def print_table(results: dict, file=None):
                    f"{x['ms']:>10.1f} {x['ms_min']:>9.1f} {first:>9} {x['tok_s']:>10.0f} {x['mem_mb']:>9.0f} {x['ops'] or '-':>8}")
     for k, v in r['ratios'].items():
         out.append(f"baseline / ours, {STEP_NAMES[k]}: {v:.2f}x (mean), {r.get('ratios_min', {}).get(k, float('nan')):.2f}x (fastest)")
+    for k, v in r.get('method_ratios', {}).items():
+        out.append(f"{k} / first-order DARTS, a search step: {v:.2f}x")
     for k, v in r.get('bf16_agreement', {}).items():
         out.append(f"bf16 vs fp32 hypergradient, {STEP_NAMES[k]}: cosine {v['mean']:.3f} (mean), {v['min']:.3f} (worst of 3, at initialisation)")
     out += _kernel_lines(r['kernels']) if r.get('kernels') else []

@@ -32,7 +32,7 @@ def study(
     data:str=None,        # corpus of every stage, over the presets' own: numbers | ptb | a folder (default: each preset's)
     files:str=None,
     unk:str=None,
-    methods:str=None,     # search methods, comma-separated: second, first, exact, random
+    methods:str=None,     # search methods, comma-separated: second, first, exact, random, or any of the DARTS family (rnn_darts.config.METHODS)
     seeds:str=None,       # search seeds, comma-separated (the paper ran 4)
     references:str=None,  # published cells (DARTS_V2, ENAS, ...) or genotype files trained beside the searched ones as yardsticks, never selected; '' for none
     search_preset:str=None, # settings.ini preset of every search
@@ -55,6 +55,7 @@ def bench(
     bf16:bool=False,      # time our steps in bf16 autocast, and measure bf16's effect on the hypergradient
     graphs:bool=False,    # time the steps replayed as captured CUDA graphs (needs a GPU)
     threads:int=None,
+    methods:str=None,     # methods of the DARTS family to time beside first-order DARTS, comma-separated (default: all; none: none)
 ):
     "Time search steps (second, first, exact), derived-cell training steps and evaluation"
     if iters is not None: check_number('--iters', iters, 1, integer=True)
@@ -65,7 +66,10 @@ def bench(
     if graphs and bf16: raise UsageError("--graphs with --bf16: bf16 autocast's cache of cast weights cannot be captured; time them apart")
     set_threads(threads, dev)
     from rnn_darts.bench import run_bench, print_table
-    res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile, bf16=bf16, graphs=graphs, verbose=True)
+    from rnn_darts.bench import FAMILY
+    family = FAMILY if methods is None else () if methods.strip() == 'none' else tuple(x.strip() for x in methods.split(',') if x.strip())
+    for m in family: check_choice('--methods', m, FAMILY)
+    res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile, bf16=bf16, graphs=graphs, methods=family, verbose=True)
     print_table(res)
     return res
 

@@ -229,8 +229,6 @@ def _check_family(s:dict, name):
         raise UsageError(f"{name('perturb')} (SDARTS) perturbs softmax mixing weights on the simplex; {name('relax')} {r} is not softmax")
     if s.get('select') == 'pt' and r is not None and r != 'softmax':
         raise UsageError(f"{name('select')} pt (DARTS-PT) removes ops from softmax mixing weights; {name('relax')} {r} is not softmax")
-    if s.get('pt_tune') is not None and s.get('select') not in (None, 'pt'):
-        raise UsageError(f"{name('pt_tune')} sets the fine-tuning of {name('select')} pt, not {s['select']}")
     if s.get('mixed_lambda', 1.) != 1. and mode is not None and mode != 'mixed':
         raise UsageError(f"{name('mixed_lambda')} weighs the validation gradient of {name('mode')} mixed, not {mode}")
 

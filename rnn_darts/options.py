@@ -8,7 +8,7 @@ import inspect, os
 from dataclasses import fields
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, read_preset, check_number, check_choice, option_type
-from rnn_darts.config import CONFIGS, ALPHA_ONLY, check_rules, with_method
+from rnn_darts.config import CONFIGS, ALPHA_ONLY, METHODS, check_rules, with_method
 
 # %% auto #0
 __all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'FLAG_ORDER', 'FLAGS', 'CHECKS', 'CHOICES', 'learner_options', 'known_options',
@@ -40,6 +40,9 @@ def settings_and_sources(command, preset=None, settings_file=None, **flags):
             if k in res: res[k], src[k] = v, f"{ini}: [{preset}] {k}"
     for k, v in flags.items():
         if v is not None: res[k], src[k] = v, 'flag'
+    parts = with_method(res)   # a method's parts, where the preset and flags leave them at their defaults
+    for k in METHODS.get(res.get('method') or '', {}):
+        if res[k] != parts[k]: res[k], src[k] = parts[k], f"--{k.replace('_', '-')} (--method {res['method']})"
     return res, src
 
 def resolve_settings(command, preset=None, settings_file=None, **flags) -> dict:

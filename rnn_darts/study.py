@@ -9,13 +9,13 @@ from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_number, check_choice, write_text_atomic, option_type
-from rnn_darts.config import StudyConfig
+from rnn_darts.config import StudyConfig, METHODS, with_method
 
 # %% auto #0
-__all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'study_settings', 'Stage', 'plan_stages', 'check_study', 'stage_command',
-           'stage_record', 'stage_settings', 'stage_done', 'stage_seconds', 'select_winner', 'study_rows',
-           'planned_work', 'check_stages', 'check_final', 'run_stage', 'run_study', 'collect_study', 'plot_study',
-           'write_study_report']
+__all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'study_settings', 'Stage', 'plan_stages', 'check_study',
+           'stage_command', 'stage_record', 'stage_settings', 'stage_done', 'stage_seconds', 'select_winner',
+           'study_rows', 'run_passes', 'planned_work', 'check_stages', 'check_final', 'run_stage', 'run_study',
+           'collect_study', 'plot_study', 'write_study_report']
 
 # %% ../nbs/17_study.ipynb #160dffce
 STUDY_OPTIONS = {f.name: (option_type(f.default, f.type), f.default) for f in fields(StudyConfig)}   # name -> (type, default): `StudyConfig`'s, the paper's protocol
@@ -58,12 +58,12 @@ def plan_stages(lists:dict) -> list:
 # %% ../nbs/17_study.ipynb #da17d9b5
 def check_study(s:dict, src:dict|None=None) -> dict:
     "Raise a `UsageError` naming the flag or preset key of the first bad study setting; returns `methods`, `seeds`, `references` as lists"
-    from rnn_darts.options import setting_name, CHOICES
+    from rnn_darts.options import setting_name
     from rnn_darts.genotypes import load_genotype
     n = lambda k: setting_name(k, src)
     methods = _unique(n('methods'), _items(s['methods']))
-    if not methods: raise UsageError(f"{n('methods')} names no search method; give some of {', '.join(CHOICES['mode'])}")
-    for m in methods: check_choice(n('methods'), m, CHOICES['mode'])
+    if not methods: raise UsageError(f"{n('methods')} names no search method; give some of {', '.join(METHODS)}")
+    for m in methods: check_choice(n('methods'), m, tuple(METHODS))
     try: seeds = [int(x) for x in _items(s['seeds'])]
     except ValueError: raise UsageError(f"{n('seeds')} must be whole numbers separated by commas, got {s['seeds']!r}") from None
     _unique(n('seeds'), seeds)
@@ -90,7 +90,7 @@ def stage_command(st:Stage, s:dict, study_dir, settings_file=None, winner:str|No
     "`('search' | 'train', flags)`: the command and flags that run stage `st` (`winner`: the search stage the final stage trains)"
     study_dir = Path(study_dir).absolute()
     flags = dict(settings=settings_file, data=s['data'] or None, files=s['files'] or None, unk=s['unk'] or None, out=str(study_dir/st.name))
-    if st.kind == 'search': return 'search', dict(preset=s['search_preset'], seed=st.seed, mode=st.method, **flags)
+    if st.kind == 'search': return 'search', dict(preset=s['search_preset'], seed=st.seed, method=st.method, **flags)
     src = winner if st.kind == 'final' else st.source
     genotype = st.source if st.method == 'reference' else _genotype_arg(study_dir/src/'genotype.json')
     epochs = s['short_epochs'] if st.kind == 'short' else s['final_epochs']
@@ -155,7 +155,14 @@ def _fmt_time(sec:float) -> str:
     sec = int(round(sec))
     return f"{sec // 3600}h {sec % 3600 // 60:02d}m" if sec >= 3600 else f"{sec // 60}m {sec % 60:02d}s" if sec >= 60 else f"{sec}s"
 
-PASSES = dict(second=5, exact=6, first=2, random=1, train=1)   # forward-and-backward passes over a training batch, per batch
+PASSES = dict(second=5, exact=6, first=2, mixed=3, single=2, random=1, train=1)   # forward-and-backward passes over a training batch, per batch and mode
+ATTACK_PASSES = 8   # SDARTS-ADV's attack: 7 passes with a gradient, 2 without
+
+def run_passes(command:str, run:dict) -> int:
+    "Forward-and-backward passes over a training batch per batch of a run with settings `run`: its mode's, and an adversarial perturbation's"
+    if command == 'train': return PASSES['train']
+    r = with_method(run)
+    return PASSES[r['mode']] + (ATTACK_PASSES if r.get('perturb') == 'adversarial' else 0)
 
 def planned_work(stages:list, s:dict, study_dir, settings_file=None) -> dict:
     "Each stage's planned multiply-adds (stage name -> float): epochs × training tokens × passes × (a cell's 20 nhid² + the decoder's nhid · vocabulary)"
@@ -167,7 +174,7 @@ def planned_work(stages:list, s:dict, study_dir, settings_file=None) -> dict:
         key = (run['data'], run['files'], run['unk']) + ((run['seed'], run['n_train']) if run['data'] == 'numbers' else ())
         if key not in corpora: c = load_corpus(run); corpora[key] = (len(c.train), len(c.vocab))
         tokens, vocab = corpora[key]
-        res[st.name] = run['epochs'] * tokens * PASSES[st.method if st.kind == 'search' else 'train'] * (20 * run['nhid'] ** 2 + run['nhid'] * vocab)
+        res[st.name] = run['epochs'] * tokens * run_passes(cmd, run) * (20 * run['nhid'] ** 2 + run['nhid'] * vocab)
     return res
 
 def _estimate(stages:list, study_dir:Path, work:dict) -> float|None:

@@ -2,7 +2,7 @@
 import json
 import pytest, torch
 from rnn_darts.model import DartsRnnSearch
-from rnn_darts.bench import run_bench, print_table, search_step, arch_updater, _batches, STEP_NAMES
+from rnn_darts.bench import run_bench, print_table, search_step, arch_updater, _batches, STEP_NAMES, FAMILY
 from tests._reference import PlainSearchStep, plain_from, plain_hypergrad_first, plain_hypergrad_second
 from rnn_darts.callbacks.arch import hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
 from tests._devices import ON_DEVICES
@@ -68,7 +68,9 @@ def test_run_bench_tiny(tmp_path, capsys):
             'ratios'} <= set(res)
     assert res['device'] == 'cpu' and res['shapes']['search'] == tiny and res['shapes']['eval_bs'] == 2
     impls = [(r['name'], r['impl']) for r in res['rows']]
-    assert len(impls) == 5 + 2 + 1 + 2 and sum(i == 'base' for _, i in impls) == 2
+    assert len(impls) == 5 + 2 + len(FAMILY) + 1 + 2 and sum(i == 'base' for _, i in impls) == 2
+    assert [n for n, _ in impls if n.startswith('search step, ') and n[13:] in FAMILY] == [f"search step, {m}" for m in FAMILY]
+    assert set(res['method_ratios']) == set(FAMILY) and all(v > 0 for v in res['method_ratios'].values())
     for r in res['rows']:
         assert {'name', 'impl', 'bs', 'bptt', 'nhid', 'ntoken', 'ms', 'ms_min', 'tok_s', 'mem_mb', 'ops'} <= set(r)
         assert r['ms'] > 0 and r['ms_min'] > 0 and r['tok_s'] > 0 and r['mem_mb'] > 0 and r['ops'] > 0
@@ -80,7 +82,7 @@ def test_run_bench_tiny(tmp_path, capsys):
     assert json.loads((tmp_path/'b.json').read_text())['rows'] == res['rows']
     print_table(res)
     out = capsys.readouterr().out
-    assert 'baseline / ours' in out and 'ms/batch' in out
+    assert 'baseline / ours' in out and 'ms/batch' in out and 'sdarts-adv / first-order DARTS, a search step: ' in out
     from rnn_darts import kernels
     if kernels.ONEDNN:   # the kernels each product shape ran in, measured here; the decoder's (40 words, nhid 6) among them
         cs = res['kernels']['choices']
@@ -91,9 +93,10 @@ def test_run_bench_tiny(tmp_path, capsys):
 
 def test_run_bench_options():
     tiny = dict(bs=2, bptt=3, nhid=4, ntoken=20)
-    res = run_bench(small=True, iters=1, warmup=0, shape=tiny, modes=('first',), train=False, evaluate=False)
-    assert [r['impl'] for r in res['rows']] == ['ours'] and res['ratios'] == {}
+    res = run_bench(small=True, iters=1, warmup=0, shape=tiny, modes=('first',), methods=(), train=False, evaluate=False)
+    assert [r['impl'] for r in res['rows']] == ['ours'] and res['ratios'] == {} and res['method_ratios'] == {}
     with pytest.raises(ValueError, match='unknown modes'): run_bench(modes=('fourth',))
+    with pytest.raises(ValueError, match='unknown methods'): run_bench(methods=('darts-pt',))
 
 @ON_DEVICES
 def test_run_bench_bf16_times_and_measures_agreement(capsys, device):

@@ -284,6 +284,7 @@ def test_commands(capsys):
     fails(capsys, ['--preset', 'quick'], 2, '--preset: give the command first')
     fails(capsys, ['report', 'x', '--fmt', 'pdf'], 2, "--fmt must be one of md, html; got 'pdf'")
     fails(capsys, ['bench', '--iters', '0'], 2, '--iters must be an integer >= 1')
+    fails(capsys, ['bench', '--methods', 'gdas,foo'], 2, "--methods must be one of gdas, snas, drnas, milenas, beta-darts, sdarts-rs, sdarts-adv; got 'foo'")
 
 def test_one_line_by_subprocess(tmp_path):
     "As a user sees it: one line on stderr and exit 2; with --debug the traceback"

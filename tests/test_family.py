@@ -185,7 +185,6 @@ def test_a_checkpoint_resumes_bit_for_bit(method, tmp_path):
     (dict(relax='sigmoid', beta_decay=1.), "beta_decay (β-DARTS) decays α's logsumexp, the normaliser of a softmax; relax sigmoid has none"),
     (dict(relax='gdas', perturb='random'), "perturb (SDARTS) perturbs softmax mixing weights on the simplex; relax gdas is not softmax"),
     (dict(relax='snas', mode='first', select='pt'), "select pt (DARTS-PT) removes ops from softmax mixing weights; relax snas is not softmax"),
-    (dict(pt_tune=3), "pt_tune sets the fine-tuning of select pt, not argmax"),
     (dict(mixed_lambda=2.), "mixed_lambda weighs the validation gradient of mode mixed, not second"),
     (dict(method='gdas', relax='snas'), "method gdas sets relax to 'gdas'; relax 'snas' contradicts it"),
     (dict(method='random', beta_decay=2.), "mode='random' has no α: beta_decay=2.0 would be ignored"),

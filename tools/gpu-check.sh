@@ -37,8 +37,8 @@ else: print('no CUDA device visible')
 import fastai; print('fastai', fastai.__version__)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/nvidia-smi: /'
 stage gpu-tier 200 $py -m pytest -q --gpu -rs --durations=10 -p no:cacheprovider tests
-stage bench-graphed 110 $py -m rnn_darts.cli bench --device cuda --graphs --iters 3 --json-path "$out/bench-graphed.json"
-stage bench-eager 60 $py -m rnn_darts.cli bench --device cuda --iters 3 --json-path "$out/bench-eager.json"
+stage bench-graphed 110 $py -m rnn_darts.cli bench --device cuda --graphs --iters 3 --methods none --json-path "$out/bench-graphed.json"
+stage bench-eager 60 $py -m rnn_darts.cli bench --device cuda --iters 3 --methods none --json-path "$out/bench-eager.json"
 stage quick-search 80 $py -m rnn_darts.cli search --preset quick --epochs 1 --device cuda --out "$out/quick" --overwrite
 $py -c "import json, sys; r = json.load(open(sys.argv[1])); print('quick search epoch times (s):', r.get('epoch_times'))" \
   "$out/quick/run.json" 2>/dev/null || echo "quick search: no run.json"

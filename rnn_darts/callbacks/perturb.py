@@ -76,12 +76,15 @@ class Perturbation(Callback):
         try: return pgd_mixing(self.attack_loss(self.xb[0], self.yb[0]), w, self.eps, self.steps)
         finally: m.train()
 
-    def before_batch(self):
-        if not self.training or in_lr_find(self.learn): return
+    def apply(self):
+        "Perturb the next forwards' mixing weights (until `after_batch`): one tensor, refilled each batch, as a CUDA graph of the weight step reads it"
         p = self.perturbed()
-        if self.weights is None or self.weights.shape != p.shape: self.weights = p   # one tensor, refilled: a CUDA graph of the weight step reads it
+        if self.weights is None or self.weights.shape != p.shape: self.weights = p
         else: self.weights.copy_(p)
         self.model.mixing_hook = self.hook
+
+    def before_batch(self):
+        if self.training and not in_lr_find(self.learn): self.apply()
 
     def hook(self, w): return self.weights
     def after_batch(self): self.model.mixing_hook = None
