@@ -373,8 +373,16 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     for method in methods:
         m = ours(method_model(method, S, seed).to(dev).train())
         cb, pert = method_updater(m, method, graphs=graphed(m))
-        r = log(_row(f"search step, {method}", 'ours', S, measure(amp(lambda: method_step(m, cb, pert, trn, val)))))
-        if first: res['method_ratios'][method] = r['ms'] / first
+        fn = amp(lambda: method_step(m, cb, pert, trn, val))
+        if torch.device(dev).type == 'cpu':   # interleaved with a first-order step: the same load for both, a fair ratio
+            f = search_model()
+            fcb = arch_updater(f, 'first')
+            t, tf = time_pair(fn, amp(lambda: search_step(f, fcb, trn, val, 'first')), iters, warmup, dev)
+            t['ops'], ratio = count(fn), t['ms'] / tf['ms']
+            f = fcb = None
+        else: t = measure(fn); ratio = t['ms'] / first if first else None
+        log(_row(f"search step, {method}", 'ours', S, t))
+        if ratio is not None: res['method_ratios'][method] = ratio
         m = cb = pert = None
     if train:
         torch.manual_seed(seed)
