@@ -10,8 +10,8 @@ from torch.distributions import Dirichlet, kl_divergence
 from rnn_darts.genotypes import PRIMITIVES, STEPS, edge_slices
 
 # %% auto #0
-__all__ = ['RELAXATIONS', 'gumbel_', 'gumbel_like', 'one_hot_argmax', 'straight_through', 'node_pairs', 'per_node', 'from_nodes',
-           'Relaxation', 'Sigmoid', 'Gdas', 'Snas', 'dirichlet_concentration', 'Drnas', 'dirichlet_kl',
+__all__ = ['RELAXATIONS', 'gumbel_', 'gumbel_like', 'one_hot_argmax', 'straight_through', 'node_pairs', 'per_node', 'pair_slots',
+           'from_nodes', 'Relaxation', 'Sigmoid', 'Gdas', 'Snas', 'dirichlet_concentration', 'Drnas', 'dirichlet_kl',
            'linear_schedule']
 
 # %% ../nbs/03d_relax.ipynb #42c245a4
@@ -38,14 +38,18 @@ def node_pairs(steps:int=STEPS) -> torch.Tensor:
     return torch.tensor([r + [-1] * (width - len(r)) for r in rows])
 
 def per_node(alpha, pairs):
-    "α's entries by node (nodes, width), padding at −∞"
-    flat = alpha.flatten()
-    return torch.where(pairs >= 0, flat[pairs.clamp(min=0)], flat.new_tensor(-math.inf))
+    "α's entries by node (nodes, width), padding at −∞ (no host read: a CUDA graph can hold it)"
+    return alpha.flatten()[pairs.clamp(min=0)].masked_fill(pairs < 0, -math.inf)
 
-def from_nodes(w, pairs, like):
-    "Weights by node (nodes, width) back to α's shape, `none` and the padding at 0"
-    keep = pairs >= 0
-    return torch.zeros(like.numel(), dtype=w.dtype, device=w.device).scatter(0, pairs[keep], w[keep]).view_as(like)
+def pair_slots(pairs) -> tuple:
+    "(positions in the flattened (nodes, width) table, their entries of α.flatten()) of the real pairs: made once, so scattering back reads nothing from the host"
+    keep = (pairs >= 0).flatten()
+    return keep.nonzero().squeeze(1), pairs.flatten()[keep]
+
+def from_nodes(w, slots, like):
+    "Weights by node (nodes, width) back to α's shape (`slots`: `pair_slots`), `none` and the padding at 0"
+    src, dst = slots
+    return torch.zeros(like.numel(), dtype=w.dtype, device=w.device).scatter(0, dst, w.flatten()[src]).view_as(like)
 
 # %% ../nbs/03d_relax.ipynb #f4a4ebb6
 class Relaxation:
@@ -70,19 +74,21 @@ class Gdas(Relaxation):
     def __init__(self, steps:int=STEPS):
         super().__init__(steps)
         self.pairs = node_pairs(steps)
-    def _pairs(self, alpha):
-        if self.pairs.device != alpha.device: self.pairs = self.pairs.to(alpha.device)
-        return self.pairs
+        self.slots = pair_slots(self.pairs)
+    def _on(self, alpha):
+        "The index tensors on α's device (copied there once, at the first forward: eager, before any capture)"
+        if self.pairs.device != alpha.device: self.pairs, self.slots = self.pairs.to(alpha.device), tuple(t.to(alpha.device) for t in self.slots)
+        return self.pairs, self.slots
     def noise_shape(self, alpha): return tuple(self.pairs.shape)
     def probs(self, alpha):
-        p = self._pairs(alpha)
-        return from_nodes(F.softmax(per_node(alpha, p), -1), p, alpha)
+        p, s = self._on(alpha)
+        return from_nodes(F.softmax(per_node(alpha, p), -1), s, alpha)
     def sample(self, alpha, tau, noise):
-        p = self._pairs(alpha)
-        return from_nodes(straight_through(F.softmax((per_node(alpha, p) + noise) / tau, -1)), p, alpha)
+        p, s = self._on(alpha)
+        return from_nodes(straight_through(F.softmax((per_node(alpha, p) + noise) / tau, -1)), s, alpha)
     def evaluate(self, alpha):
-        p = self._pairs(alpha)
-        return from_nodes(one_hot_argmax(per_node(alpha, p)), p, alpha)
+        p, s = self._on(alpha)
+        return from_nodes(one_hot_argmax(per_node(alpha, p)), s, alpha)
 
 class Snas(Relaxation):
     "SNAS: per edge, a Gumbel-softmax sample over the ops at τ"
@@ -99,7 +105,7 @@ class Drnas(Relaxation):
     def probs(self, alpha):
         c = dirichlet_concentration(alpha)
         return c / c.sum(-1, keepdim=True)
-    def sample(self, alpha, tau=None, noise=None): return Dirichlet(dirichlet_concentration(alpha)).rsample()
+    def sample(self, alpha, tau=None, noise=None): return Dirichlet(dirichlet_concentration(alpha), validate_args=False).rsample()   # no checks: they read the device
 
 RELAXATIONS = {r.name: r for r in (Relaxation, Sigmoid, Gdas, Snas, Drnas)}
 
@@ -107,7 +113,7 @@ RELAXATIONS = {r.name: r for r in (Relaxation, Sigmoid, Gdas, Snas, Drnas)}
 def dirichlet_kl(alpha, prior:float=1.):
     "Σ over edges of KL(Dirichlet(ELU(α) + 1) ‖ Dirichlet(prior · 1)): DrNAS's regulariser of α"
     c = dirichlet_concentration(alpha)
-    return kl_divergence(Dirichlet(c), Dirichlet(torch.full_like(c, prior))).sum()
+    return kl_divergence(Dirichlet(c, validate_args=False), Dirichlet(torch.full_like(c, prior), validate_args=False)).sum()
 
 # %% ../nbs/03d_relax.ipynb #a0f6ff77
 def linear_schedule(start:float, end:float, epoch:int, n_epoch:int) -> float:

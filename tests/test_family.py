@@ -289,3 +289,26 @@ def test_the_command_line_writes_darts_pts_cell_and_its_time(tmp_path):
     assert info['pt_select']['seconds'] > 0 and len(info['pt_select']['decisions']) == 8
     g = load_genotype(out/'genotype.json')
     assert [(op, p) for op, p in g.recurrent] == [(d['op'], d['predecessor']) for d in sorted(info['pt_select']['decisions'], key=lambda d: d['node'])]
+
+# ------------------------------------------------------------------ hot paths
+from torch.utils._python_dispatch import TorchDispatchMode
+
+class HostReads(TorchDispatchMode):
+    "The operators that read a device value on the host (a sync on a GPU; a CUDA graph cannot hold them)"
+    def __init__(self): super().__init__(); self.seen = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(k in str(func) for k in ('_local_scalar_dense', 'nonzero', 'is_nonzero')): self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+@pytest.mark.parametrize('relax', DRAWN)
+def test_a_drawn_relaxation_reads_nothing_on_the_host(relax):
+    "Training, evaluation and the KL: no operator waits for the device (GDAS's index tensors are made once; Dirichlet's argument checks are off)"
+    m = tiny(relax).float()
+    if hasattr(m, 'tau'): m.tau.fill_(0.5)
+    m.alpha.requires_grad_(True)
+    m.mixing_weights('train')                          # the first call moves the index tensors to α's device
+    with HostReads() as r:
+        w = m.mixing_weights('train'); (w * torch.randn_like(w)).sum().backward()
+        m.eval(); m.mixing_weights('valid'); m.arch_weights()
+        if relax == 'drnas': penalty_grad(m.alpha, alpha_penalty(None, 1e-3))
+    assert r.seen == [], r.seen
