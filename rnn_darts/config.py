@@ -111,8 +111,8 @@ class SearchConfig(RunConfig):
     mode: str = setting('second', "architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product) | "
                         "mixed (MiLeNAS: training and validation) | single (SNAS: the training loss); or random: random search with "
                         "weight sharing, no α", ('second', 'first', 'exact', 'mixed', 'single', 'random'))
-    method: str|None = setting(None, 'a method of the DARTS family: ' + ' | '.join(METHODS) + "; it sets its parts' settings that are left "
-                               'at their defaults (see rnn_darts.config.METHODS)', tuple(METHODS))
+    method: str|None = setting(None, "a method of the DARTS family, one of the choices above: it sets its parts' settings that are left at "
+                               'their defaults (see rnn_darts.config.METHODS)', tuple(METHODS))
     arch_lr: float = setting(3e-3, 'learning rate of α (Adam), > 0', 'pos_float')
     arch_wd: float = setting(1e-3, 'weight decay of α', 'nonneg_float')
     relax: str = setting('softmax', 'how α mixes the ops: softmax (DARTS) | sigmoid (Fair DARTS) | gdas (a Gumbel-max cell, straight-through) | '
