@@ -74,16 +74,22 @@ def bench(
     return res
 
 def report(
-    run:str,              # run folder
+    run:str,              # run folder, study folder, or a folder of search run folders
     fmt:str='md',         # md | html
 ):
-    "Write a one-page report (genotype diagram, α heatmaps, curves, best perplexity) for a run, or for a study folder"
+    "Write a one-page report (genotype diagram, α heatmaps, curves, best perplexity) for a run, or for a study folder; for a folder of search runs, their table side by side"
     check_choice('--fmt', fmt, CHOICES['fmt'])
     run = Path(run)
     if (run/'study.json').is_file():
         if fmt != 'md': raise UsageError("--fmt: a study's report is markdown only (--fmt md)")
         from rnn_darts.study import write_study_report
         p = write_study_report(run)
+        print(f"report written to {p}")
+        return p
+    if run.is_dir() and not (run/'run.json').exists() and any((p/'run.json').is_file() for p in run.iterdir()):
+        from rnn_darts.study import write_search_comparison
+        if fmt != 'md': raise UsageError("--fmt: a folder of searches is reported in markdown only (--fmt md)")
+        p = write_search_comparison(run)
         print(f"report written to {p}")
         return p
     if run.is_dir() and (run/'run.json').exists(): read_run_json(run/'run.json')

@@ -12,10 +12,11 @@ from rnn_darts.core import UsageError, UserError, find_settings, read_preset, ch
 from rnn_darts.config import StudyConfig, METHODS, with_method
 
 # %% auto #0
-__all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'study_settings', 'Stage', 'plan_stages', 'check_study',
-           'stage_command', 'stage_record', 'stage_settings', 'stage_done', 'stage_seconds', 'select_winner',
-           'study_rows', 'run_passes', 'planned_work', 'check_stages', 'check_final', 'run_stage', 'run_study',
-           'collect_study', 'plot_study', 'write_study_report']
+__all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'COMPARISON_COLUMNS', 'study_settings', 'Stage',
+           'plan_stages', 'check_study', 'stage_command', 'stage_record', 'stage_settings', 'stage_done',
+           'stage_seconds', 'select_winner', 'study_rows', 'run_passes', 'planned_work', 'check_stages', 'check_final',
+           'run_stage', 'run_study', 'collect_study', 'plot_study', 'write_study_report', 'search_comparison',
+           'write_search_comparison']
 
 # %% ../nbs/17_study.ipynb #160dffce
 STUDY_OPTIONS = {f.name: (option_type(f.default, f.type), f.default) for f in fields(StudyConfig)}   # name -> (type, default): `StudyConfig`'s, the paper's protocol
@@ -115,9 +116,9 @@ def stage_done(rec:dict|None, command:str, flags:dict) -> bool:
     return rec['settings'].get('epochs') == want['epochs'] and not settings_diff(rec['settings'], want)
 
 def stage_seconds(rec:dict|None) -> float|None:
-    "Compute time of a stage: its epochs, and a random search's scoring"
+    "Compute time of a stage: its epochs, a random search's scoring and DARTS-PT's selection"
     if not rec or not rec.get('epoch_times'): return None
-    return float(sum(rec['epoch_times']) + (rec.get('candidates') or {}).get('seconds', 0.0))
+    return float(sum(rec['epoch_times']) + (rec.get('candidates') or {}).get('seconds', 0.0) + (rec.get('pt_select') or {}).get('seconds', 0.0))
 
 # %% ../nbs/17_study.ipynb #accb96f5
 STUDY_COLUMNS = ('stage', 'method', 'seed', 'cell', 'genotype', 'search_seconds', 'short_valid_loss', 'short_valid_ppl',
@@ -408,4 +409,52 @@ def write_study_report(study_dir, df=None) -> Path:
     L += ['| ' + ' | '.join(_md_cell(c, r[c]) for c in cols) + ' |' for _, r in df.iterrows()]
     p = out/'report.md'
     write_text_atomic('\n'.join(L).rstrip() + '\n', p)
+    return p
+
+# %% ../nbs/17_study.ipynb #45c053bc
+COMPARISON_COLUMNS = ('run', 'method', 'epochs', 'valid_ppl', 'lambda_max', 'cell', 'minutes', 'finite', 'finished')
+
+def _log_rows(run:Path) -> list:
+    import csv
+    p = run/'log.csv'
+    if not p.is_file(): return []
+    with p.open(newline='') as f: return list(csv.DictReader(f))
+
+def _all_finite(rows:list) -> bool:
+    "Every number a run logged is finite (`time` is text)"
+    return all(math.isfinite(float(v)) for r in rows for k, v in r.items() if k not in ('epoch', 'time') and v)
+
+def search_comparison(folder) -> list:
+    "A row per search run folder inside `folder`, by name (`COMPARISON_COLUMNS`): the searches side by side, outside a study"
+    from rnn_darts.genotypes import genotype_from_dict
+    from rnn_darts.random_search import cell_text
+    rows = []
+    for run in sorted(p for p in Path(folder).iterdir() if (p/'run.json').is_file()):
+        rec = stage_record(run)
+        if rec.get('command') != 'search': continue
+        log, s = _log_rows(run), rec.get('settings', {})
+        g = rec.get('genotype')
+        rows.append(dict(run=run.name, method=s.get('method') or s.get('mode'), epochs=len(log),
+                         valid_ppl=float(log[-1]['perplexity']) if log else float('nan'),
+                         lambda_max=[float(r['lambda_max']) for r in log if r.get('lambda_max')],
+                         cell=cell_text(genotype_from_dict(g, f"{run/'run.json'}: genotype")) if g else '',
+                         minutes=(stage_seconds(rec) or 0.) / 60, finite=_all_finite(log), finished=bool(rec.get('finished'))))
+    return rows
+
+def _cmp_cell(col:str, v) -> str:
+    if col == 'lambda_max': return ' → '.join(f"{x:.3g}" for x in v)
+    if col == 'valid_ppl': return f"{v:.1f}"
+    if col == 'minutes': return f"{v:.1f}"
+    if col in ('finite', 'finished'): return 'yes' if v else '**no**'
+    return str(v)
+
+def write_search_comparison(folder) -> Path:
+    "Write `FOLDER/report.md`: the table of `search_comparison`; returns its path"
+    folder = Path(folder)
+    rows = search_comparison(folder)
+    if not rows: raise FileNotFoundError(f"{folder} holds no search run folder (a folder with a run.json of rnn-darts search)")
+    L = [f"# Searches in {folder.resolve().name}", '', '| ' + ' | '.join(COMPARISON_COLUMNS) + ' |', '|' + '---|' * len(COMPARISON_COLUMNS)]
+    L += ['| ' + ' | '.join(_cmp_cell(c, r[c]) for c in COMPARISON_COLUMNS) + ' |' for r in rows]
+    p = folder/'report.md'
+    write_text_atomic('\n'.join(L) + '\n', p)
     return p

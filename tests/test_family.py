@@ -290,6 +290,26 @@ def test_the_command_line_writes_darts_pts_cell_and_its_time(tmp_path):
     g = load_genotype(out/'genotype.json')
     assert [(op, p) for op, p in g.recurrent] == [(d['op'], d['predecessor']) for d in sorted(info['pt_select']['decisions'], key=lambda d: d['node'])]
 
+@pytest.mark.slow
+def test_the_report_of_a_folder_of_searches_sets_the_methods_side_by_side(tmp_path, capsys):
+    "`rnn-darts report FOLDER` over real searches: a row per run with its method, λ_max after each epoch as logged, its cell and a finite log"
+    import csv
+    from rnn_darts import cli
+    from rnn_darts.genotypes import load_genotype
+    from rnn_darts.random_search import cell_text
+    tiny = ['--data', 'numbers', '--n-train', '3000', '--epochs', '2', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '8',
+            '--nhid', '8', '--device', 'cpu']
+    for m, kw in (('gdas', ['--curvature-windows', '1']), ('random', [])): cli.run_command(['search', *tiny, *kw, '--method', m, '--out', str(tmp_path/m)])
+    capsys.readouterr()
+    cli.run_command(['report', str(tmp_path)])
+    assert capsys.readouterr().out.strip() == f"report written to {tmp_path/'report.md'}"
+    rows = [r for r in (tmp_path/'report.md').read_text().splitlines() if r.startswith('| gdas') or r.startswith('| random')]
+    gdas, rnd = [[c.strip() for c in r.strip('|').split('|')] for r in rows]
+    with (tmp_path/'gdas'/'log.csv').open() as f: lams = [float(r['lambda_max']) for r in csv.DictReader(f)]
+    assert gdas[:3] == ['gdas', 'gdas', '2'] and gdas[4] == ' → '.join(f"{x:.3g}" for x in lams) and len(lams) == 2
+    assert gdas[5] == cell_text(load_genotype(tmp_path/'gdas'/'genotype.json')) and gdas[7:] == ['yes', 'yes']
+    assert rnd[1] == 'random' and rnd[4] == '' and rnd[7:] == ['yes', 'yes']
+
 # ------------------------------------------------------------------ hot paths
 from torch.utils._python_dispatch import TorchDispatchMode
 

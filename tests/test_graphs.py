@@ -82,6 +82,28 @@ def test_traced_graphs_train_a_derived_cell_like_eager(corpus, tmp_path):
     assert_same_fit(*runs)
     assert graph_kinds(runs[1]) == ['eval', 'train']
 
+FAMILY_TRACES = [pytest.param(dict(relax='gdas', mode='mixed', beta_decay=50.), id='gdas+milenas+beta'),   # τ and β's weight move each epoch
+                 pytest.param(dict(method='snas', mode='single'), id='snas'),
+                 pytest.param(dict(method='drnas'), id='drnas'),
+                 pytest.param(dict(method='sdarts-adv'), id='sdarts-adv')]
+
+@pytest.mark.slow
+@pytest.mark.parametrize('kw', FAMILY_TRACES)
+def test_the_family_traced_fits_like_eager(kw, corpus, tmp_path):
+    """The DARTS family's batches recorded once and replayed, as CUDA graphs run them: equal to eager bit for bit. So no part
+    reads the device on the host (a capture would fail), the Gumbel and Dirichlet draws are drawn anew at each replay, τ and
+    β-decay's weight reach the replayed steps as device tensors (two epochs: both move at the second), and SDARTS's attack
+    keeps or reverts its perturbation on the device"""
+    runs = []
+    for graphs in (False, 'trace'):
+        learn = make('search', corpus, tmp_path/str(graphs), graphs=graphs, curvature=False, checkpoint=False, **kw)
+        with capturable_adam_on_cpu(learn): learn.fit(2 if kw.get('beta_decay') else 1)
+        runs.append(learn)
+    g = runs[1].cuda_graphs.graphs
+    assert g.failed is None
+    assert {k[0] for k, e in g.graphs.items() if e.run.captured and e.run.calls > 2} == {'arch', 'train', 'eval'}
+    assert_same_fit(*runs)
+
 @pytest.mark.slow
 def test_a_failed_capture_falls_back_to_eager_saying_why(corpus, tmp_path, capsys):
     "A step that reads a value on the host cannot be captured: α's CPU Adam reads its step count. The fit goes on eager, and says so once"
@@ -184,6 +206,23 @@ def test_cuda_graphs_fit_like_eager_on_a_gpu(corpus, tmp_path):
         (sa, la, va, *_), (sb, lb, vb, *_) = outcome(runs[0]), outcome(runs[1])
         for k in sa: torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-5, msg=k)
         torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-5)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('kw', FAMILY_TRACES)
+def test_the_family_captures_and_fits_like_eager_on_a_gpu(kw, corpus, tmp_path, capsys):
+    "The DARTS family's steps captured as CUDA graphs on a GPU and replayed: no capture fails, and the fit stays within 1e-4 of eager"
+    if not torch.cuda.is_available(): pytest.skip('no CUDA device')
+    runs = []
+    for graphs in (False, True):
+        learn = make('search', corpus, tmp_path/str(graphs), device='cuda', graphs=graphs, compile=False, checkpoint=False, curvature=False, **kw)
+        learn.fit(1)
+        runs.append(learn)
+    g = runs[1].cuda_graphs.graphs
+    assert 'capturing a step failed' not in capsys.readouterr().out and g.failed is None
+    assert {k[0] for k, e in g.graphs.items() if e.run.graph is not None and e.run.calls > 2} == {'arch', 'train', 'eval'}
+    (sa, la, *_), (sb, lb, *_) = outcome(runs[0]), outcome(runs[1])
+    for k in sa: torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-5, msg=k)
+    torch.testing.assert_close(torch.tensor(la), torch.tensor(lb), rtol=1e-4, atol=1e-5)
 
 @pytest.mark.gpu
 def test_an_exact_search_captures_its_weight_steps_on_a_gpu(corpus, tmp_path, capsys):
