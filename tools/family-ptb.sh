@@ -3,7 +3,7 @@
 # stopped, so the script can be run again after an interruption. Train on PTB's valid split, validate and test on
 # the halves of its test split (the train split is not shared here).
 #   bash tools/family-ptb.sh PENN_DIR OUT_DIR [EPOCHS] [METHODS]
-# then: rnn-darts report OUT_DIR   (writes OUT_DIR/report.md, the table of the searches)
+# It ends with `rnn-darts report OUT_DIR`: OUT_DIR/report.md, the searches side by side.
 set -euo pipefail
 penn=${1:?usage: bash tools/family-ptb.sh PENN_DIR OUT_DIR [EPOCHS] [METHODS]}
 out=${2:?usage: bash tools/family-ptb.sh PENN_DIR OUT_DIR [EPOCHS] [METHODS]}
@@ -16,11 +16,15 @@ n=$(wc -l < "$penn/test.txt")
 cp "$penn/valid.txt" "$corpus/train.txt"
 head -n $((n / 2)) "$penn/test.txt" > "$corpus/valid.txt"
 tail -n +$((n / 2 + 1)) "$penn/test.txt" > "$corpus/test.txt"
+failed=()
 for m in ${methods//,/ }; do
   run=$out/$m
   if [ -f "$run/run.json" ] && grep -q '"finished": true' "$run/run.json"; then echo "== $m: done"; continue; fi
   resume=(); [ -d "$run/checkpoints" ] && resume=(--resume)
   echo "== $m ${resume[*]}"
+  # one method's failure (say, its folder locked by a second copy of this script) does not stop the others
   rnn-darts search --preset search --data "$corpus" --unk '<unk>' --method "$m" --epochs "$epochs" \
-    --threads "${THREADS:-1}" --out "$run" "${resume[@]}"
+    --threads "${THREADS:-1}" --out "$run" "${resume[@]}" || failed+=("$m")
 done
+[ ${#failed[@]} -eq 0 ] || { echo "family-ptb: not finished: ${failed[*]}" >&2; exit 1; }
+rnn-darts report "$out"
