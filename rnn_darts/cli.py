@@ -65,8 +65,7 @@ def bench(
     if graphs and dev.type != 'cuda': raise UsageError(f"--graphs times captured CUDA graphs and needs a GPU; the device is {dev}")
     if graphs and bf16: raise UsageError("--graphs with --bf16: bf16 autocast's cache of cast weights cannot be captured; time them apart")
     set_threads(threads, dev)
-    from rnn_darts.bench import run_bench, print_table
-    from rnn_darts.bench import FAMILY
+    from rnn_darts.bench import run_bench, print_table, FAMILY
     family = FAMILY if methods is None else () if methods.strip() == 'none' else tuple(x.strip() for x in methods.split(',') if x.strip())
     for m in family: check_choice('--methods', m, FAMILY)
     res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile, bf16=bf16, graphs=graphs, methods=family, verbose=True)

@@ -443,8 +443,7 @@ def search_comparison(folder) -> list:
 
 def _cmp_cell(col:str, v) -> str:
     if col == 'lambda_max': return ' → '.join(f"{x:.3g}" for x in v)
-    if col == 'valid_ppl': return f"{v:.1f}"
-    if col == 'minutes': return f"{v:.1f}"
+    if col in ('valid_ppl', 'minutes'): return f"{v:.1f}"
     if col in ('finite', 'finished'): return 'yes' if v else '**no**'
     return str(v)
 
