@@ -20,7 +20,8 @@ failed=()
 for m in ${methods//,/ }; do
   run=$out/$m
   if [ -f "$run/run.json" ] && grep -q '"finished": true' "$run/run.json"; then echo "== $m: done"; continue; fi
-  resume=(); [ -d "$run/checkpoints" ] && resume=(--resume)
+  # a folder that exists is resumed: from its newest checkpoint, or from scratch when it was killed before its first one
+  resume=(); [ -d "$run" ] && resume=(--resume)
   echo "== $m ${resume[*]}"
   # one method's failure (say, its folder locked by a second copy of this script) does not stop the others
   rnn-darts search --preset search --data "$corpus" --unk '<unk>' --method "$m" --epochs "$epochs" \
