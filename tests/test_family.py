@@ -332,3 +332,41 @@ def test_a_drawn_relaxation_reads_nothing_on_the_host(relax):
         m.eval(); m.mixing_weights('valid'); m.arch_weights()
         if relax == 'drnas': penalty_grad(m.alpha, alpha_penalty(None, 1e-3))
     assert r.seen == [], r.seen
+
+# ------------------------------------------------------------------ the Penn Treebank driver
+FAKE_CLI = """#!/usr/bin/env bash
+echo "$*" >> "$CALLS"
+[ "$1" = report ] && { echo table > "$2/report.md"; exit 0; }
+out=""; method=""
+while [ $# -gt 0 ]; do case $1 in --out) out=$2;; --method) method=$2;; esac; shift; done
+[ "$method" = bad ] && { echo "rnn-darts: error: planted" >&2; exit 1; }
+mkdir -p "$out" && echo '{"finished": true}' > "$out/run.json"
+"""
+
+@pytest.mark.slow
+def test_the_penn_treebank_driver_splits_resumes_and_goes_on_past_a_failure(tmp_path):
+    """`tools/family-ptb.sh` (the README's family table), with `rnn-darts` replaced by a recorder: PTB's valid split trains and the
+    halves of its test split validate and test; a finished run is skipped, any other folder resumed (even one killed before its
+    first checkpoint), a new one started; a failed method neither stops the rest nor lets the report claim all are done"""
+    import os, subprocess
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1]/'tools'/'family-ptb.sh'
+    penn, out, bin_ = tmp_path/'penn', tmp_path/'out', tmp_path/'bin'
+    for d in (penn, bin_, out/'done', out/'killed'): d.mkdir(parents=True)
+    (penn/'valid.txt').write_text('v1\nv2\nv3\n'); (penn/'test.txt').write_text('t1\nt2\nt3\nt4\nt5\n')
+    (out/'done'/'run.json').write_text('{"finished": true}'); (out/'killed'/'log.csv').write_text('epoch,train_loss\n')
+    (bin_/'rnn-darts').write_text(FAKE_CLI); (bin_/'rnn-darts').chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", CALLS=str(tmp_path/'calls'))
+    def drive(methods):
+        (tmp_path/'calls').write_text('')
+        r = subprocess.run(['bash', str(script), str(penn), str(out), '5', methods], capture_output=True, text=True, env=env, timeout=60)
+        return r, {l.split('--method ')[1].split()[0] if '--method' in l else l.split()[0]: l for l in (tmp_path/'calls').read_text().splitlines()}
+    r, calls = drive('done,killed,bad,new')
+    assert r.returncode == 1 and 'not finished: bad' in r.stderr
+    assert set(calls) == {'killed', 'bad', 'new'}                       # done skipped; no report after a failure
+    assert '--resume' in calls['killed'] and '--resume' not in calls['new']
+    assert all(f'--preset search --data {out/"corpus"}' in c and '--epochs 5' in c for c in calls.values())
+    c = out/'corpus'
+    assert [(c/f).read_text() for f in ('train.txt', 'valid.txt', 'test.txt')] == ['v1\nv2\nv3\n', 't1\nt2\n', 't3\nt4\nt5\n']
+    r, calls = drive('done,killed,new')
+    assert r.returncode == 0 and set(calls) == {'report'} and (out/'report.md').read_text() == 'table\n'
