@@ -357,10 +357,12 @@ def test_the_penn_treebank_driver_splits_resumes_and_goes_on_past_a_failure(tmp_
     (out/'done'/'run.json').write_text('{"finished": true}'); (out/'killed'/'log.csv').write_text('epoch,train_loss\n')
     (bin_/'rnn-darts').write_text(FAKE_CLI); (bin_/'rnn-darts').chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", CALLS=str(tmp_path/'calls'))
+    def called(line):   # the method a search was called for, or the command
+        w = line.split(); return w[w.index('--method') + 1] if '--method' in w else w[0]
     def drive(methods):
         (tmp_path/'calls').write_text('')
         r = subprocess.run(['bash', str(script), str(penn), str(out), '5', methods], capture_output=True, text=True, env=env, timeout=60)
-        return r, {l.split('--method ')[1].split()[0] if '--method' in l else l.split()[0]: l for l in (tmp_path/'calls').read_text().splitlines()}
+        return r, {called(l): l for l in (tmp_path/'calls').read_text().splitlines()}
     r, calls = drive('done,killed,bad,new')
     assert r.returncode == 1 and 'not finished: bad' in r.stderr
     assert set(calls) == {'killed', 'bad', 'new'}                       # done skipped; no report after a failure

@@ -36,7 +36,7 @@ if torch.cuda.is_available():
 else: print('no CUDA device visible')
 import fastai; print('fastai', fastai.__version__)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/nvidia-smi: /'
-# four workers: the tier's tests are small and bound by launches and captures on the host, so they share the GPU well
+# four workers, so the tier's 19 tests fit its limit: each runs tiny models (not yet timed on a GPU this way)
 stage gpu-tier 200 $py -m pytest -q --gpu -n 4 -rs --durations=10 -p no:cacheprovider tests
 stage bench-graphed 110 $py -m rnn_darts.cli bench --device cuda --graphs --iters 3 --methods none --json-path "$out/bench-graphed.json"
 stage bench-eager 60 $py -m rnn_darts.cli bench --device cuda --iters 3 --methods none --json-path "$out/bench-eager.json"
