@@ -5,6 +5,8 @@
   CI's CPU machine. Tests marked `gpu` are skipped, with the reason.
 - **GPU tier** (`python -m pytest -q --gpu tests`): CUDA stays visible and only the tests marked `gpu` run, each the
   CUDA twin of a CPU test (most are the CPU test's `device='cuda'` parameter). Without a GPU they skip with the reason.
+- **Workers** (`-n N`): tests marked `xdist_group(NAME)` run on one worker, so a module's expensive fixture (a finished
+  study, an uninterrupted reference run) is made once per suite, not once per worker (xdist's `loadgroup`, set here).
 - **Quick tier** (`python -m pytest -q -m "not slow" tests`): every module, without the end-to-end, subprocess,
   multi-process, compiling and Penn Treebank tests (marked `slow`); a few minutes on 2 cores.
 """
@@ -19,6 +21,7 @@ def pytest_configure(config):
     if not config.getoption('--gpu'): os.environ['CUDA_VISIBLE_DEVICES'] = ''   # before any test module imports torch
     if int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', 1)) > 1:
         os.environ.setdefault('OMP_NUM_THREADS', '1')   # pytest -n N: one torch thread per worker, so N workers share N cores without waiting on each other
+    if getattr(config.option, 'dist', None) == 'load': config.option.dist = 'loadgroup'   # -n N alone: keep each xdist_group on one worker
 
 def pytest_collection_modifyitems(config, items):
     if config.getoption('--gpu'):

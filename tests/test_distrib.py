@@ -5,7 +5,7 @@ from rnn_darts.distrib import spawn_distrib, distrib_learner, DistribFlat
 from rnn_darts.callbacks.checkpoint import load_checkpoint, restore
 from tests import _distrib_cases as C
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('distrib'), pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")]
 close = lambda a, b, tol: torch.testing.assert_close(a, b, atol=tol, rtol=0)
 cos = lambda a, b: F.cosine_similarity(a.flatten(), b.flatten(), 0).item()
 

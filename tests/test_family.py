@@ -1,6 +1,6 @@
 """The DARTS family's parts on the one supernet (`rnn_darts.relax`, `rnn_darts.callbacks.arch`): each part's equation against
-a plain version written here, and each method through a real `search_learner` fit: seeded runs repeat, a checkpoint resumes
-bit for bit, bad combinations get one line."""
+a plain version written here, and each method through a real `search_learner` fit; bad combinations get one line. That each method's seeded fit
+repeats and resumes bit for bit is tests/test_resume.py's."""
 import tempfile
 import pytest, torch, torch.nn.functional as F
 from fastai.callback.core import Callback
@@ -148,32 +148,6 @@ def test_tau_settings_override_the_papers():
     rec = Taus()
     fit(learner(method='gdas', tau_max=4., tau_min=2.), 2, [rec])
     assert [round(t, 6) for t, _ in rec.seen] == [4., 2.]
-
-def _state(learn):
-    m = learn.model
-    return torch.cat([m.alpha.detach().flatten(), m.flat.data]), [list(map(float, r)) for r in learn.recorder.values]
-
-FAMILY = ['gdas', 'snas', 'drnas', 'milenas', 'beta-darts', 'sdarts-rs', 'sdarts-adv', 'darts-pt']
-
-@pytest.mark.parametrize('method', FAMILY)
-def test_a_seeded_search_repeats_exactly(method):
-    a = learner(method=method); fit(a, 2)
-    b = learner(method=method); fit(b, 2)
-    sa, sb = _state(a), _state(b)
-    assert torch.equal(sa[0], sb[0]) and sa[1] == sb[1]
-    assert all(torch.isfinite(torch.tensor(r)).all() for r in sa[1])
-
-@pytest.mark.slow
-@pytest.mark.parametrize('method', FAMILY)
-def test_a_checkpoint_resumes_bit_for_bit(method, tmp_path):
-    "Two epochs straight == one epoch, then a new learner resumed from its checkpoint: τ, β's λ, Gumbel and Dirichlet draws included"
-    a = learner(tmp_path/'a', method=method, checkpoint=True); fit(a, 2)
-    b = learner(tmp_path/'b', method=method, checkpoint=True); fit(b, 1)
-    c = learner(tmp_path/'b', method=method, checkpoint=True, resume=True)
-    torch.manual_seed(99)   # the checkpoint brings back the RNG states, not this
-    fit(c, 2)
-    assert torch.equal(_state(a)[0], _state(c)[0])
-    assert _state(a)[1][1:] == _state(c)[1]
 
 # ------------------------------------------------------------------ bad combinations
 @pytest.mark.parametrize('settings,msg', [

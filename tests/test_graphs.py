@@ -114,16 +114,6 @@ def test_a_failed_capture_falls_back_to_eager_saying_why(corpus, tmp_path, capsy
     assert learn.cuda_graphs.graphs.failed and not learn.cuda_graphs.graphs.graphs
     assert all(torch.isfinite(torch.tensor(v)).all() for v in learn.recorder.values[-1][:-1])
 
-@pytest.mark.slow
-def test_resume_with_graphs_equals_the_uninterrupted_eager_fit(corpus, tmp_path):
-    "One graphed epoch, a new learner resuming from its checkpoint for the second: the eager two-epoch fit, bit for bit"
-    a = make('search', corpus, tmp_path/'a', graphs=False, mode='second', curvature=False); a.fit(2)
-    b = make('search', corpus, tmp_path/'b', graphs='emulate', mode='second', curvature=False); b.fit(1)
-    c = make('search', corpus, tmp_path/'b', graphs='emulate', mode='second', curvature=False, resume=True); c.fit(2)
-    assert_same(state(a), state(c))
-    assert [float(x) for x in a.recorder.losses][-len(c.recorder.losses):] == [float(x) for x in c.recorder.losses]
-    assert a.recorder.values[-1] == c.recorder.values[-1]
-
 def test_lr_find_with_graphs_equals_eager(corpus, tmp_path):
     "lr_find's batches (α steps aside) go through the graphs and suggest what eager suggests, leaving the weights as they were"
     res = []

@@ -170,23 +170,20 @@ def _same_result(ref, run):
     assert strip(ref) == strip(run)
 
 @pytest.mark.slow
-@pytest.mark.parametrize('where', ['training', 'scoring'])
-def test_kill_and_resume_is_exact(tmp_path, where):
-    "SIGKILL after the first epoch's checkpoint, or while the cells are scored: --resume ends with the same log, candidates.csv and genotype.json"
-    args = [*TINY, '--epochs', '3', '--candidates', '200' if where == 'scoring' else '30', '--top', '3']
+def test_a_kill_while_scoring_resumes_exactly(tmp_path):
+    "SIGKILL while the cells are scored: --resume ends with the same log, candidates.csv and genotype.json (a kill in training: tests/test_resume.py's random case and test_reliability's SIGKILL)"
+    args = [*TINY, '--epochs', '3', '--candidates', '200', '--top', '3']
     ref = _cli(['search', *args, '--out', str(tmp_path/'ref')])
     run = tmp_path/'run'
     p = _cli(['search', *args, '--out', str(run)])
-    if where == 'training': _wait(p, lambda: (run/'checkpoints'/'epoch_0000.pth').exists(), 'checkpoint')
-    else:
-        prog = run/'checkpoints'/'candidates.json'
-        _wait(p, lambda: prog.exists() and len(json.loads(prog.read_text())['screen']) > 0, 'saved scores')
+    prog = run/'checkpoints'/'candidates.json'
+    _wait(p, lambda: prog.exists() and len(json.loads(prog.read_text())['screen']) > 0, 'saved scores')
     p.send_signal(signal.SIGKILL); p.wait()
     assert not (run/'candidates.csv').exists()
     r = _cli(['search', *args, '--out', str(run), '--resume']); said, _ = r.communicate(timeout=600)
     assert r.returncode == 0, said
     assert 'resumed from' in said
-    if where == 'scoring': assert 'continuing the scoring' in said
+    assert 'continuing the scoring' in said
     out, _ = ref.communicate(timeout=600)
     assert ref.returncode == 0, out
     _same_result(tmp_path/'ref', run)
