@@ -22,7 +22,7 @@ def build(path, seed=0, device='cpu', **kwargs):
     set_seed(seed)
     c = numbers_corpus(seed, 1500, 600, 300)
     dls = lm_dls(c, 8, 10, 'search', eval_bs=8, seed=seed, device=device)
-    kw = dict(emsize=16, nhid=16, mode='first', path=path, keep=2)
+    kw = dict(emsize=16, nhid=16, mode='first', path=path, keep=2, curvature=False)   # λ_max, which doubles an epoch's time: tests/test_curvature.py
     kw.update(kwargs)
     return search_learner(dls, search_stream(c, 8, device=device), **kw)
 

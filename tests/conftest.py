@@ -9,6 +9,8 @@
   study, an uninterrupted reference run) is made once per suite, not once per worker (xdist's `loadgroup`, set here).
 - **Quick tier** (`python -m pytest -q -m "not slow" tests`): every module, without the end-to-end, subprocess,
   multi-process, compiling and Penn Treebank tests (marked `slow`); a few minutes on 2 cores.
+- **Time is a budget**: a test that takes more than `LONG_S` seconds says why in its docstring; the run ends by naming
+  those that took longer without one (it does not fail: times move with the machine).
 """
 import os
 import pytest
@@ -33,3 +35,20 @@ def pytest_collection_modifyitems(config, items):
     else: why = "GPU tier: run with --gpu on a machine with CUDA (python -m pytest --gpu tests)"
     for it in items:
         if it.get_closest_marker('gpu'): it.add_marker(pytest.mark.skip(reason=why))
+
+LONG_S = 20
+_long_without_reason = []   # (seconds, test id), gathered where the reports arrive (the controller under -n N)
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = (yield).get_result()
+    if call.when == 'call': rep.user_properties.append(('has_docstring', bool(getattr(getattr(item, 'function', None), '__doc__', None))))
+
+def pytest_runtest_logreport(report):
+    if report.when == 'call' and report.duration > LONG_S and not dict(report.user_properties).get('has_docstring', True):
+        _long_without_reason.append((report.duration, report.nodeid))
+
+def pytest_terminal_summary(terminalreporter):
+    if not _long_without_reason: return
+    terminalreporter.section(f"tests over {LONG_S} s without a docstring saying why")
+    for d, n in sorted(_long_without_reason, reverse=True): terminalreporter.write_line(f"{d:6.1f}s {n}")

@@ -28,7 +28,7 @@ def learner(mode, seed=0, path=None, **kw):
     set_seed(seed)
     c = numbers_corpus(seed=seed, n_train=3000, n_valid=800, n_test=300)
     dls = lm_dls(c, 8, BPTT, 'train', seed=seed)   # lengths around bptt (std 5): η = lr · seq_len / bptt varies batch to batch
-    kw = {**dict(emsize=8, nhid=8, mode=mode, lr=LR, wd=WD, clip=CLIP, arch_lr=ARCH_LR, arch_wd=ARCH_WD, checkpoint=False), **NO_DROPOUT, **kw}
+    kw = {**dict(emsize=8, nhid=8, mode=mode, lr=LR, wd=WD, clip=CLIP, arch_lr=ARCH_LR, arch_wd=ARCH_WD, checkpoint=False, curvature=False), **NO_DROPOUT, **kw}
     learn = search_learner(dls, search_stream(c, 8), path=path or tempfile.mkdtemp(), **kw)
     learn.remove_cb(learn.progress)
     return learn

@@ -138,7 +138,7 @@ def test_cli_early_stop_flag_and_report(tmp_path):
     out = tmp_path/'s'
     learn = cli.run_command(['search', '--data', 'numbers', '--n-train', '3000', '--epochs', '2', '--bs', '8', '--bptt', '10',
                              '--eval-bs', '4', '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--threads', '1', '--mode', 'first',
-                             '--early-stop', 'true', '--out', str(out)])
+                             '--early-stop', 'true', '--curvature-windows', '2', '--out', str(out)])
     assert isinstance(learn.curvature_stop, CurvatureStop) and learn.curvature_stop.stopped is None
     info = json.loads((out/'run.json').read_text())
     assert info['settings']['early_stop'] is True and info['early_stop'] is None

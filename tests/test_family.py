@@ -240,11 +240,9 @@ def test_darts_pt_keeps_per_node_the_pair_whose_removal_hurts_most():
         decided[node] = best
     assert [(op, p) for op, p in pt.chosen.recurrent] == [(d['op'], d['predecessor']) for d in sorted(rec, key=lambda d: d['node'])]
 
-def test_darts_pt_repeats_and_the_supernet_runs_its_cell_after(tmp_path):
+def test_darts_pt_runs_its_cell_after_and_then_the_supernet_again(tmp_path):
+    "After the selection the model runs the chosen cell; a later fit trains the supernet again (that the selection repeats from its seed and resumes: tests/test_resume.py)"
     a = learner(method='darts-pt', pt_tune=2); fit(a, 1)
-    b = learner(method='darts-pt', pt_tune=2); fit(b, 1)
-    assert a.pt_selection.record['decisions'] == b.pt_selection.record['decisions']
-    assert torch.equal(a.model.flat.data, b.model.flat.data)
     w = a.model.mixing_weights()
     for sl in edge_slices(8): assert w[sl].sum() == 1 and (w[sl] == 1).sum() == 1   # one-hot per node: the chosen cell
     fit(a, 1)                                                                         # a later fit trains the supernet again
@@ -257,7 +255,7 @@ def test_the_command_line_writes_darts_pts_cell_and_its_time(tmp_path):
     from rnn_darts.genotypes import load_genotype
     out = tmp_path/'pt'
     cli.run_command(['search', '--data', 'numbers', '--n-train', '3000', '--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4',
-                     '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--method', 'darts-pt', '--pt-tune', '2', '--out', str(out)])
+                     '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--method', 'darts-pt', '--pt-tune', '2', '--curvature', 'false', '--out', str(out)])
     info = json.loads((out/'run.json').read_text())
     assert info['settings']['select'] == 'pt' and info['settings']['mode'] == 'first'
     assert info['pt_select']['seconds'] > 0 and len(info['pt_select']['decisions']) == 8

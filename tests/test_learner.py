@@ -25,7 +25,7 @@ def make(kind, corpus, path, seed=0, device='cpu', **kw):
     set_seed(seed)
     if kind == 'search':
         dls = lm_dls(corpus, bs=8, bptt=10, phase='search', eval_bs=4, device=device)
-        learn = search_learner(dls, search_stream(corpus, 8, device=device), path=path, **TINY, **{'mode': 'first', **kw})
+        learn = search_learner(dls, search_stream(corpus, 8, device=device), path=path, **TINY, **{'mode': 'first', 'curvature': False, **kw})   # λ_max: tests/test_curvature.py
     else:
         dls = lm_dls(corpus, bs=8, bptt=10, phase='train', eval_bs=4, device=device)
         learn = train_learner(dls, DARTS_V2, path=path, **TINY, **kw)

@@ -336,7 +336,7 @@ def test_eval_validation_measures_the_supernet():
     set_seed(0)
     c = numbers_corpus(seed=0, n_train=6000, n_valid=2000, n_test=500)
     dls = lm_dls(c, 16, 10, 'search', eval_bs=16, seed=0)
-    learn = search_learner(dls, search_stream(c, 16), emsize=16, nhid=16, mode='first', checkpoint=False,
+    learn = search_learner(dls, search_stream(c, 16), emsize=16, nhid=16, mode='first', checkpoint=False, curvature=False,
                            path=tempfile.mkdtemp(), dropout=0., dropouth=0., dropoutx=0., dropouti=0.)
     learn.remove_cb(learn.progress)
     with learn.no_logging(): learn.fit(2)

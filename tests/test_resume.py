@@ -50,7 +50,7 @@ def outcome(learn):
 def fit(learn, cbs=()):
     with learn.no_logging(): learn.fit(EPOCHS, cbs=list(cbs))
 
-PARTS = [pytest.param('search', dict(mode='first'), id='first'),
+PARTS = [pytest.param('search', dict(mode='first', curvature=True, curvature_windows=2), id='first'),   # λ_max's history too
          pytest.param('search', dict(mode='second', graphs='emulate'), id='second-graphs'),
          *[pytest.param('search', dict(method=m), id=m) for m in ('gdas', 'snas', 'drnas', 'milenas', 'beta-darts', 'sdarts-rs')],
          pytest.param('search', dict(method='darts-pt', pt_tune=2), id='darts-pt'),

@@ -23,6 +23,7 @@ nhid = 16
 candidates = 12
 top = 3
 seed = 99
+curvature = false
 
 [tiny-train]
 data = numbers
