@@ -36,7 +36,7 @@ def run_dir(tmp_path_factory):
     "A finished 1-epoch search on a small corpus folder"
     d = tmp_path_factory.mktemp('run')
     data = small_corpus(d/'corpus')
-    cli.run_command(['search', '--data', data, *TINY, '--curvature', 'false', '--out', str(d/'run')])
+    cli.run_command(['search', '--data', data, *TINY, '--out', str(d/'run')])
     return d/'run', data
 
 # --- flag and preset values: exit 2, the flag or key named ----------------------------------------------------------
