@@ -26,6 +26,9 @@ def pytest_configure(config):
     if getattr(config.option, 'dist', None) == 'load': config.option.dist = 'loadgroup'   # -n N alone: keep each xdist_group on one worker
 
 def pytest_collection_modifyitems(config, items):
+    # the longest work first, so that no worker starts a long group while the other has nothing left: the tests that share
+    # a costly fixture on one worker (xdist_group), then the slow ones, then the quick ones (each in its collected order)
+    items.sort(key=lambda it: 0 if it.get_closest_marker('xdist_group') else 1 if it.get_closest_marker('slow') else 2)
     if config.getoption('--gpu'):
         other = [it for it in items if not it.get_closest_marker('gpu')]
         if other: config.hook.pytest_deselected(items=other); items[:] = [it for it in items if it.get_closest_marker('gpu')]
