@@ -3,13 +3,14 @@ batch, with a mid-epoch checkpoint) or at an epoch's end (killed before the next
 built from the same seed, ends bit for bit as the fit never stopped.
 
 One test, parametrised over every part that keeps state across batches: each α-step mode with its Adam and search
-stream, each method of the DARTS family (τ, β-decay's weight, the Gumbel and Dirichlet draws, SDARTS's perturbation (its state is the same for the random and the adversarial kind: sdarts-rs),
-DARTS-PT's selection), CUDA graphs' bookkeeping (`graphs='emulate'`), random search's sampler, and the derived cell's
-training with NT-ASGD; each stopped inside an epoch (the harder case: hidden states and loader positions too), the
-first-order search and the training also at an epoch's end. A fit that resumes bit for bit also repeats bit for bit from
-its seed, so this is the proof of that too. The sizes are the smallest where a lost state shows: 15 training batches an epoch of a numbers
-corpus, nhid 8. The killed processes, one per command, are in tests/test_preempt.py (search, train) and
-tests/test_study.py (study)."""
+stream, λ_max's history, each method of the DARTS family (τ, β-decay's weight, the Gumbel and Dirichlet draws, SDARTS's
+perturbation, whose state is the same for the random and the adversarial kind, DARTS-PT's selection), CUDA graphs'
+bookkeeping (`graphs='emulate'`), random search's sampler, and the derived cell's training with NT-ASGD. Each is stopped
+inside an epoch (the harder case: hidden states and loader positions too); the first-order search and the training also
+at an epoch's end. A fit that resumes bit for bit also repeats bit for bit from its seed: this proves that too. The
+sizes are the smallest where a lost state shows: 15 training batches an epoch of a numbers corpus, nhid 8. Processes
+killed and resumed through the command line: tests/test_reliability.py (SIGKILL), tests/test_preempt.py (SIGTERM, a
+second SIGINT), tests/test_random.py (while scoring) and tests/test_study.py (a study)."""
 import signal
 import pytest, torch
 from fastai.callback.core import Callback
