@@ -106,6 +106,13 @@ def test_gumbel_noise_is_shared_by_the_passes_of_one_architecture_step_only():
         assert float(a) == float(b), relax
         assert float(train_loss(m, *trn)) != float(train_loss(m, *trn)), relax
 
+def test_snas_samples_the_gumbel_softmax_at_tau():
+    "SNAS's training weights per edge: softmax((α + g) / τ) of its drawn Gumbel noise g, as written here; a lower τ sharpens them"
+    torch.manual_seed(0)
+    a, g = torch.randn(36, 5, dtype=torch.double), torch.randn(36, 5, dtype=torch.double)
+    plain = lambda tau: torch.exp((a + g) / tau) / torch.exp((a + g) / tau).sum(-1, keepdim=True)
+    for tau in (1., 0.1): torch.testing.assert_close(RELAXATIONS['snas']().sample(a, tau, g), plain(tau))
+
 def test_gdas_forward_runs_one_discrete_cell_per_draw():
     "A GDAS training forward equals the derived model of its one-hot weights: each node one (predecessor, op) pair"
     m = tiny('gdas'); m.tau.fill_(1.)
