@@ -49,6 +49,7 @@ class RunConfig:
     files: str = setting('', 'train,valid,test file names inside the corpus folder, if not train.txt,valid.txt,test.txt')
     unk: str = setting('', "token for words of valid/test that train lacks (PTB: '<unk>'); default: such a word is an error")
     n_train: int = setting(200_000, 'tokens in the generated train split (--data numbers)', 'pos_int')
+    n_eval: int = setting(20_000, 'tokens in each of the generated valid and test splits (--data numbers)', 'pos_int')
     epochs: int = setting(50, 'epochs in all (with --resume: the total, so a finished run can be extended)', 'pos_int')
     bs: int = setting(256, 'training batch size (text streams)', 'pos_int')
     bptt: int = setting(35, 'tokens per batch (mean sequence length), >= 2', 'bptt')

@@ -65,7 +65,7 @@ CONTROL_HELP = dict(
 SWITCHES = ('resume', 'overwrite')   # given or not (the other booleans take true|false)
 # The order `-h` lists the flags of `rnn-darts search | train` in; a command lists those it has
 FLAG_ORDER = ('genotype', 'preset', 'settings', 'data', 'files', 'unk', 'url', 'out', 'device', 'resume', 'overwrite', 'override', 'threads',
-              'epochs', 'seed', 'bs', 'bptt', 'eval_bs', 'test_bs', 'n_train', 'emsize', 'nhid', 'lr', 'wd', 'clip', 'dropout', 'dropouth',
+              'epochs', 'seed', 'bs', 'bptt', 'eval_bs', 'test_bs', 'n_train', 'n_eval', 'emsize', 'nhid', 'lr', 'wd', 'clip', 'dropout', 'dropouth',
               'dropoutx', 'dropouti', 'dropoute', 'nonmono', 'asgd', 'mode', 'candidates', 'top', 'curvature', 'curvature_windows',
               'early_stop', 'method', 'arch_lr', 'arch_wd', 'relax', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay',
               'dirichlet_kl', 'perturb', 'epsilon', 'select', 'pt_tune', 'op_decay', 'on_nan', 'compile', 'graphs', 'checkpoint_every', 'bf16', 'arch_bf16')
@@ -147,8 +147,9 @@ def check_settings(s:dict, src:dict|None=None) -> dict:
     if s.get('data') in ('numbers', 'ptb'):
         for k in ('files', 'unk'):
             if s.get(k) and (src or {}).get(k) == 'flag': raise UsageError(f"--{k} applies to a corpus folder, not --data {s['data']}")
-    if s.get('data') != 'numbers' and (src or {}).get('n_train') == 'flag':
-        raise UsageError(f"--n-train sets the size of the generated corpus (--data numbers), not of --data {s.get('data')}")
+    for k in ('n_train', 'n_eval'):
+        if s.get('data') != 'numbers' and (src or {}).get(k) == 'flag':
+            raise UsageError(f"--{k.replace('_', '-')} sets the size of the generated corpus (--data numbers), not of --data {s.get('data')}")
     return s
 
 def _fits(corpus, split, bs, need, name, why):

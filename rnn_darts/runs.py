@@ -13,15 +13,17 @@ from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources,
                                check_settings, check_fits, check_memory, command_flags, flag_default, flags_signature)
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'RESUME_FREE', 'ARGV', 'load_corpus', 'run_files', 'RunLock', 'read_run_json', 'settings_diff',
-           'data_changes', 'prepare_run_dir', 'record_overrides_cb', 'idle_cores', 'set_threads', 'exit_if_interrupted',
-           'search', 'cell_name', 'train', 'evaluate_run']
+__all__ = ['RUN_FILES', 'RESUME_FREE', 'ARGV', 'load_corpus', 'corpus_key', 'run_files', 'RunLock', 'read_run_json',
+           'settings_diff', 'data_changes', 'prepare_run_dir', 'record_overrides_cb', 'idle_cores', 'set_threads',
+           'exit_if_interrupted', 'search', 'cell_name', 'train', 'evaluate_run']
 
 # %% ../nbs/07b_runs.ipynb #c69a6174
 def load_corpus(s:dict, url:str|None=None):
     "The corpus the settings `s` name: the generated numbers, PTB (downloaded once, from `url` if given), or a folder"
     from rnn_darts.data import numbers_corpus, read_corpus, get_ptb, PTB_URL
-    if s['data'] == 'numbers': return numbers_corpus(seed=s['seed'], n_train=s['n_train'])
+    if s['data'] == 'numbers':   # a run recorded before n_eval existed had the default splits
+        n_eval = s.get('n_eval', RunConfig.n_eval)
+        return numbers_corpus(seed=s['seed'], n_train=s['n_train'], n_valid=n_eval, n_test=n_eval)
     path = get_ptb(url=url or PTB_URL) if s['data'] == 'ptb' else Path(s['data'])
     files = None
     if s['files']:
@@ -30,6 +32,11 @@ def load_corpus(s:dict, url:str|None=None):
             raise UsageError(f"--files must name 3 files (train,valid,test), got {s['files']!r}")
         files = dict(zip(('train', 'valid', 'test'), (n.strip() for n in names)))
     return read_corpus(path, unk=s['unk'] or None, files=files)
+
+def corpus_key(s:dict) -> tuple:
+    "What names the corpus of the settings `s`: runs with equal keys read the same corpus (`load_corpus` loads it once per key)"
+    numbers = (s['seed'], s['n_train'], s.get('n_eval', RunConfig.n_eval)) if s['data'] == 'numbers' else ()
+    return (s['data'], s['files'], s['unk']) + numbers
 
 
 

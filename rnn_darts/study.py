@@ -167,12 +167,12 @@ def run_passes(command:str, run:dict) -> int:
 
 def planned_work(stages:list, s:dict, study_dir, settings_file=None) -> dict:
     "Each stage's planned multiply-adds (stage name -> float): epochs × training tokens × passes × (a cell's 20 nhid² + the decoder's nhid · vocabulary)"
-    from rnn_darts.runs import load_corpus
+    from rnn_darts.runs import load_corpus, corpus_key
     corpora, res = {}, {}
     for st in stages:
         cmd, flags = stage_command(st, s, study_dir, settings_file, winner=stages[0].name)
         run = stage_settings(cmd, flags)[0]
-        key = (run['data'], run['files'], run['unk']) + ((run['seed'], run['n_train']) if run['data'] == 'numbers' else ())
+        key = corpus_key(run)
         if key not in corpora: c = load_corpus(run); corpora[key] = (len(c.train), len(c.vocab))
         tokens, vocab = corpora[key]
         res[st.name] = run['epochs'] * tokens * run_passes(cmd, run) * (20 * run['nhid'] ** 2 + run['nhid'] * vocab)
@@ -212,14 +212,14 @@ def _study_record(study_dir:Path, s:dict, preset, override:bool) -> dict:
 def check_stages(stages:list, s:dict, study_dir, settings_file=None):
     "Check every stage's settings, corpus and batch sizes as its command will, before any stage runs or `study.json` is written"
     from rnn_darts.options import check_settings, check_fits
-    from rnn_darts.runs import load_corpus
+    from rnn_darts.runs import load_corpus, corpus_key
     corpora = {}
     for st in stages:
         cmd, flags = stage_command(st, s, study_dir, settings_file, winner=stages[0].name)   # the final stage: any searched cell
         run, src = stage_settings(cmd, flags)
         try: check_settings(run, src)
         except UsageError as e: raise UsageError(f"stage {st.name}: {e}") from None
-        key = (run['data'], run['files'], run['unk']) + ((run['seed'], run['n_train']) if run['data'] == 'numbers' else ())
+        key = corpus_key(run)
         if key not in corpora: corpora[key] = load_corpus(run)
         try: check_fits(corpora[key], run, cmd, src)
         except UsageError as e: raise UsageError(f"stage {st.name}: {e}") from None

@@ -27,8 +27,12 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     # the longest work first, so that no worker starts a long group while the other has nothing left: the tests that share
-    # a costly fixture on one worker (xdist_group), then the slow ones, then the quick ones (each in its collected order)
-    items.sort(key=lambda it: 0 if it.get_closest_marker('xdist_group') else 1 if it.get_closest_marker('slow') else 2)
+    # a costly fixture on one worker (xdist_group), then the modules with slow tests, then the others. Whole modules move
+    # (each in its collected order): split, a module's fixtures would be made again for its later part
+    tier = lambda it: 0 if it.get_closest_marker('xdist_group') else 1 if it.get_closest_marker('slow') else 2
+    module = {}
+    for it in items: module[it.module] = min(module.get(it.module, 2), tier(it))
+    items.sort(key=lambda it: (tier(it) if tier(it) == 0 else max(1, module[it.module])))
     if config.getoption('--gpu'):
         other = [it for it in items if not it.get_closest_marker('gpu')]
         if other: config.hook.pytest_deselected(items=other); items[:] = [it for it in items if it.get_closest_marker('gpu')]

@@ -6,7 +6,7 @@ from rnn_darts.callbacks.speed import BF16Autocast
 from rnn_darts.callbacks.training import FusedDecoderLoss
 
 TINY = ['--data', 'numbers', '--n-train', '3000', '--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4',
-        '--emsize', '8', '--nhid', '8', '--device', 'cpu']
+        '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--n-eval', '1500']
 
 @pytest.mark.slow
 def test_search_with_bf16_flags(tmp_path):
@@ -96,7 +96,7 @@ def test_search_and_train_flags_come_from_one_table(tmp_path, capsys):
         for k in set(FLAGS) - set(command_flags(cmd)): assert f"--{k.replace('_', '-')} " not in said, (cmd, k)   # the other command's own
     with pytest.raises(TypeError, match=r"search\(\) got an unexpected keyword argument 'epoch' \(it takes the flags of rnn-darts search -h\)"):
         runs.search(epoch=1)
-    learn = runs.search(data='numbers', n_train=3000, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=8, nhid=8, device='cpu', mode='first',
+    learn = runs.search(data='numbers', n_train=3000, n_eval=1500, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=8, nhid=8, device='cpu', mode='first',
                         curvature_windows=2, out=str(tmp_path/'s'))
     assert learn.curvature.windows == 2 and len(learn.curvature.history[-1]['lambda_max_windows']) == 2
     assert json.loads((tmp_path/'s'/'run.json').read_text())['settings']['curvature_windows'] == 2
@@ -133,3 +133,13 @@ def test_train_names_its_cell_in_its_first_line(tmp_path, capsys):
     learn = cli.run_command(['train', *TINY, '--n-train', '800', '--test-bs', '8', '--genotype', str(run), '--out', str(tmp_path/'t')])   # test bs 8: the paper's 1 would take most of the time
     assert learn.model.genotype() == check_genotype(ENAS)
     assert capsys.readouterr().out.splitlines()[0].startswith(f"train the cell in {run} on ")
+
+def test_n_eval_sizes_the_generated_valid_and_test_splits():
+    "--n-eval sizes both generated evaluation splits and is part of the corpus's key; a run recorded before it existed keeps 20,000"
+    from rnn_darts.runs import load_corpus, corpus_key
+    s = dict(data='numbers', files='', unk='', seed=0, n_train=500, n_eval=300)
+    c = load_corpus(s)
+    assert 300 <= len(c.valid) < 320 and 300 <= len(c.test) < 320 and 500 <= len(c.train) < 520
+    assert corpus_key(s) != corpus_key({**s, 'n_eval': 400})
+    old = load_corpus({k: v for k, v in s.items() if k != 'n_eval'})
+    assert len(old.valid) >= 20_000 and list(old.train) == list(c.train)

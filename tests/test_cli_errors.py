@@ -9,7 +9,7 @@ from rnn_darts.core import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ['--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '8', '--nhid', '8', '--device', 'cpu']
-NUM = ['--n-train', '3000', *TINY]
+NUM = ['--n-train', '3000', '--n-eval', '1500', *TINY]
 
 def small_corpus(d, train=None, valid=None, test=None):
     "A corpus folder of about 3,000 / 400 / 400 tokens (tiny runs: validation is quick)"
@@ -97,6 +97,7 @@ def test_bad_search_flags(capsys, tmp_path, argv, parts):
 def test_bad_train_flags(capsys, tmp_path):
     fails(capsys, ['train', *NUM, '--lr', '0'], 2, '--lr must be a finite number > 0, got 0.0')
     fails(capsys, ['train', *NUM, '--nonmono', '0'], 2, '--nonmono must be an integer >= 1')
+    fails(capsys, ['train', *TINY, '--data', 'ptb', '--n-eval', '100'], 2, '--n-eval sets the size of the generated corpus (--data numbers), not of --data ptb')
     fails(capsys, ['train', *NUM, '--genotype', str(tmp_path/'nope.json')], 1, 'nope.json does not exist')
 
 @pytest.mark.skipif(__import__('torch').cuda.is_available(), reason='needs a machine without CUDA')
@@ -263,7 +264,7 @@ def test_nan_with_on_nan_stop(capsys, tmp_path):
 def test_a_search_that_never_validated_finitely_fails(capsys, tmp_path, on_nan, says):
     "--lr 1e30 blows the supernet up at once: every --on-nan mode ends with one line and exit 1, and derives no cell"
     out = tmp_path/'o'
-    line = fails(capsys, ['search', '--data', small_corpus(tmp_path/'c'), *NUM[2:], '--epochs', '3', '--lr', '1e30', '--on-nan', on_nan,
+    line = fails(capsys, ['search', '--data', small_corpus(tmp_path/'c'), *TINY, '--epochs', '3', '--lr', '1e30', '--on-nan', on_nan,
                           '--out', str(out)], 1, says, 'stopping')
     assert not (out/'genotype.json').exists(), line
 

@@ -136,7 +136,7 @@ def test_resume_inside_the_window_is_exact(tmp_path):
 def test_cli_early_stop_flag_and_report(tmp_path):
     "--early-stop true reaches the learner; lambda_max is logged and plotted; run.json records no stop when none happened"
     out = tmp_path/'s'
-    learn = cli.run_command(['search', '--data', 'numbers', '--n-train', '3000', '--epochs', '2', '--bs', '8', '--bptt', '10',
+    learn = cli.run_command(['search', '--data', 'numbers', '--n-train', '3000', '--n-eval', '1500', '--epochs', '2', '--bs', '8', '--bptt', '10',
                              '--eval-bs', '4', '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--threads', '1', '--mode', 'first',
                              '--early-stop', 'true', '--curvature-windows', '2', '--out', str(out)])
     assert isinstance(learn.curvature_stop, CurvatureStop) and learn.curvature_stop.stopped is None

@@ -261,7 +261,7 @@ def test_the_command_line_writes_darts_pts_cell_and_its_time(tmp_path):
     from rnn_darts import cli
     from rnn_darts.genotypes import load_genotype
     out = tmp_path/'pt'
-    cli.run_command(['search', '--data', 'numbers', '--n-train', '3000', '--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4',
+    cli.run_command(['search', '--data', 'numbers', '--n-train', '3000', '--n-eval', '1500', '--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4',
                      '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--method', 'darts-pt', '--pt-tune', '2', '--curvature', 'false', '--out', str(out)])
     info = json.loads((out/'run.json').read_text())
     assert info['settings']['select'] == 'pt' and info['settings']['mode'] == 'first'
@@ -276,7 +276,7 @@ def test_the_report_of_a_folder_of_searches_sets_the_methods_side_by_side(tmp_pa
     from rnn_darts import cli
     from rnn_darts.genotypes import load_genotype
     from rnn_darts.random_search import cell_text
-    tiny = ['--data', 'numbers', '--n-train', '3000', '--epochs', '2', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '8',
+    tiny = ['--data', 'numbers', '--n-train', '3000', '--n-eval', '1500', '--epochs', '2', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '8',
             '--nhid', '8', '--device', 'cpu']
     for m, kw in (('gdas', ['--curvature-windows', '1']), ('random', [])): cli.run_command(['search', *tiny, *kw, '--method', m, '--out', str(tmp_path/m)])
     capsys.readouterr()

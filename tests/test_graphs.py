@@ -54,6 +54,8 @@ def capturable_adam_on_cpu(learn):
     try: yield
     finally: A._get_capturable_supported_devices = supported
 
+TRACE_BPTT = 5   # a trace records every operator of the unrolled steps: half the steps, half the time to record
+
 @pytest.mark.slow
 def test_traced_graphs_take_the_learning_rate_as_an_input(corpus, tmp_path):
     """A second-order search under `fit_one_cycle`, its graphs recorded once (make_fx runs the Python once, as a capture does)
@@ -61,7 +63,7 @@ def test_traced_graphs_take_the_learning_rate_as_an_input(corpus, tmp_path):
     the virtual step reach the replayed graphs as inputs, and dropout masks are drawn anew at every replay"""
     runs = []
     for graphs in (False, 'trace'):
-        learn = make('search', corpus, tmp_path/str(graphs), graphs=graphs, mode='second', curvature=False, checkpoint=False)
+        learn = make('search', corpus, tmp_path/str(graphs), graphs=graphs, mode='second', curvature=False, checkpoint=False, bptt=TRACE_BPTT)
         with capturable_adam_on_cpu(learn): learn.fit_one_cycle(1, 5.)
         runs.append(learn)
     assert_same_fit(*runs)
@@ -76,7 +78,7 @@ def test_traced_graphs_train_a_derived_cell_like_eager(corpus, tmp_path):
     "The derived cell's training batches and evaluation, recorded once and replayed under `fit_one_cycle` with NT-ASGD: equal to eager bit for bit"
     runs = []
     for graphs in (False, 'trace'):
-        learn = make('train', corpus, tmp_path/str(graphs), graphs=graphs, asgd=True, checkpoint=False)
+        learn = make('train', corpus, tmp_path/str(graphs), graphs=graphs, asgd=True, checkpoint=False, bptt=TRACE_BPTT)
         learn.fit_one_cycle(1, 5.)
         runs.append(learn)
     assert_same_fit(*runs)
@@ -96,7 +98,7 @@ def test_the_family_traced_fits_like_eager(kw, corpus, tmp_path):
     keeps or reverts its perturbation on the device"""
     runs = []
     for graphs in (False, 'trace'):
-        learn = make('search', corpus, tmp_path/str(graphs), graphs=graphs, curvature=False, checkpoint=False, **kw)
+        learn = make('search', corpus, tmp_path/str(graphs), graphs=graphs, curvature=False, checkpoint=False, bptt=TRACE_BPTT, **kw)
         with capturable_adam_on_cpu(learn): learn.fit(2 if kw.get('beta_decay') else 1)
         runs.append(learn)
     g = runs[1].cuda_graphs.graphs
@@ -107,7 +109,7 @@ def test_the_family_traced_fits_like_eager(kw, corpus, tmp_path):
 @pytest.mark.slow
 def test_a_failed_capture_falls_back_to_eager_saying_why(corpus, tmp_path, capsys):
     "A step that reads a value on the host cannot be captured: α's CPU Adam reads its step count. The fit goes on eager, and says so once"
-    learn = make('search', corpus, tmp_path, graphs='trace', mode='first', curvature=False, checkpoint=False)
+    learn = make('search', corpus, tmp_path, graphs='trace', mode='first', curvature=False, checkpoint=False, bptt=TRACE_BPTT)
     learn.fit(1)
     out = capsys.readouterr().out
     assert out.count('CUDA graphs: capturing a step failed') == 1 and 'the steps run eager from here' in out

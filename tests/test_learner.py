@@ -20,14 +20,14 @@ TINY = dict(emsize=16, nhid=16)
 @pytest.fixture(scope='module')
 def corpus(): return numbers_corpus(n_train=1_500, n_valid=600, n_test=400)
 
-def make(kind, corpus, path, seed=0, device='cpu', **kw):
-    "A tiny search learner (first order unless `mode` says) or a derived-cell learner (19 training batches an epoch), on `device`"
+def make(kind, corpus, path, seed=0, device='cpu', bptt=10, **kw):
+    "A tiny search learner (first order unless `mode` says) or a derived-cell learner (19 training batches an epoch at `bptt` 10), on `device`"
     set_seed(seed)
     if kind == 'search':
-        dls = lm_dls(corpus, bs=8, bptt=10, phase='search', eval_bs=4, device=device)
+        dls = lm_dls(corpus, bs=8, bptt=bptt, phase='search', eval_bs=4, device=device)
         learn = search_learner(dls, search_stream(corpus, 8, device=device), path=path, **TINY, **{'mode': 'first', 'curvature': False, **kw})   # λ_max: tests/test_curvature.py
     else:
-        dls = lm_dls(corpus, bs=8, bptt=10, phase='train', eval_bs=4, device=device)
+        dls = lm_dls(corpus, bs=8, bptt=bptt, phase='train', eval_bs=4, device=device)
         learn = train_learner(dls, DARTS_V2, path=path, **TINY, **kw)
     learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
     learn.recorder.silent = True

@@ -9,6 +9,13 @@ import rnn_darts.kernels as kernels
 from tests._reference import plain_search_step, plain_derived_step, run_plain
 from tests._devices import ON_DEVICES
 
+# torch.compile's graphs without Inductor's code generation (~10 s a step, not ~70 s on a 2-core CPU), for the tests whose
+# point is the graph (what it traces, taps and keeps alive), not the generated code. Inductor's code is checked by
+# test_compiled_step_equals_eager (small weights: the plain step), test_compiled_step_with_onednn_products_equals_eager
+# (nhid 128: its large weights tapped, the products oneDNN's), test_compiled_cpu_tanh_matches_float64 and
+# tests/test_bench.py's launch count
+AOT = 'aot_eager'
+
 def batch_bn(s): return F.batch_norm(s, None, None, training=True, eps=1e-5)
 
 @pytest.mark.parametrize('training', [False, True])
@@ -195,12 +202,12 @@ def test_compiled_step_equals_eager(device):
 
 @pytest.mark.slow
 def test_exact_mode_runs_with_a_compiled_step():
-    "Double backward cannot go through a compiled graph: the exact HVP uses the eager step"
+    "Double backward cannot go through a compiled graph: the exact HVP uses the eager step (AOT autograd's graph, as Inductor's: no Inductor compile needed to show it)"
     from rnn_darts.callbacks.arch import hypergrad_second, exact_hvp
     m, x, y = tiny_search(dropout=0., dropouth=0., dropoutx=0., dropouti=0.)
     m.alpha.requires_grad_(True)
     ref, _ = hypergrad_second(m, (x, y), (x, y), 1., 0., 0.25, hvp=exact_hvp)
-    m.cell.compile_step(); m.reset()
+    m.cell.compile_step(backend=AOT); m.reset()
     g, _ = hypergrad_second(m, (x, y), (x, y), 1., 0., 0.25, hvp=exact_hvp)
     torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6)
     assert m.cell._compiled is not None
@@ -416,7 +423,7 @@ def test_compiled_step_with_onednn_products_equals_eager(monkeypatch):
 @pytest.mark.parametrize('derived', [False, True])
 @pytest.mark.parametrize('compiled', [False, True])
 def test_deferred_weight_gradients_equal_autograds_per_step_ones(kernel, derived, compiled, monkeypatch):
-    "Forwards with gradients stash the products and sum the weight gradient every 8 steps (compiled: through taps); it equals autograd's per-step sum"
+    "Forwards with gradients stash the products and sum the weight gradient every 8 steps (compiled: through taps in AOT autograd's graph; Inductor's code for taps is test_compiled_step_with_onednn_products_equals_eager's, at nhid 128); it equals autograd's per-step sum"
     from rnn_darts.model import DeferredWeight
     if kernel == 'onednn' and not kernels.ONEDNN: pytest.skip("oneDNN's fp32 inner product is not available here")
     monkeypatch.setattr(kernels, 'KERNEL', kernel)
@@ -429,7 +436,7 @@ def test_deferred_weight_gradients_equal_autograds_per_step_ones(kernel, derived
     x, y = torch.randint(0, 50, (16, 19)), torch.randint(0, 50, (16, 19))   # 19 steps: two full stashes and a rest
     calls = []
     if compiled:
-        tapped = m.cell.compile_step()._compiled_tapped
+        tapped = m.cell.compile_step(backend=AOT)._compiled_tapped
         m.cell._compiled_tapped = lambda *a: calls.append(1) or tapped(*a)
     def grads():
         m.reset()
@@ -499,7 +506,7 @@ def test_a_steps_graph_dies_with_its_last_reference(compiled):
     "No reference cycle keeps a step's autograd graph: freed at once, not when Python's collector runs. On CUDA a graph kept alive holds accumulators bound to the eager stream, and capturing the next step fails"
     import gc
     m = DartsRnnSearch(50, 16, 16).train()
-    if compiled: m.cell.compile_step()
+    if compiled: m.cell.compile_step(backend=AOT)   # the graph's autograd nodes are AOT autograd's, with or without Inductor
     x, y = torch.randint(0, 50, (6, 3)), torch.randint(0, 50, (6, 3))
     gc.disable()
     try:
@@ -561,7 +568,7 @@ def test_alpha_only_passes_make_no_weight_gradient_products(compiled, monkeypatc
     if compiled: torch._dynamo.reset()
     torch.manual_seed(0)
     m = DartsRnnSearch(300, 32, 32, dropouth=0.2, dropoutx=0.2).train()
-    if compiled: m.cell.compile_step()
+    if compiled: m.cell.compile_step(backend=AOT)   # which gradients the graph computes is AOT autograd's partition
     x, y = torch.randint(0, 300, (8, 12)), torch.randint(0, 300, (8, 12))
     def alpha_grad(weight_grads):
         m.reset()

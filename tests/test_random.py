@@ -100,7 +100,7 @@ def test_compile_and_alpha_options_are_refused_in_python():
     with pytest.raises(ValueError, match="mode must be one of"): search_learner(dls, None, emsize=8, nhid=8, mode='randm')
 
 # --- the command line ---------------------------------------------------------------------------------------------
-TINY = ['--data', 'numbers', '--n-train', '4000', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '16', '--nhid', '16',
+TINY = ['--data', 'numbers', '--n-train', '4000', '--n-eval', '1500', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '16', '--nhid', '16',
         '--device', 'cpu', '--threads', '1', '--mode', 'random']
 
 def plain_stream_loss(model, data, bptt):

@@ -1,9 +1,12 @@
-"""Short searches on real Penn Treebank text (../shared/data/penn): α moves, the genotype changes, and the eval-mode
-validation loss is finite at every epoch and below a uniform guess, over several seeds. With plain running statistics
-this configuration's validation went NaN (seed 3, one thread, third epoch, torch 2.13). Its α learning rate (3e-2, ten
-times the paper's) makes the supernet itself worse in some epochs (batch, re-estimated and running statistics all rose
-at seed 3's second epoch in 03_model's measurements), so falling validation is measured on the paper's settings (the
-PTB run in 03_model, *The search cell, checked and measured*), not asserted here. `tests/test_model.py` shows the bound at work on a long stream."""
+"""A short search on real Penn Treebank text (../shared/data/penn): α moves, the genotype changes, and the eval-mode
+validation loss is finite at every epoch and below a uniform guess. With plain running statistics this configuration's
+validation once went NaN (seed 3, one thread, third epoch, torch 2.13). The bound that fixed it is proved where it shows
+at the smallest size: `tests/test_model.py` runs 2,000 tokens through a fresh model, finite with the bound and not without.
+Here seed 3 runs two epochs, eager (the compiled step equals eager in `tests/test_model.py`): under two minutes, where the
+three seeds of three epochs took eight. Its α learning rate (3e-2, ten times the paper's) makes the supernet itself worse
+in some epochs (batch, re-estimated and running statistics all rose at seed 3's second epoch in 03_model's measurements),
+so falling validation is measured on the paper's settings (the PTB run in 03_model, *The search cell, checked and
+measured*), not asserted here."""
 import math, tempfile
 from pathlib import Path
 import pytest, torch
@@ -20,14 +23,14 @@ def one_thread():
     yield
     torch.set_num_threads(n)
 
-def search(seed, epochs=3):
+def search(seed, epochs=2):
     set_seed(seed)
     c = read_corpus(PENN, unk='<unk>', files=dict(train='valid.txt', valid='test.txt', test='test.txt'))
-    c.train, c.valid = c.train[:30_000], c.valid[:12_000]           # a short run: ~60 batches an epoch
+    c.train, c.valid = c.train[:20_000], c.valid[:8_000]            # a short run: ~40 batches an epoch
     dls = lm_dls(c, 16, 30, phase='search', seed=seed)
     learn = search_learner(dls, search_stream(c, 16), emsize=32, nhid=32, mode='second', arch_lr=3e-2,
                            dropout=0.2, dropouth=0.1, dropoutx=0.1, dropouti=0.1, checkpoint=False, path=tempfile.mkdtemp(),
-                           curvature=False)   # this test is about validation; λ_max on a 10k-word decoder would double its time
+                           curvature=False, compile=False)   # about validation: λ_max on a 10k-word decoder would double its time
     with learn.no_bar(): learn.fit(epochs)
     return learn
 
@@ -37,9 +40,9 @@ def column(learn, name):
 
 @pytest.mark.slow
 @needs_ptb
-@pytest.mark.parametrize('seed', [3, 4, 5])
-def test_search_on_ptb_validation_is_finite(seed, one_thread):
-    learn = search(seed)
+def test_search_on_ptb_validation_is_finite(one_thread):
+    "Two epochs of a second-order search on real text (seed 3): under two minutes (see the module's docstring)"
+    learn = search(3)
     valid = column(learn, 'valid_loss')
     assert all(v == v and v < float('inf') for v in valid), f"validation must be finite every epoch: {valid}"
     uniform = math.log(len(learn.dls.vocab))

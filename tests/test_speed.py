@@ -29,6 +29,8 @@ def test_auto_compile_compiles_a_long_search_fit_only(corpus, tmp_path):
     "A fit shorter than `min_steps` batches runs eager; a longer one runs the compiled step (graphs are compiled)"
     dls = lm_dls(corpus, 4, 6, device='cpu')
     learn = search_learner(dls, search_stream(corpus, 4), path=tmp_path, mode='first', **TINY)
+    compile_step = learn.model.cell.compile_step
+    learn.model.cell.compile_step = lambda: compile_step(backend='eager')   # the decision is the point: Dynamo's graphs, not Inductor's code
     n = len(dls.train)
     learn.auto_compile.min_steps = n + 1
     learn.fit(1)

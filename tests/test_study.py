@@ -14,6 +14,7 @@ TINY = """
 [tiny-search]
 data = numbers
 n_train = 3000
+n_eval = 1500
 epochs = 1
 bs = 8
 bptt = 10
@@ -28,6 +29,7 @@ curvature = false
 [tiny-train]
 data = numbers
 n_train = 3000
+n_eval = 1500
 bs = 8
 bptt = 10
 eval_bs = 4
