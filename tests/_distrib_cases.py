@@ -30,7 +30,7 @@ def build(kind='search', mode='first', bn='batch', seed=0, path=None, checkpoint
     dls = lm_dls(c, bs, BPTT, 'search' if kind == 'search' else 'train', eval_bs=4, seed=seed, device=device)
     kw = dict(emsize=NHID, nhid=NHID, path=path, checkpoint=checkpoint, resume=resume, **NODROP,
               lr=2. if bn == 'off' else 20.)   # without normalisation lr 20 diverges (NaN) in the first epoch
-    if kind == 'search': learn = search_learner(dls, search_stream(c, bs, device=device), mode=mode, **kw)
+    if kind == 'search': learn = search_learner(dls, search_stream(c, bs, device=device), mode=mode, curvature=False, **kw)   # λ_max, measured on each rank apart, is not the point here
     elif kind == 'random': learn = search_learner(dls, None, mode='random', **kw)
     else: learn = train_learner(dls, 'DARTS_V2', **kw)
     set_norm(learn.model, bn)

@@ -5,8 +5,11 @@
   CI's CPU machine. Tests marked `gpu` are skipped, with the reason.
 - **GPU tier** (`python -m pytest -q --gpu tests`): CUDA stays visible and only the tests marked `gpu` run, each the
   CUDA twin of a CPU test (most are the CPU test's `device='cuda'` parameter). Without a GPU they skip with the reason.
-- **Workers** (`-n N`): tests marked `xdist_group(NAME)` run on one worker, so a module's expensive fixture (a finished
-  study, an uninterrupted reference run) is made once per suite, not once per worker (xdist's `loadgroup`, set here).
+- **Workers** (`-n N`): each module runs on one worker (xdist's `loadscope`, set here), so a module's expensive fixture (a
+  finished study, an uninterrupted reference run) is made once per suite. xdist's `loadgroup` cannot do it under pytest 9:
+  its group suffix no longer reaches the node ids, so every group was split across the workers and each worker made the
+  fixture again, or made it twice when a module-scoped fixture was torn down between its tests. Modules marked
+  `xdist_group` (a costly shared fixture) start first.
 - **Quick tier** (`python -m pytest -q -m "not slow" tests`): every module, without the end-to-end, subprocess,
   multi-process, compiling and Penn Treebank tests (marked `slow`); a few minutes on 2 cores.
 - **Time is a budget**: a test that takes more than `LONG_S` seconds says why in its docstring; the run ends by naming
@@ -23,16 +26,16 @@ def pytest_configure(config):
     if not config.getoption('--gpu'): os.environ['CUDA_VISIBLE_DEVICES'] = ''   # before any test module imports torch
     if int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', 1)) > 1:
         os.environ.setdefault('OMP_NUM_THREADS', '1')   # pytest -n N: one torch thread per worker, so N workers share N cores without waiting on each other
-    if getattr(config.option, 'dist', None) == 'load': config.option.dist = 'loadgroup'   # -n N alone: keep each xdist_group on one worker
+    if getattr(config.option, 'dist', None) in ('load', 'loadgroup'): config.option.dist = 'loadscope'   # -n N: a module on one worker
 
 def pytest_collection_modifyitems(config, items):
-    # the longest work first, so that no worker starts a long group while the other has nothing left: the tests that share
-    # a costly fixture on one worker (xdist_group), then the modules with slow tests, then the others. Whole modules move
-    # (each in its collected order): split, a module's fixtures would be made again for its later part
+    # the longest work first, so that no worker starts a long module while the other has nothing left: the modules with a
+    # costly shared fixture (a test marked xdist_group), then those with slow tests, then the others; whole modules, each
+    # in its collected order (loadscope hands a worker a module at a time, in this order)
     tier = lambda it: 0 if it.get_closest_marker('xdist_group') else 1 if it.get_closest_marker('slow') else 2
     module = {}
     for it in items: module[it.module] = min(module.get(it.module, 2), tier(it))
-    items.sort(key=lambda it: (tier(it) if tier(it) == 0 else max(1, module[it.module])))
+    items.sort(key=lambda it: module[it.module])
     if config.getoption('--gpu'):
         other = [it for it in items if not it.get_closest_marker('gpu')]
         if other: config.hook.pytest_deselected(items=other); items[:] = [it for it in items if it.get_closest_marker('gpu')]

@@ -31,13 +31,17 @@ def fails(capsys, argv, code, *parts):
     assert 'Traceback' not in out + err
     return lines[0]
 
+RUN = [*TINY, '--mode', 'first', '--curvature', 'false']   # the finished run's flags: what is refused or resumed is the point, not its math
+
 @pytest.fixture(scope='module')
 def run_dir(tmp_path_factory):
-    "A finished 1-epoch search on a small corpus folder"
+    "A finished 1-epoch search on a small corpus folder (its users share one worker: `xdist_group`, so it is made once)"
     d = tmp_path_factory.mktemp('run')
     data = small_corpus(d/'corpus')
-    cli.run_command(['search', '--data', data, *TINY, '--out', str(d/'run')])
+    cli.run_command(['search', '--data', data, *RUN, '--out', str(d/'run')])
     return d/'run', data
+
+uses_run_dir = pytest.mark.xdist_group('cli-errors-run')
 
 # --- flag and preset values: exit 2, the flag or key named ----------------------------------------------------------
 @pytest.mark.parametrize('argv,parts', [
@@ -180,19 +184,21 @@ def test_byte_order_mark_never_reaches_the_vocabulary(tmp_path):
 
 # --- run folders -------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
+@uses_run_dir
 def test_fresh_run_into_a_run_folder_is_refused(capsys, run_dir):
     run, data = run_dir
     before = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.name != '.lock'}
-    fails(capsys, ['search', '--data', data, *TINY, '--out', str(run)], 2, f'{run} already holds a run (run.json, log.csv',
+    fails(capsys, ['search', '--data', data, *RUN, '--out', str(run)], 2, f'{run} already holds a run (run.json, log.csv',
           'pass --resume to continue it, --overwrite to replace it')
     assert {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.name != '.lock'} == before
 
 @pytest.mark.slow
+@uses_run_dir
 def test_overwrite_clears_the_old_run(capsys, run_dir, tmp_path):
     run, data = run_dir
     shutil.copytree(run, tmp_path/'r')
     (tmp_path/'r'/'checkpoints'/'epoch_0007.pth').write_bytes(b'old')
-    cli.run_command(['search', '--data', data, *TINY, '--out', str(tmp_path/'r'), '--overwrite'])
+    cli.run_command(['search', '--data', data, *RUN, '--out', str(tmp_path/'r'), '--overwrite'])
     assert '--overwrite: deleted run.json, log.csv, history.json, genotype.json, checkpoints' in capsys.readouterr().out
     assert not (tmp_path/'r'/'checkpoints'/'epoch_0007.pth').exists()
     assert len((tmp_path/'r'/'log.csv').read_text().splitlines()) == 2   # header + the new epoch
@@ -207,29 +213,32 @@ def test_a_locked_run_folder_is_refused(capsys, tmp_path):
 def _mk(p): p.mkdir(parents=True, exist_ok=True); return p
 
 @pytest.mark.slow
+@uses_run_dir
 def test_resume_with_other_settings(capsys, run_dir, tmp_path):
     run, data = run_dir
     shutil.copytree(run, tmp_path/'r')
-    fails(capsys, ['search', '--data', data, *TINY, '--out', str(tmp_path/'r'), '--resume', '--lr', '3', '--nhid', '16', '--emsize', '16'], 2,
+    fails(capsys, ['search', '--data', data, *RUN, '--out', str(tmp_path/'r'), '--resume', '--lr', '3', '--nhid', '16', '--emsize', '16'], 2,
           '--resume: these settings differ from', 'emsize: 8 -> 16; lr: 20.0 -> 3.0; nhid: 8 -> 16', '--override true')
-    argv = ['search', '--data', data, *TINY, '--out', str(tmp_path/'r'), '--resume', '--lr', '3', '--epochs', '2', '--override', 'true']
+    argv = ['search', '--data', data, *RUN, '--out', str(tmp_path/'r'), '--resume', '--lr', '3', '--epochs', '2', '--override', 'true']
     cli.run_command(argv)
     assert '--override: continuing' in capsys.readouterr().out
     info = json.loads((tmp_path/'r'/'run.json').read_text())
     assert info['overrides'] == [dict(epoch=1, changes=dict(lr=dict(old=20.0, new=3.0)))]
     assert info['settings']['lr'] == 3.0 and info['settings']['epochs'] == 2 and len(info['epoch_times']) == 2
 
+@uses_run_dir
 def test_damaged_run_json(capsys, run_dir, tmp_path):
     run, data = run_dir
     shutil.copytree(run, tmp_path/'r')
     p = tmp_path/'r'/'run.json'
     p.write_text(p.read_text()[:40])
-    fails(capsys, ['search', '--data', data, *TINY, '--out', str(tmp_path/'r'), '--resume'], 1, f'{p} is not valid JSON (line')
+    fails(capsys, ['search', '--data', data, *RUN, '--out', str(tmp_path/'r'), '--resume'], 1, f'{p} is not valid JSON (line')
     fails(capsys, ['evaluate', str(tmp_path/'r'), '--device', 'cpu'], 1, f'{p} is not valid JSON')
     p.write_text('[1, 2]')
     fails(capsys, ['evaluate', str(tmp_path/'r'), '--device', 'cpu'], 1, f'{p} is not a run record')
 
 @pytest.mark.slow
+@uses_run_dir
 def test_evaluate_errors(capsys, run_dir, tmp_path):
     run, data = run_dir
     fails(capsys, ['evaluate', str(run), '--split', 'train'], 2, "--split must be one of test, valid; got 'train'")

@@ -7,7 +7,7 @@ import pytest, torch
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")]
 
 TINY = ['search', '--epochs', '1', '--n-train', '2000', '--n-eval', '1500', '--emsize', '16', '--nhid', '16', '--bs', '8', '--bptt', '10',
-        '--eval-bs', '8', '--device', 'cpu', '--seed', '5', '--curvature', 'false']
+        '--eval-bs', '8', '--device', 'cpu', '--seed', '5', '--curvature', 'false', '--mode', 'first']   # the launchers are the point
 
 def free_port():
     with socket.socket() as s:
@@ -33,6 +33,7 @@ def run_result(out):
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which('accelerate') is None, reason="accelerate is not installed (pip install -e '.[dev]')")
 def test_torchrun_and_accelerate_launch_give_the_same_run(tmp_path):
+    "Four processes in all, each importing torch and fastai on a 2-core machine: about a minute"
     a, b = tmp_path/'torchrun', tmp_path/'accelerate'
     launch('torchrun', a); launch('accelerate', b)
     head, rows, g = run_result(a)

@@ -8,7 +8,7 @@ perturbation, whose state is the same for the random and the adversarial kind, D
 bookkeeping (`graphs='emulate'`), random search's sampler, and the derived cell's training with NT-ASGD. Each is stopped
 inside an epoch (the harder case: hidden states and loader positions too); the first-order search and the training also
 at an epoch's end. A fit that resumes bit for bit also repeats bit for bit from its seed: this proves that too. The
-sizes are the smallest where a lost state shows: 15 training batches an epoch of a numbers corpus, nhid 8. Processes
+sizes are the smallest where a lost state shows: 10 training batches an epoch of a numbers corpus, nhid 8. Processes
 killed and resumed through the command line: tests/test_reliability.py (SIGKILL), tests/test_preempt.py (SIGTERM, a
 second SIGINT), tests/test_random.py (while scoring) and tests/test_study.py (a study)."""
 import signal
@@ -25,7 +25,7 @@ NHID, EPOCHS = 8, 2
 def learner(path, kind='search', seed=0, **kw):
     "A tiny search (or, `kind='train'`, a DARTS_V2 training) learner with checkpoints in `path`"
     set_seed(seed)
-    c = numbers_corpus(seed=seed, n_train=1200, n_valid=400, n_test=300)
+    c = numbers_corpus(seed=seed, n_train=800, n_valid=300, n_test=100)   # 10 training batches an epoch
     dls = lm_dls(c, 8, 10, 'search' if kind == 'search' else 'train', eval_bs=8, seed=seed)
     kw = dict(emsize=NHID, nhid=NHID, path=path, **kw)
     if kind == 'search': learn = search_learner(dls, search_stream(c, 8), **dict(dict(curvature=False), **kw))
