@@ -152,6 +152,16 @@ def test_callbacks_work_in_any_order_of_the_list():
     (l1, a1), (l2, a2) = run_losses(0), run_losses(5)
     assert l1 == l2 and torch.equal(a1, a2)
 
+def test_the_clip_bounds_a_large_gradient_and_leaves_a_small_one_alone():
+    "FlatGradClip against the plain rule g·min(1, c/‖g‖): a planted 'scale every gradient to c' passed the whole suite, as tiny fits' gradients are always above the bound"
+    from types import SimpleNamespace
+    for scale in (10., 0.01):
+        g = torch.randn(50) * scale
+        want = g * min(1., 0.25 / (g.norm().item() + 1e-6))
+        clip = FlatGradClip(0.25); clip.learn = SimpleNamespace(model=SimpleNamespace(flat=SimpleNamespace(grad=g)))
+        clip.before_step()
+        torch.testing.assert_close(g, want)
+
 class LrSpy(ArchParamUpdate.__mro__[1]):
     order = 100
     def before_fit(self): self.lrs = []
