@@ -95,6 +95,19 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, device):
     assert not junk.exists()                         # the killed writer's temporary file was removed on resume
     assert log_rows(run_dir) == log_rows(ref_dir)    # log.csv: header once, each epoch once, the same losses
 
+def test_nt_asgd_switches_where_the_plain_rule_says():
+    """ASGDSwitch.should_switch against AWD-LSTM's rule (switch at epoch e when e > nonmono and v_e > min(v_0 … v_{e-nonmono-1})),
+    over random loss sequences, the earliest epochs included: a planted 'one epoch late' passed every other test, whose fits
+    first met the rule later"""
+    rng = random.Random(0)
+    for nonmono in (1, 2, 5):
+        for _ in range(200):
+            vs = [rng.random() for _ in range(12)]
+            sw = ASGDSwitch(nonmono)
+            got = next((e for e, v in enumerate(vs) if sw.should_switch(v)), None)
+            want = next((e for e in range(len(vs)) if e > nonmono and vs[e] > min(vs[:e - nonmono])), None)
+            assert got == want, (nonmono, vs, got, want)
+
 def log_rows(run):
     "log.csv's rows (header first), without the time column; it must end with a newline and hold each epoch once, in order"
     text = (run/'log.csv').read_text()
