@@ -180,7 +180,7 @@ def _number_sentences(rng:np.random.Generator, n_tokens:int, stoi:dict) -> torch
         ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
 
-def numbers_corpus(seed:int=0, n_train:int=RunConfig.n_train, n_valid:int=20_000, n_test:int=20_000) -> Corpus:
+def numbers_corpus(seed:int=0, n_train:int=RunConfig.n_train, n_valid:int=RunConfig.n_eval, n_test:int=RunConfig.n_eval) -> Corpus:
     "A generated corpus of numbers and arithmetic in English words, deterministic from `seed`; sizes are approximate token counts"
     for k, v in dict(n_train=n_train, n_valid=n_valid, n_test=n_test).items(): check_positive(k, v)
     stoi = {w: i for i, w in enumerate(NUMBER_WORDS)}
