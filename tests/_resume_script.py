@@ -1,7 +1,7 @@
 """Helper for tests/test_reliability.py: a tiny, seeded DARTS search run that resumes from its latest checkpoint.
 
 Usage: python tests/_resume_script.py RUN_DIR N_EPOCHS [SEED [DEVICE]]
-Builds everything from SEED on DEVICE (default cpu), calls `search_learner(..., resume=True, path=RUN_DIR).fit(N_EPOCHS)` with a
+Builds everything from SEED on DEVICE (default cpu), calls `search_learner(..., resume=True, path=RUN_DIR).fit(N_EPOCHS)` (on CUDA: not compiled) with a
 `RunLogger('log.csv', append=True)`, and writes `RUN_DIR/epoch_NNNN.json` (losses of each epoch, atomically, as it
 ends) and `RUN_DIR/result.json` at the end.
 """
@@ -42,7 +42,10 @@ if __name__ == '__main__':
     run, n = Path(sys.argv[1]), int(sys.argv[2])
     seed = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     device = sys.argv[4] if len(sys.argv) > 4 else 'cpu'
-    learn = build(run, seed, device, resume=True, cbs=[EpochLog(), RunLogger('log.csv', append=True)])
+    # on CUDA a compiled step differs from process to process (Inductor's atomic adds and timed kernel choices; measured on
+    # an H200, 2026-11-27), so two uninterrupted runs differ too: the CUDA twin resumes eager steps, graphed as by default
+    learn = build(run, seed, device, resume=True, cbs=[EpochLog(), RunLogger('log.csv', append=True)],
+                  compile=None if device == 'cpu' else False)
     with learn.no_bar(), learn.no_logging(): learn.fit(n)
     write_json_atomic(dict(values=[[float(v) for v in r] for r in learn.recorder.values], first_epoch=learn.first_epoch,
                            genotype=genotype_to_dict(learn.model.genotype()), weights=weights_hash(learn.model),

@@ -57,7 +57,7 @@ def _run_script(run, n, device='cpu', **kw):
 @ON_DEVICES
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, device):
     "SIGKILL at a random point after the first checkpoint, a stray half-written checkpoint, resume: bit-identical end"
-    n = 4 if device == 'cpu' else 12                 # a tiny epoch takes well under a second on a GPU, after compiling
+    n = 4 if device == 'cpu' else 12                 # a tiny epoch takes well under a second on a GPU (graphed, not compiled)
     ref_dir, run_dir = tmp_path/'ref', tmp_path/'run'
     ref = _run_script(ref_dir, n, device)            # the uninterrupted run, alongside (one thread each)
     p = _run_script(run_dir, n, device)

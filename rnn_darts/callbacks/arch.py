@@ -254,7 +254,7 @@ class ArchParamUpdate(Callback):
                                                          zero_one=self.zero_one, op_decay=self.op_decay, reduce=self.reduce, grad_fn=self.hypergrad,
                                                          penalty=self.penalty())
         self.n_skipped += (~ok).long()
-        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        self.loss_sum = loss.clone() if self.loss_sum is None else self.loss_sum + loss   # a graph's loss is rewritten at its next replay
         self.n_steps += 1
 
     def before_batch(self):

@@ -40,7 +40,7 @@ class Captured:
     """`body()` (fixed shapes, no host reads) as a CUDA graph: run eager at the first call (the warm-up is the batch's own
     step), captured at the second and replayed from then on. Without a GPU, `emulate='emulate'` runs `body()` at every call;
     `'trace'` records it at the second call with `make_fx` (Python runs once, as in a capture; the trace is that call's
-    step) and runs the recorded operators after"""
+    step) and runs the recorded operators after, writing their results into that call's outputs as a replay does"""
     def __init__(self, body, pool=None, emulate=False):
         if emulate not in (False, *EMULATIONS): raise ValueError(f"emulate must be False, 'emulate' or 'trace', got {emulate!r}")
         self.body, self.pool, self.emulate = body, pool, emulate
@@ -53,8 +53,8 @@ class Captured:
         self.calls += 1
         if self.calls == 1 or self.emulate == 'emulate': self.out = self.body() if self.emulate else _on_side_stream(self.body)
         elif self.graph is None and self.emulate: self.graph = _trace(self._keep)   # tracing runs the step: the outputs are kept
-        elif self.emulate:
-            with torch.no_grad(): self.out = self.graph()   # the recorded backward is plain operators
+        elif self.emulate:   # a replay writes into the first call's outputs, as a CUDA graph writes into its own
+            with torch.no_grad(): _write_into(self.out, self.graph())   # (the recorded backward is plain operators)
         else:
             if self.graph is None: self.graph = self._capture()
             self.graph.replay()
@@ -75,6 +75,11 @@ class Captured:
     def _keep(self):
         self.out = self.body()
         return self.out
+
+def _write_into(static, new):
+    "Copy each tensor of `new` into its place in `static` (the same structure)"
+    for s, n in zip(torch.utils._pytree.tree_leaves(static), torch.utils._pytree.tree_leaves(new)):
+        if isinstance(s, torch.Tensor): s.copy_(n)
 
 def _trace(fn):
     """`make_fx(fn)()` on real tensors, each recorded value's metadata made by one fake-tensor mode: without a mode in the
