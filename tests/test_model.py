@@ -2,7 +2,7 @@
 import copy, math, tempfile
 from pathlib import Path
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
-from rnn_darts.genotypes import PRIMITIVES, DARTS_V1, DARTS_V2, ENAS
+from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V1, DARTS_V2, ENAS
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsCell, DartsCellSearch
 from rnn_darts.flat import FlatParams, FlatModule
 import rnn_darts.kernels as kernels
@@ -15,6 +15,7 @@ from tests._devices import ON_DEVICES
 # (nhid 128: its large weights tapped, the products oneDNN's), test_compiled_cpu_tanh_matches_float64 and
 # tests/test_bench.py's launch count
 AOT = 'aot_eager'
+COMPILED_STEPS = 3   # the cell of the tests that compile with Inductor (compile time grows with the cell's operators)
 
 def batch_bn(s): return F.batch_norm(s, None, None, training=True, eps=1e-5)
 
@@ -177,17 +178,18 @@ def test_deepcopy_and_pickle_keep_the_store_packed():
         assert m2.flat.is_packed() and torch.equal(m2.flat.data, m.flat.data)
         assert m2.flat.data.data_ptr() != m.flat.data.data_ptr()
 
-def tiny_search(**dropouts):
+def tiny_search(steps=STEPS, **dropouts):
     "A seeded 20-word search model in training mode, with an input and a target batch"
     torch.manual_seed(0)
-    m = DartsRnnSearch(20, 8, 8, **dropouts).train()
+    m = DartsRnnSearch(20, 8, 8, **dropouts, steps=steps).train()
     return m, torch.randint(0, 20, (4, 5)), torch.randint(0, 20, (4, 5))
 
 @pytest.mark.slow
 @ON_DEVICES
 def test_compiled_step_equals_eager(device):
-    "The torch.compile fast path gives the eager numbers (outputs and α/weight gradients)"
-    m, x, y = tiny_search(dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1)
+    """The torch.compile fast path gives the eager numbers (outputs and α/weight gradients). A 3-node cell: every operator
+    kind and a node's sum over several edges, a cold Inductor compile of about 30 s here where the 8-node cell's took 70"""
+    m, x, y = tiny_search(COMPILED_STEPS, dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1)
     m, x, y = m.to(device), x.to(device), y.to(device)
     def grads():
         m.reset(); m.alpha.requires_grad_(True)
@@ -362,10 +364,10 @@ def test_eval_validation_measures_the_supernet():
     assert running < 1.03 * batch, (running, batch)
     assert blended > running + 0.3, (blended, running)
 
-def onednn_search(nhid=128, bs=16, T=6, ntoken=300):
+def onednn_search(nhid=128, bs=16, T=6, ntoken=300, steps=STEPS):
     "A small search model for the tests that send its products through oneDNN (`kernels.KERNEL`)"
     torch.manual_seed(0)
-    m = DartsRnnSearch(ntoken, nhid, nhid, dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1).train()
+    m = DartsRnnSearch(ntoken, nhid, nhid, dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1, steps=steps).train()
     g = torch.Generator().manual_seed(1)
     batch = lambda: (torch.randint(0, ntoken, (bs, T), generator=g), torch.randint(0, ntoken, (bs, T), generator=g))
     return m, batch(), batch()
@@ -402,8 +404,11 @@ def test_onednn_products_give_aten_hypergradients(mode, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(not kernels.ONEDNN, reason="oneDNN's fp32 inner product is not available here")
 def test_compiled_step_with_onednn_products_equals_eager(monkeypatch):
-    "The compiled step keeps the oneDNN product as one opaque operator and gives aten's eager numbers"
-    m, trn, val = onednn_search(T=4)
+    """The compiled step keeps the oneDNN product as one opaque operator and gives aten's eager numbers. A 3-node cell at
+    nhid 160: node 0's successors' weights (3·320 × 160) are tapped, the others not (TAP_MIN_NUMEL), so Inductor's code
+    for both kinds of weight is checked"""
+    from rnn_darts.model import DeferredWeight
+    m, trn, val = onednn_search(nhid=160, T=4, steps=COMPILED_STEPS)
     def grads():
         m.reset(); m.alpha.requires_grad_(True)
         loss = m.loss(*trn, advance=False)
@@ -416,6 +421,8 @@ def test_compiled_step_with_onednn_products_equals_eager(monkeypatch):
         torch._dynamo.reset()   # traced afresh: the graph takes the kernel choice as a constant
         m.cell.compile_step()
         compiled = grads()
+    W0hT, Wsuf = m.cell.per_sequence(**m.cell_inputs())[:2]
+    assert [isinstance(w, DeferredWeight) for w in (W0hT, *Wsuf)] == [False, True, False, False]   # tapped and plain weights
     for a, b in zip(eager, compiled): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
 
 @pytest.mark.slow
