@@ -133,8 +133,18 @@ def error_message(e:BaseException) -> str:
     return ' '.join(msg.split())
 
 class _Parser(argparse.ArgumentParser):
-    "argparse, with its usage errors as a `UsageError` (one line, exit status 2)"
-    def error(self, message): raise UsageError(f"{self.prog.split()[-1]}: {message} (see {self.prog} -h)")
+    "argparse, with its usage errors as a `UsageError` (one line, exit status 2) that suggests the flag nearest a misspelt one"
+    def error(self, message): raise UsageError(f"{self.prog.split()[-1]}: {message}{self._nearest(message)} (see {self.prog} -h)")
+
+    def _nearest(self, message) -> str:
+        "' (did you mean --epochs?)' for `unrecognized arguments: --epoch 2`; with several misspelt flags, each one's"
+        if not message.startswith('unrecognized arguments: '): return ''
+        flags = [o for o in self._option_string_actions if o.startswith('--')]
+        bad = [a.split('=')[0] for a in message.split(': ', 1)[1].split() if a.startswith('--')]
+        near = [(a, m[0]) for a in bad for m in [difflib.get_close_matches(a, flags, n=1)] if m]
+        if not near: return ''
+        if len(near) == 1: return f" (did you mean {near[0][1]}?)"
+        return f" (did you mean {', '.join(f'{m} for {a}' for a, m in near)}?)"
 
 def _default_text(k, dflt, defaults):
     v = defaults.get(k, dflt) if dflt is None else dflt

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import os, io, socket, time, traceback, datetime, queue
 import torch, torch.distributed as dist
-from fastcore.basics import noop
+from fastai.imports import noop   # fastai's own, the one `Learner.no_logging()` sets (fastcore's is another function)
 from fastai.callback.core import Callback
 from fastai.callback.progress import CSVLogger, ProgressCallback
 from fastai.data.core import DataLoaders

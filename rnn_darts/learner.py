@@ -32,7 +32,7 @@ from rnn_darts.callbacks.random_arch import RandomArch
 from rnn_darts.callbacks.curvature import Curvature, CurvatureStop
 from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer, FusedDecoderLoss
 from rnn_darts.callbacks.asgd import ASGDSwitch
-from rnn_darts.callbacks.logs import GenotypeLogger, write_json_atomic
+from rnn_darts.callbacks.logs import GenotypeLogger, TableColumns, write_json_atomic
 from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker
 from rnn_darts.callbacks.speed import BF16Autocast, AutoCompile, CompileNotice
 from rnn_darts.callbacks.checkpoint import Checkpoint
@@ -151,7 +151,7 @@ def _learner(dls, model, c:RunConfig, path, device, compile=None, auto_compile=F
     if compile is None and dev.type == 'cuda': compile = True
     if compile: model.cell.compile_step()
     auto = ([AutoCompile()] if compile is None and auto_compile else []) + [CompileNotice()]
-    auto.append(CudaGraphs(emulate=graphs) if graphs in EMULATIONS else CudaGraphs(graphs))
+    auto += [CudaGraphs(emulate=graphs) if graphs in EMULATIONS else CudaGraphs(graphs), TableColumns()]
     learn = DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=c.lr, splitter=flat_splitter, wd=c.wd,
                          wd_bn_bias=True, metrics=[Perplexity()], path=path, cbs=auto + ([BF16Autocast()] if c.bf16 else []))
     learn.config = c

@@ -132,7 +132,10 @@ def test_train_names_its_cell_in_its_first_line(tmp_path, capsys):
     run = tmp_path/'search'; run.mkdir(); save_genotype(ENAS, run/'genotype.json')
     learn = cli.run_command(['train', *TINY, '--n-train', '800', '--test-bs', '8', '--genotype', str(run), '--out', str(tmp_path/'t')])   # test bs 8: the paper's 1 would take most of the time
     assert learn.model.genotype() == check_genotype(ENAS)
-    assert capsys.readouterr().out.splitlines()[0].startswith(f"train the cell in {run} on ")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"train the cell in {run} on ")
+    # the table: its header and one row per epoch; the test set's evaluation is the labelled line, not a row of its own
+    assert [l.split()[0] for l in lines if l[:1].isdigit()] == ['0'] and any(l.startswith('test loss ') for l in lines), lines
 
 def test_n_eval_sizes_the_generated_valid_and_test_splits():
     "--n-eval sizes both generated evaluation splits and is part of the corpus's key; a run recorded before it existed keeps 20,000"

@@ -86,7 +86,10 @@ uses_run_dir = pytest.mark.xdist_group('cli-errors-run')
     (['--device', 'gpu'], ['--device gpu: not a device name; use cpu, cuda or cuda:N']),
     (['--epochs', 'abc'], ['search: argument --epochs: invalid int value', '(see rnn-darts search -h)']),
     (['--compile', 'maybe'], ['argument --compile']),
-    (['--nhidd', '8'], ['unrecognized arguments: --nhidd 8']),
+    (['--nhidd', '8'], ['unrecognized arguments: --nhidd 8 (did you mean --nhid?) (see rnn-darts search -h)']),
+    (['--epoch', '2'], ['unrecognized arguments: --epoch 2 (did you mean --epochs?)']),
+    (['--epocs=2', '--bz', '4'], ['unrecognized arguments: --epocs=2 --bz 4 (did you mean --epochs for --epocs, --bs for --bz?)']),
+    (['--qqqqqqqq', '1'], ['unrecognized arguments: --qqqqqqqq 1 (see rnn-darts search -h)']),   # nothing near: no suggestion
     (['--threads', '0'], ['--threads must be an integer >= 1, got 0']),
     (['--op-decay', '-1'], ['--op-decay must be a finite number >= 0']),
     (['--unk', '<unk>'], ['--unk applies to a corpus folder, not --data numbers']),

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import json, sys
 from fastai.callback.core import Callback
-from fastcore.basics import noop
+from fastai.imports import noop   # fastai's own, the one `Learner.no_logging()` sets (fastcore's is another function)
 from fastai.callback.progress import CSVLogger, ProgressCallback
 from fastai.torch_core import rank_distrib
 from rnn_darts.core import naming, write_text_atomic
@@ -15,7 +15,7 @@ from rnn_darts.callbacks.epochs import TrainEpochEnd, in_lr_find
 from rnn_darts.callbacks.asgd import ASGDSwitch
 
 # %% auto #0
-__all__ = ['write_json_atomic', 'GenotypeLogger', 'RunLogger', 'EpochLines', 'plain_output']
+__all__ = ['write_json_atomic', 'GenotypeLogger', 'RunLogger', 'table_cell', 'TableColumns', 'EpochLines', 'plain_output']
 
 # %% ../../nbs/05d_logs.ipynb #3e94558e
 def write_json_atomic(obj, path):
@@ -79,16 +79,33 @@ class RunLogger(CSVLogger):
         self.learn.logger = self.old_logger
 
 # %% ../../nbs/05d_logs.ipynb #94fa2f87
+def table_cell(v, width:int) -> str:
+    "`v` as the epoch table writes it: a float with 6 decimals, or in scientific notation where those would not fit `width`"
+    if not isinstance(v, float): return str(v)
+    s = f'{v:.6f}'
+    return s if len(s) <= width else f'{v:.{max(width - 7, 1)}e}'
+
+class TableColumns(Callback):
+    """The progress bars' epoch table with each float fitted to its column (`table_cell`; fastprogress makes a column as
+    wide as its name), so a large value never runs into the next column. `EpochLines` fits its own"""
+    order = ProgressCallback.order - 1   # before the bars take their `_write_stats` as the fit's logger
+    def before_fit(self):
+        bars = getattr(self.learn, 'progress', None)
+        if bars is None or '_write_stats' in vars(bars): return
+        def write_stats(row):
+            if getattr(bars, 'mbar', False): bars.mbar.write([table_cell(v, len(n)) for v, n in zip(row, self.recorder.metric_names)], table=True)
+        bars._write_stats = write_stats
+
 class EpochLines(Callback):
     "The epoch table without progress bars: its header once, then a line per epoch (for output into a file or a pipe)"
     def __init__(self): self.names = None
     def before_fit(self):
         if self.learn.logger is not noop: self.learn.logger = self.write   # as fastai's ProgressCallback: `no_logging()` stays silent
     def write(self, row):
-        cells = [f'{v:.6f}' if isinstance(v, float) else str(v) for v in row]
         if self.names is None:
             self.names = [f'{n:<8}' for n in self.recorder.metric_names]
             print('  '.join(self.names).rstrip(), flush=True)
+        cells = [table_cell(v, len(n)) for v, n in zip(row, self.names)]
         print(''.join(c + ' ' * (2 + len(n) - len(c)) for c, n in zip(cells, self.names)).rstrip(), flush=True)
 
 def plain_output(learn, terminal:bool|None=None):
