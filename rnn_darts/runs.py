@@ -331,6 +331,7 @@ def evaluate_run(
     check_fits(corpus, s, 'evaluate', {k: f"{run/'run.json'}: settings.{k}" for k in s}, split=split)
     from rnn_darts.data import lm_dls, search_stream, test_dl
     from rnn_darts.learner import search_learner, train_learner, evaluate
+    from rnn_darts.callbacks.logs import plain_output
     from rnn_darts.genotypes import load_genotype
     dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search' if info['command'] == 'search' else 'train', eval_bs=s['eval_bs'], device=dev)
     if info['command'] == 'search':
@@ -346,6 +347,7 @@ def evaluate_run(
                                                      f"finish it with rnn-darts search --resume --out {run}")
         learn.random_arch.chosen = load_genotype(gp)
     dl = test_dl(corpus, s['bptt'], bs=s.get('test_bs', 1), device=dev) if split == 'test' else dls.valid
+    plain_output(learn)   # into a file or a pipe: no bar frames
     res = evaluate(learn, dl)
     print(f"{p} on {split}: loss {res['loss']:.4f}, perplexity {res['ppl']:.2f}")
     return res

@@ -113,7 +113,7 @@ def run_into_a_file(tmp_path, *argv):
 @pytest.mark.slow
 @pytest.mark.parametrize('mode', ['first', 'random'])
 def test_output_into_a_file_is_a_line_per_epoch_without_bar_frames(tmp_path, mode):
-    "Into a file: the table's header once and one line per epoch; no carriage return, no bar character (random: no scoring bar)"
+    "Into a file: the table's header once and one line per epoch; no carriage return, no bar character (random: no scoring bar; evaluate: its line only)"
     more = ['--candidates', '4', '--top', '2'] if mode == 'random' else ['--curvature', 'false']   # the table, not λ_max, is the point
     code, text, err = run_into_a_file(tmp_path, 'search', *TINY[:5], '2', *TINY[6:], '--mode', mode, *more, '--threads', '1',
                                       '--out', str(tmp_path/'s'))
@@ -122,6 +122,10 @@ def test_output_into_a_file_is_a_line_per_epoch_without_bar_frames(tmp_path, mod
     lines = text.splitlines()
     assert [l.split()[:3] for l in lines if l.startswith('epoch ') and 'train_loss' in l] == [['epoch', 'train_loss', 'valid_loss']]
     assert [l.split()[0] for l in lines if l[:1].isdigit()] == ['0', '1']
+    if mode == 'first':   # evaluate's validation into a file: its one line, no bar frames
+        code, text, err = run_into_a_file(tmp_path, 'evaluate', str(tmp_path/'s'), '--split', 'valid', '--threads', '1')
+        assert code == 0 and err == '', err
+        assert '\r' not in text and '█' not in text and len(text.splitlines()) == 1 and ' on valid: loss ' in text, text[:400]
 
 def test_train_names_its_cell_in_its_first_line(tmp_path, capsys):
     "No --genotype: the first line says DARTS_V2 is the default; a search's run folder is read as its genotype.json"
