@@ -5,7 +5,7 @@ from contextlib import contextmanager
 import pytest, torch
 from rnn_darts.core import set_seed
 from rnn_darts.learner import search_learner
-from rnn_darts.data import lm_dls, search_stream
+from rnn_darts.data import lm_dls, search_stream, numbers_corpus
 from rnn_darts.model import DartsRnn
 from rnn_darts.genotypes import DARTS_V2
 from rnn_darts.callbacks.graphs import StepGraphs, Captured
@@ -57,14 +57,19 @@ def capturable_adam_on_cpu(learn):
 
 TRACE_BPTT = 5   # a trace records every operator of the unrolled steps: half the steps, half the time to record
 
+@pytest.fixture(scope='module')
+def short():
+    "The traced fits' corpus: ~15 training batches an epoch at TRACE_BPTT, each replayed graph still met many times (a fit runs twice: eager and traced)"
+    return numbers_corpus(n_train=600, n_valid=300, n_test=200)
+
 @pytest.mark.slow
-def test_traced_graphs_take_the_learning_rate_as_an_input(corpus, tmp_path):
+def test_traced_graphs_take_the_learning_rate_as_an_input(short, tmp_path):
     """A second-order search under `fit_one_cycle`, its graphs recorded once (make_fx runs the Python once, as a capture does)
     and replayed: equal to eager bit for bit, so the rate of every batch (schedule × seq_len/bptt) and the weight decay of
     the virtual step reach the replayed graphs as inputs, and dropout masks are drawn anew at every replay"""
     runs = []
     for graphs in (False, 'trace'):
-        learn = make('search', corpus, tmp_path/str(graphs), graphs=graphs, mode='second', curvature=False, checkpoint=False, bptt=TRACE_BPTT)
+        learn = make('search', short, tmp_path/str(graphs), graphs=graphs, mode='second', curvature=False, checkpoint=False, bptt=TRACE_BPTT)
         with capturable_adam_on_cpu(learn): learn.fit_one_cycle(1, 5.)
         runs.append(learn)
     assert_same_fit(*runs)
@@ -75,11 +80,11 @@ def test_traced_graphs_take_the_learning_rate_as_an_input(corpus, tmp_path):
     assert len(set(lrs)) > 5   # the schedule moved the rate batch by batch
 
 @pytest.mark.slow
-def test_traced_graphs_train_a_derived_cell_like_eager(corpus, tmp_path):
+def test_traced_graphs_train_a_derived_cell_like_eager(short, tmp_path):
     "The derived cell's training batches and evaluation, recorded once and replayed under `fit_one_cycle` with NT-ASGD: equal to eager bit for bit"
     runs = []
     for graphs in (False, 'trace'):
-        learn = make('train', corpus, tmp_path/str(graphs), graphs=graphs, asgd=True, checkpoint=False, bptt=TRACE_BPTT)
+        learn = make('train', short, tmp_path/str(graphs), graphs=graphs, asgd=True, checkpoint=False, bptt=TRACE_BPTT)
         learn.fit_one_cycle(1, 5.)
         runs.append(learn)
     assert_same_fit(*runs)
@@ -92,14 +97,14 @@ FAMILY_TRACES = [pytest.param(dict(relax='gdas', mode='mixed', beta_decay=50.), 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('kw', FAMILY_TRACES)
-def test_the_family_traced_fits_like_eager(kw, corpus, tmp_path):
+def test_the_family_traced_fits_like_eager(kw, short, tmp_path):
     """The DARTS family's batches recorded once and replayed, as CUDA graphs run them: equal to eager bit for bit. So no part
     reads the device on the host (a capture would fail), the Gumbel and Dirichlet draws are drawn anew at each replay, τ and
     β-decay's weight reach the replayed steps as device tensors (two epochs: both move at the second), and SDARTS's attack
     keeps or reverts its perturbation on the device"""
     runs = []
     for graphs in (False, 'trace'):
-        learn = make('search', corpus, tmp_path/str(graphs), graphs=graphs, curvature=False, checkpoint=False, bptt=TRACE_BPTT, **kw)
+        learn = make('search', short, tmp_path/str(graphs), graphs=graphs, curvature=False, checkpoint=False, bptt=TRACE_BPTT, **kw)
         with capturable_adam_on_cpu(learn): learn.fit(2 if kw.get('beta_decay') else 1)
         runs.append(learn)
     g = runs[1].cuda_graphs.graphs
@@ -108,9 +113,9 @@ def test_the_family_traced_fits_like_eager(kw, corpus, tmp_path):
     assert_same_fit(*runs)
 
 @pytest.mark.slow
-def test_a_failed_capture_falls_back_to_eager_saying_why(corpus, tmp_path, capsys):
+def test_a_failed_capture_falls_back_to_eager_saying_why(short, tmp_path, capsys):
     "A step that reads a value on the host cannot be captured: α's CPU Adam reads its step count. The fit goes on eager, and says so once"
-    learn = make('search', corpus, tmp_path, graphs='trace', mode='first', curvature=False, checkpoint=False, bptt=TRACE_BPTT)
+    learn = make('search', short, tmp_path, graphs='trace', mode='first', curvature=False, checkpoint=False, bptt=TRACE_BPTT)
     learn.fit(1)
     out = capsys.readouterr().out
     assert out.count('CUDA graphs: capturing a step failed') == 1 and 'the steps run eager from here' in out
