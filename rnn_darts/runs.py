@@ -319,7 +319,10 @@ def evaluate_run(
     from rnn_darts.callbacks.checkpoint import load_checkpoint, latest_checkpoint, restore
     if checkpoint == 'best':
         p = run/'checkpoints'/'best.pth'
-        if not p.is_file(): raise FileNotFoundError(f"{p} does not exist: the run has no best checkpoint; try --checkpoint last or a file")
+        if not p.is_file():
+            last = latest_checkpoint(run/'checkpoints')
+            raise FileNotFoundError(f"{p} does not exist: the run has no best checkpoint; " + (f"its latest is {last.name}: --checkpoint last" if last else
+                                    f"it has no checkpoint at all (searched with --checkpoint false, or stopped before its first epoch ended); name one with --checkpoint FILE"))
     elif checkpoint == 'last':
         p = latest_checkpoint(run/'checkpoints')
         if p is None: raise FileNotFoundError(f"--checkpoint last: no epoch checkpoint in {run/'checkpoints'}")

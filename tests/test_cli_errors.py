@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from rnn_darts import cli, options, runs
 from rnn_darts.core import UsageError
+from rnn_darts.callbacks.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ['--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '8', '--nhid', '8', '--device', 'cpu']
@@ -250,6 +251,10 @@ def test_evaluate_errors(capsys, run_dir, tmp_path):
     fails(capsys, ['evaluate', str(run), '--checkpoint', str(tmp_path/'x.pth'), '--device', 'cpu'], 1, 'x.pth does not exist')
     (tmp_path/'junk.pth').write_text('junk')
     fails(capsys, ['evaluate', str(run), '--checkpoint', str(tmp_path/'junk.pth'), '--device', 'cpu'], 1, 'junk.pth cannot be read')
+    bare = tmp_path/'bare'; (bare/'checkpoints').mkdir(parents=True); shutil.copy(run/'run.json', bare/'run.json')
+    fails(capsys, ['evaluate', str(bare), '--device', 'cpu'], 1, 'the run has no best checkpoint; it has no checkpoint at all')
+    last = latest_checkpoint(run/'checkpoints'); shutil.copy(last, bare/'checkpoints'/last.name)
+    fails(capsys, ['evaluate', str(bare), '--device', 'cpu'], 1, f'the run has no best checkpoint; its latest is {last.name}: --checkpoint last')
     other = tmp_path/'other'
     cli.run_command(['search', '--data', data, *TINY[:-6], '--emsize', '16', '--nhid', '16', '--device', 'cpu', '--out', str(other)])
     capsys.readouterr()
