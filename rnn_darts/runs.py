@@ -189,6 +189,8 @@ def _prepare(command, flags:dict) -> _Run:
     check_settings(r.s, r.src)
     if c['threads'] is not None: check_number('--threads', c['threads'], 1, integer=True)
     if c['url'] is not None and r.s['data'] != 'ptb': raise UsageError(f"--url applies to --data ptb (it names a mirror to download it from), not --data {r.s['data']}")
+    if r.s['data'] not in ('numbers', 'ptb') and not os.path.lexists(r.s['data']):   # said before the seconds of importing torch and fastai
+        raise FileNotFoundError(f"corpus folder {Path(r.s['data'])} does not exist")
     dev = get_device(c['device'])
     if command == 'train':
         from rnn_darts.genotypes import load_genotype

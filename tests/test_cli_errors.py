@@ -364,11 +364,13 @@ def test_warning_filter_ends_with_the_command(monkeypatch):
 
 # --- help ------------------------------------------------------------------------------------------------------------------
 def test_help_is_fast_and_does_not_import_torch():
+    "Help, and a missing corpus folder, answer before torch and fastai are imported"
     env = {**os.environ, 'PYTHONPATH': str(ROOT)}
     code = ("import sys; from rnn_darts.cli import run_command\n"
             "for a in (['--help'], ['search', '-h'], ['train', '-h'], ['study', '-h'], ['evaluate', '-h']):\n"
             "    try: run_command(a)\n    except SystemExit as e: assert e.code == 0\n"
-            "assert 'torch' not in sys.modules and 'fastai' not in sys.modules, 'help imported torch'")
+            "try: run_command(['search', '--data', '/no/such/corpus'])\nexcept SystemExit as e: assert e.code == 1\n"   # a missing folder: said at once
+            "assert 'torch' not in sys.modules and 'fastai' not in sys.modules, 'help (or a missing corpus folder) imported torch'")
     t0 = time.time()
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
