@@ -113,11 +113,16 @@ def _record(M, K, N, a_rows, b_rows, bias) -> dict:
 
 _USED = {}   # (machine key, product key) -> record, for the products this process ran
 
-@torch.compiler.assume_constant_result   # a compiled graph asks once, while it is traced, and keeps the answer
 def _choose(M:int, K:int, N:int, a_rows:bool, b_rows:bool, bias:bool) -> bool:
     rec = _record(M, K, N, a_rows, b_rows, bias)
     _USED[machine_key(), product_key(M, K, N, a_rows, b_rows, bias)] = rec
     return rec['kernel'] == 'onednn'
+
+# A compiled graph asks `_choose` once, while it is traced, and keeps the answer. This is what
+# `torch.compiler.assume_constant_result` marks; the decorator itself imports `torch._dynamo`, about 2 s of every start
+# (tests/test_kernels.py checks that the mark is the decorator's).
+_choose._dynamo_marked_constant = True
+
 
 def _key(a, b, bias): return a.shape[0], a.shape[1], b.shape[0], a.stride(1) == 1, b.stride(1) == 1, bias is not None
 

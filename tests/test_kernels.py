@@ -157,6 +157,8 @@ def test_a_compiled_step_takes_the_choices_while_traced(faster, table, monkeypat
 
 def test_a_product_first_met_while_compiling_is_measured_on_real_tensors(table):
     "Measured inside torch.compile's tracing, the times are real: at least the product's FLOPs at 1 TFLOP/s, not a fake tensor's"
+    marked = lambda: 0; torch.compiler.assume_constant_result(marked)
+    assert vars(marked) == vars(kernels._choose) == {'_dynamo_marked_constant': True}   # `_choose`'s mark is the decorator's
     f = torch.compile(lambda a, W: linear(a, W).sigmoid(), dynamic=False)
     a, W = torch.randn(256, 512), torch.randn(2048, 512)
     torch.testing.assert_close(f(a, W), F.linear(a, W).sigmoid(), rtol=1e-4, atol=5e-5)   # either kernel's rounding (1.2e-5 seen)
