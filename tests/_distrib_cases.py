@@ -1,11 +1,11 @@
 """Helpers for tests/test_distrib.py: tiny learners and the functions each spawned rank runs (importable by spawn)."""
-import os, shutil, tempfile
+import os, shutil, tempfile, traceback
 import torch, torch.nn.functional as F
 from fastai.callback.core import Callback, CancelFitException
 from rnn_darts.core import set_seed
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.learner import search_learner, train_learner
-from rnn_darts.distrib import distrib_learner, rank_world
+from rnn_darts.distrib import distrib_learner, rank_world, setup_distrib, _free_port
 from rnn_darts.callbacks.arch import hypergrad_second
 
 NODROP = dict(dropout=0., dropouth=0., dropoutx=0., dropouti=0., dropoute=0.)
@@ -131,3 +131,24 @@ def random_fit():
     learn, log = distrib_learner(build('random')), CellLog()
     with learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=log)
     return dict(cells=log.cells, w=learn.model.flat.data.clone())
+
+def leave_twice(delay=1.0):
+    "`leave_after` with the barrier, then in a new group (on a port rank 0 picked and sent) without it: each's seconds on this rank"
+    import torch.distributed as dist
+    port = [_free_port() if rank_world()[0] == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    waited = leave_after(0, delay, True)
+    os.environ['MASTER_PORT'] = str(port[0])
+    setup_distrib('gloo', timeout=30)
+    return waited, leave_after(0, delay, False)
+
+def _part(fn, *args):
+    try: return dict(ok=True, value=fn(*args))
+    except Exception as e: return dict(ok=False, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+def one_group(search_path, resume_path):
+    """Every check of a healthy 2-process group in one launch (each launch costs two imports of torch and fastai): the
+    steps of `step_cases`, `search_and_resume`, `random_fit`, and leaving the group last (`leave_twice`). Each part's
+    value or its error, so that a failing part fails its own tests and names itself"""
+    return dict(steps=_part(step_cases), runs=_part(search_and_resume, search_path, resume_path), random=_part(random_fit),
+                leave=_part(leave_twice))

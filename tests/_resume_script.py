@@ -17,10 +17,14 @@ from rnn_darts.callbacks.logs import write_json_atomic, RunLogger
 
 torch.set_num_threads(1)  # the same reduction order in every process
 
+#: the numbers corpus's (train, valid, test) tokens: 10 training batches an epoch at bs 8, bptt 10 (a search epoch ~1 s at
+#: one thread), 4 validation batches; enough for a kill to land inside a run and for the divergence tests' batch indices (< 9)
+CORPUS = (800, 300, 100)
+
 def build(path, seed=0, device='cpu', **kwargs):
     "The tiny search learner every resume test uses, built from `seed` on `device`"
     set_seed(seed)
-    c = numbers_corpus(seed, 1500, 600, 300)
+    c = numbers_corpus(seed, *CORPUS)
     dls = lm_dls(c, 8, 10, 'search', eval_bs=8, seed=seed, device=device)
     kw = dict(emsize=16, nhid=16, mode='first', path=path, keep=2, curvature=False)   # λ_max, which doubles an epoch's time: tests/test_curvature.py
     kw.update(kwargs)

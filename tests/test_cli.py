@@ -5,8 +5,8 @@ from rnn_darts import cli
 from rnn_darts.callbacks.speed import BF16Autocast
 from rnn_darts.callbacks.training import FusedDecoderLoss
 
-TINY = ['--data', 'numbers', '--n-train', '3000', '--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4',
-        '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--n-eval', '1500']
+TINY = ['--data', 'numbers', '--n-train', '1000', '--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4',
+        '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--n-eval', '500']   # 12 training batches an epoch
 
 @pytest.mark.slow
 def test_search_with_bf16_flags(tmp_path):
@@ -96,7 +96,7 @@ def test_search_and_train_flags_come_from_one_table(tmp_path, capsys):
         for k in set(FLAGS) - set(command_flags(cmd)): assert f"--{k.replace('_', '-')} " not in said, (cmd, k)   # the other command's own
     with pytest.raises(TypeError, match=r"search\(\) got an unexpected keyword argument 'epoch' \(it takes the flags of rnn-darts search -h\)"):
         runs.search(epoch=1)
-    learn = runs.search(data='numbers', n_train=3000, n_eval=1500, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=8, nhid=8, device='cpu', mode='first',
+    learn = runs.search(data='numbers', n_train=1000, n_eval=500, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=8, nhid=8, device='cpu', mode='first',
                         curvature_windows=2, out=str(tmp_path/'s'))
     assert learn.curvature.windows == 2 and len(learn.curvature.history[-1]['lambda_max_windows']) == 2
     assert json.loads((tmp_path/'s'/'run.json').read_text())['settings']['curvature_windows'] == 2

@@ -12,12 +12,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ['--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '8', '--nhid', '8', '--device', 'cpu']
 NUM = ['--n-train', '3000', '--n-eval', '1500', *TINY]
 
-def small_corpus(d, train=None, valid=None, test=None):
-    "A corpus folder of about 3,000 / 400 / 400 tokens (tiny runs: validation is quick)"
+def small_corpus(d, train=None, valid=None, test=None, lines=300):
+    "A corpus folder of about 3,000 / 400 / 400 tokens (tiny runs: validation is quick); `lines=80`: 880 training tokens, 11 batches an epoch"
     d = Path(d); d.mkdir(parents=True, exist_ok=True)
     words = 'one two three four five six seven eight nine ten'.split()
     line = lambda i: ' '.join(words[(i * 7 + k) % 10] for k in range(9))
-    for s, n, t in (('train', 300, train), ('valid', 40, valid), ('test', 40, test)):
+    for s, n, t in (('train', lines, train), ('valid', 40, valid), ('test', 40, test)):
         (d/f'{s}.txt').write_bytes(t if isinstance(t, bytes) else (t or ''.join(f' {line(i)} \n' for i in range(n))).encode())
     return str(d)
 
@@ -36,9 +36,9 @@ RUN = [*TINY, '--mode', 'first', '--curvature', 'false']   # the finished run's 
 
 @pytest.fixture(scope='module')
 def run_dir(tmp_path_factory):
-    "A finished 1-epoch search on a small corpus folder (its users share one worker: `xdist_group`, so it is made once)"
+    "A finished 1-epoch search on a small corpus folder, 11 batches (its users share one worker: `xdist_group`, so it is made once)"
     d = tmp_path_factory.mktemp('run')
-    data = small_corpus(d/'corpus')
+    data = small_corpus(d/'corpus', lines=80)
     cli.run_command(['search', '--data', data, *RUN, '--out', str(d/'run')])
     return d/'run', data
 
@@ -159,8 +159,10 @@ def test_presets_ship_with_the_package(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_quick_preset_from_any_folder_by_subprocess(tmp_path):
+    "A fresh `python -m rnn_darts.cli` in a folder without settings.ini reads [quick] from the package; its run's size is not the point (first order, no λ_max, 1,000 tokens)"
     env = {**os.environ, 'PYTHONPATH': str(ROOT), 'OMP_NUM_THREADS': '1'}
-    r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', 'search', '--preset', 'quick', *NUM, '--out', 'q'],
+    small = ['--mode', 'first', '--curvature', 'false', '--n-train', '1000', '--n-eval', '500']
+    r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', 'search', '--preset', 'quick', *NUM, *small, '--out', 'q'],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((tmp_path/'q'/'run.json').read_text())['settings']['dropout'] == 0.2   # from [quick]
@@ -181,9 +183,9 @@ def test_corpus_file_errors(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_byte_order_mark_never_reaches_the_vocabulary(tmp_path):
-    c = Path(small_corpus(tmp_path/'c'))
+    c = Path(small_corpus(tmp_path/'c', lines=80))
     (c/'train.txt').write_text('\ufeff' + (c/'train.txt').read_text(), encoding='utf-8')   # as some editors save
-    learn = cli.run_command(['search', '--data', str(c), *TINY, '--out', str(tmp_path/'o')])
+    learn = cli.run_command(['search', '--data', str(c), *RUN, '--out', str(tmp_path/'o')])
     assert learn.dls.vocab[0] == 'one' and not any('\ufeff' in w for w in learn.dls.vocab)
 
 # --- run folders -------------------------------------------------------------------------------------------------------
@@ -256,7 +258,7 @@ def test_evaluate_errors(capsys, run_dir, tmp_path):
     last = latest_checkpoint(run/'checkpoints'); shutil.copy(last, bare/'checkpoints'/last.name)
     fails(capsys, ['evaluate', str(bare), '--device', 'cpu'], 1, f'the run has no best checkpoint; its latest is {last.name}: --checkpoint last')
     other = tmp_path/'other'
-    cli.run_command(['search', '--data', data, *TINY[:-6], '--emsize', '16', '--nhid', '16', '--device', 'cpu', '--out', str(other)])
+    cli.run_command(['search', '--data', data, *RUN, '--emsize', '16', '--nhid', '16', '--out', str(other)])
     capsys.readouterr()
     fails(capsys, ['evaluate', str(run), '--checkpoint', str(other/'checkpoints'/'best.pth'), '--device', 'cpu'], 1,
           'best.pth does not fit this model (', 'nhid: checkpoint 16, model 8')
@@ -268,20 +270,23 @@ def test_full_disk_while_checkpointing(capsys, tmp_path, monkeypatch):
     import rnn_darts.callbacks.checkpoint as ck
     def no_space(*a, **k): raise OSError(errno.ENOSPC, 'No space left on device')
     monkeypatch.setattr(ck.torch, 'save', no_space)
-    fails(capsys, ['search', '--data', small_corpus(tmp_path/'c'), *TINY, '--out', str(tmp_path/'o')], 1,
+    fails(capsys, ['search', '--data', small_corpus(tmp_path/'c', lines=80), *RUN, '--out', str(tmp_path/'o')], 1,
           'no space left on device while writing checkpoint', 'the previous checkpoints are intact')
 
 def test_nan_with_on_nan_stop(capsys, tmp_path):
-    fails(capsys, ['search', '--data', small_corpus(tmp_path/'c'), *TINY, '--lr', '1e38', '--clip', '1e38', '--on-nan', 'stop',
-                   '--out', str(tmp_path/'o')], 1, 'had a non-finite loss or gradient and were not applied', "stopping (on_nan='stop')")
+    "The weights blow up at once: --on-nan stop ends the first epoch with one line, exit 1, and derives no cell (the stop case of the test below)"
+    out = tmp_path/'o'
+    line = fails(capsys, ['search', '--data', small_corpus(tmp_path/'c', lines=80), *TINY, '--epochs', '3', '--lr', '1e38', '--clip', '1e38',
+                          '--on-nan', 'stop', '--out', str(out)], 1, 'had a non-finite loss or gradient and were not applied', "stopping (on_nan='stop')")
+    assert not (out/'genotype.json').exists(), line
 
 @pytest.mark.parametrize('on_nan,says', [('skip', 'no epoch of this run had a finite validation loss and perplexity'),
-                                         ('rollback', 'no finite checkpoint to roll back to'), ('stop', "stopping (on_nan='stop')")])
+                                         ('rollback', 'no finite checkpoint to roll back to')])
 @pytest.mark.slow
 def test_a_search_that_never_validated_finitely_fails(capsys, tmp_path, on_nan, says):
-    "--lr 1e30 blows the supernet up at once: every --on-nan mode ends with one line and exit 1, and derives no cell"
+    "--lr 1e30 blows the supernet up at once: every --on-nan mode ends with one line and exit 1, and derives no cell (stop: test_nan_with_on_nan_stop)"
     out = tmp_path/'o'
-    line = fails(capsys, ['search', '--data', small_corpus(tmp_path/'c'), *TINY, '--epochs', '3', '--lr', '1e30', '--on-nan', on_nan,
+    line = fails(capsys, ['search', '--data', small_corpus(tmp_path/'c', lines=80), *RUN, '--epochs', '3', '--lr', '1e30', '--on-nan', on_nan,
                           '--out', str(out)], 1, says, 'stopping')
     assert not (out/'genotype.json').exists(), line
 

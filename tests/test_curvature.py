@@ -1,6 +1,7 @@
 """λ_max of ∇²_α L_valid (rnn_darts.callbacks.curvature): equal to the full Hessian's, logged without changing the search; DARTS-ES
 stops at the right epoch with the earlier α and weights, and a resume inside its window is exact."""
-import json, statistics
+import io, json, statistics
+from contextlib import redirect_stdout
 from pathlib import Path
 import pytest, torch
 from fastai.callback.core import Callback
@@ -13,20 +14,22 @@ from rnn_darts.callbacks.logs import RunLogger
 from rnn_darts.callbacks.curvature import Curvature, CurvatureStop, curvature_batches, hessian_extremes
 
 def full_hessian(m, batches, seed=0):
-    "∇²_α of the same loss (masks from `seed`, frozen statistics), row by row by autograd"
+    "∇²_α of the same loss (masks from `seed`, frozen statistics), every row by autograd: the rows of the identity back through ∇_α L, batched (vmap), as a loop of 180 backward passes gives them bit for bit in a tenth of the time"
     with torch.random.fork_rng():
         torch.manual_seed(seed); torch.randn(m.alpha.shape)     # hessian_extremes draws its start vector first
         m.train(); m.alpha.requires_grad_(True)
         with m.frozen_masks(), m.twice_differentiable():
             loss = sum(m.loss(x, y, 'curvature', advance=False, update_stats=False) for x, y in batches) / len(batches)
             g = torch.autograd.grad(loss, m.alpha, create_graph=True)[0].flatten()
-            H = torch.stack([torch.autograd.grad(g[i], m.alpha, retain_graph=True)[0].flatten() for i in range(g.numel())])
+            n = g.numel()
+            H = torch.autograd.grad(g, m.alpha, torch.eye(n), is_grads_batched=True)[0].reshape(n, n)
         m.alpha.requires_grad_(False)
     return (H + H.t()).double() / 2
 
-def learner(path, epochs_data=2000, **kw):
+def learner(path, epochs_data=600, n_valid=400, **kw):
+    "A tiny first-order search: `epochs_data` training tokens (~`epochs_data` / 80 batches an epoch), `n_valid` validation tokens"
     set_seed(0)
-    c = numbers_corpus(0, epochs_data, 1200, 300)
+    c = numbers_corpus(0, epochs_data, n_valid, 100)
     dls = lm_dls(c, 8, 10, 'search', eval_bs=4, seed=0)
     kw = dict(dict(emsize=12, nhid=12, mode='first', dropout=0.2, dropouth=0.1, dropoutx=0.1, dropouti=0.1, path=path, compile=False), **kw)
     return search_learner(dls, search_stream(c, 8), **kw)
@@ -67,7 +70,7 @@ def test_logged_every_epoch_without_changing_the_search(tmp_path):
 
 def test_the_median_ignores_one_wild_window(tmp_path):
     "One window whose λ_max is 1,000 times the others' (as PTB gave) moves the median not at all, and a non-finite one makes it NaN"
-    learn = learner(tmp_path, curvature_windows=5, checkpoint=False)
+    learn = learner(tmp_path, epochs_data=200, n_valid=100, curvature_windows=5, checkpoint=False)   # the fits only carry the planted values
     curv = learn.curvature
     vals = [[0., 1.], [0., 2.], [0., 3.], [0., 4.], [0., 5.]]
     curv.measure = lambda: torch.tensor(vals)
@@ -98,29 +101,36 @@ class AlphaLog(Callback):
 PLANTED = [1.] * 8 + [5., 9., 20., 30., 40., 50.]
 
 def es_learner(path, **kw):
-    learn = learner(path, epochs_data=800, curvature=False, **kw)
+    "A search under DARTS-ES with planted λ_max values: 2 training batches an epoch (α moves at each), 2 evaluation batches"
+    learn = learner(path, epochs_data=160, n_valid=100, curvature=False, **kw)
     learn.add_cbs([Planted(PLANTED), CurvatureStop(start=2)])
     return learn
 
+@pytest.fixture(scope='module')
+def es_ref(tmp_path_factory):
+    "The uninterrupted DARTS-ES search (asked for 12 epochs, it stops at 8), α and the weights of each epoch's end, and what it printed"
+    path = tmp_path_factory.mktemp('es')/'ref'
+    learn, log, out = es_learner(path), AlphaLog(), io.StringIO()
+    with redirect_stdout(out), learn.no_bar(), learn.no_logging(): learn.fit(12, cbs=log)
+    return learn, log, out.getvalue(), path
+
 @pytest.mark.slow
-def test_early_stop_at_the_right_epoch_keeps_the_earlier_alpha(tmp_path, capsys):
-    learn = es_learner(tmp_path)
-    log = AlphaLog()
-    with learn.no_bar(), learn.no_logging(): learn.fit(12, cbs=log)
-    said = capsys.readouterr().out
+def test_early_stop_at_the_right_epoch_keeps_the_earlier_alpha(es_ref):
+    learn, log, said, path = es_ref
     assert len(learn.recorder.values) == 9                            # epochs 0..8, then it stopped
     assert "early stop at epoch 8: λ_max's local average rose 1.80× over 4 epochs" in said and 'end of epoch 2' in said
     assert learn.curvature_stop.stopped == dict(epoch=8, restored_epoch=2, ratio=pytest.approx(1.8), window=5, delta=4, factor=1.3)
     assert torch.equal(learn.model.alpha, log.alphas[2]) and torch.equal(learn.model.flat.data, log.weights[2])
     assert not torch.equal(log.alphas[8], log.alphas[2])
-    snaps = sorted(p.name for p in (tmp_path/'checkpoints').glob('es_epoch_*.pth'))
+    snaps = sorted(p.name for p in (path/'checkpoints').glob('es_epoch_*.pth'))
     assert snaps == [f'es_epoch_{e:04d}.pth' for e in range(2, 9)]     # the window's states only
 
 @pytest.mark.slow
-def test_resume_inside_the_window_is_exact(tmp_path):
-    "Killed (here: a fit of 6 epochs) inside the window, resumed: the same stop, α and weights; resuming the stopped run changes nothing"
-    ref = es_learner(tmp_path/'ref')
-    with ref.no_bar(), ref.no_logging(): ref.fit(12)
+def test_resume_inside_the_window_is_exact(es_ref, tmp_path):
+    """Killed (here: a fit of 6 epochs) inside the window, resumed: the same stop, α and weights as the uninterrupted search
+    (`es_ref`), so the window's snapshots written before the kill are the ones restored; resuming the stopped run changes
+    nothing. (That every other part resumes exactly, λ_max's history included: tests/test_resume.py)"""
+    ref = es_ref[0]
     first = es_learner(tmp_path/'run')
     with first.no_bar(), first.no_logging(): first.fit(6)
     resumed = es_learner(tmp_path/'run', resume=True)
@@ -136,7 +146,7 @@ def test_resume_inside_the_window_is_exact(tmp_path):
 def test_cli_early_stop_flag_and_report(tmp_path):
     "--early-stop true reaches the learner; lambda_max is logged and plotted; run.json records no stop when none happened"
     out = tmp_path/'s'
-    learn = cli.run_command(['search', '--data', 'numbers', '--n-train', '3000', '--n-eval', '1500', '--epochs', '2', '--bs', '8', '--bptt', '10',
+    learn = cli.run_command(['search', '--data', 'numbers', '--n-train', '600', '--n-eval', '300', '--epochs', '1', '--bs', '8', '--bptt', '10',
                              '--eval-bs', '4', '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--threads', '1', '--mode', 'first',
                              '--early-stop', 'true', '--curvature-windows', '2', '--out', str(out)])
     assert isinstance(learn.curvature_stop, CurvatureStop) and learn.curvature_stop.stopped is None

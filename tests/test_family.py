@@ -16,10 +16,11 @@ from rnn_darts.callbacks.arch import (hypergrad, hypergrad_mixed, hypergrad_sing
 
 NHID = 8
 
-def learner(path=None, seed=0, **kw):
+def learner(path=None, seed=0, n_train=1200, n_valid=800, bptt=10, **kw):
+    "A search learner at batch size 8 over a numbers corpus: 1200 training tokens, 15 batches an epoch (at bptt 10); each test passes the fewest its property needs"
     set_seed(seed)
-    c = numbers_corpus(seed=seed, n_train=1200, n_valid=800, n_test=300)
-    dls = lm_dls(c, 8, 10, 'search', seed=seed)
+    c = numbers_corpus(seed=seed, n_train=n_train, n_valid=n_valid, n_test=300)
+    dls = lm_dls(c, 8, bptt, 'search', seed=seed)
     kw = dict(dict(checkpoint=False, curvature=False), **kw)
     learn = search_learner(dls, search_stream(c, 8), emsize=NHID, nhid=NHID, path=path or tempfile.mkdtemp(), **kw)
     learn.remove_cb(learn.progress)
@@ -143,8 +144,9 @@ class Taus(Callback):
 @pytest.mark.parametrize('method,want', [('gdas', [(10., None), (5.05, None), (0.1, None)]), ('snas', [(1., None), (0.515, None), (0.03, None)]),
                                          ('beta-darts', [(None, 0.), (None, 50 / 3), (None, 100 / 3)])])
 def test_schedules_follow_the_papers_over_the_fit(method, want):
+    "Three epochs (the schedule's start, middle and end) of two or three training batches each: the schedule moves per epoch"
     rec = Taus()
-    fit(learner(method=method), 3, [rec])
+    fit(learner(method=method, n_train=100, n_valid=100), 3, [rec])
     for (t, b), (wt, wb) in zip(rec.seen, want):
         assert (t is None) == (wt is None) and (b is None) == (wb is None)
         if t is not None: assert abs(t - wt) < 1e-6
@@ -153,7 +155,7 @@ def test_schedules_follow_the_papers_over_the_fit(method, want):
 
 def test_tau_settings_override_the_papers():
     rec = Taus()
-    fit(learner(method='gdas', tau_max=4., tau_min=2.), 2, [rec])
+    fit(learner(method='gdas', tau_max=4., tau_min=2., n_train=100, n_valid=100), 2, [rec])
     assert [round(t, 6) for t, _ in rec.seen] == [4., 2.]
 
 # ------------------------------------------------------------------ bad combinations
@@ -189,11 +191,19 @@ class Mixes(Callback):
         m.cell_inputs = spy
     def after_fit(self): del self.model.cell_inputs
 
+_SDARTS = {}
+def sdarts_fit(kind):
+    "One epoch of 7 batches (bptt 5) under SDARTS's `kind` perturbation with its mixing weights recorded, made once per module (the adversarial one serves two tests)"
+    if kind not in _SDARTS:
+        rec = Mixes()
+        learn = learner(perturb=kind, mode='first', n_train=280, n_valid=60, bptt=5)
+        fit(learn, 1, [rec])
+        _SDARTS[kind] = learn, rec
+    return _SDARTS[kind]
+
 @pytest.mark.parametrize('kind', ['random', 'adversarial'])
 def test_sdarts_perturbs_the_weight_step_only_within_its_bound(kind):
-    rec = Mixes()
-    learn = learner(perturb=kind, mode='first')
-    fit(learn, 1, [rec])
+    learn, rec = sdarts_fit(kind)
     assert len(rec.arch) > 5 and len(rec.weight) > 5
     for p, clean in rec.arch: assert torch.equal(p, clean)          # α's passes: unperturbed
     for w, clean in rec.weight:
@@ -204,8 +214,7 @@ def test_sdarts_perturbs_the_weight_step_only_within_its_bound(kind):
 
 def test_sdarts_adversarial_weights_raise_the_batch_loss():
     "The attacked mixing weights give the batch a loss at least the clean one's (in evaluation mode, as the attack measures it)"
-    learn = learner(perturb='adversarial', mode='first')
-    fit(learn, 1)
+    learn, _ = sdarts_fit('adversarial')
     cb, m = learn.perturbation, learn.model
     x, y = next(iter(learn.dls.train))
     cb.eps = 0.3
@@ -224,7 +233,7 @@ from rnn_darts.data import batchify
 
 def test_darts_pt_keeps_per_node_the_pair_whose_removal_hurts_most():
     "Without fine-tuning the supernet does not change between decisions: each decision is checked again, pair by pair, with a plain loop"
-    learn = learner(method='darts-pt', pt_tune=0)
+    learn = learner(method='darts-pt', pt_tune=0, n_train=50, n_valid=40, bptt=2)   # 3 batches; each pair's loss: one 2-step pass over 13 rows
     fit(learn, 1)
     pt, m = learn.pt_selection, learn.model
     rec = pt.record['decisions']
@@ -249,10 +258,16 @@ def test_darts_pt_keeps_per_node_the_pair_whose_removal_hurts_most():
 
 def test_darts_pt_runs_its_cell_after_and_then_the_supernet_again(tmp_path):
     "After the selection the model runs the chosen cell; a later fit trains the supernet again (that the selection repeats from its seed and resumes: tests/test_resume.py)"
-    a = learner(method='darts-pt', pt_tune=2); fit(a, 1)
+    a = learner(method='darts-pt', pt_tune=1, n_train=50, n_valid=40, bptt=2); fit(a, 1)   # a batch of fine-tuning after each decision
     w = a.model.mixing_weights()
     for sl in edge_slices(8): assert w[sl].sum() == 1 and (w[sl] == 1).sum() == 1   # one-hot per node: the chosen cell
-    fit(a, 1)                                                                         # a later fit trains the supernet again
+    class Hooks(Callback):
+        def __init__(self): self.seen = []
+        def before_batch(self):
+            if self.training: self.seen.append(self.model.mixing_hook)
+    rec = Hooks()
+    fit(a, 1, [rec])                                                                  # a later fit trains the supernet again
+    assert rec.seen and all(h is None for h in rec.seen)
     assert a.pt_selection.chosen is not None and a.model.mixing_hook is not None
 
 @pytest.mark.slow
@@ -261,8 +276,8 @@ def test_the_command_line_writes_darts_pts_cell_and_its_time(tmp_path):
     from rnn_darts import cli
     from rnn_darts.genotypes import load_genotype
     out = tmp_path/'pt'
-    cli.run_command(['search', '--data', 'numbers', '--n-train', '3000', '--n-eval', '1500', '--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4',
-                     '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--method', 'darts-pt', '--pt-tune', '2', '--curvature', 'false', '--out', str(out)])
+    cli.run_command(['search', '--data', 'numbers', '--n-train', '400', '--n-eval', '200', '--epochs', '1', '--bs', '8', '--bptt', '4', '--eval-bs', '4',
+                     '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--method', 'darts-pt', '--pt-tune', '1', '--curvature', 'false', '--out', str(out)])
     info = json.loads((out/'run.json').read_text())
     assert info['settings']['select'] == 'pt' and info['settings']['mode'] == 'first'
     assert info['pt_select']['seconds'] > 0 and len(info['pt_select']['decisions']) == 8
@@ -276,7 +291,7 @@ def test_the_report_of_a_folder_of_searches_sets_the_methods_side_by_side(tmp_pa
     from rnn_darts import cli
     from rnn_darts.genotypes import load_genotype
     from rnn_darts.random_search import cell_text
-    tiny = ['--data', 'numbers', '--n-train', '3000', '--n-eval', '1500', '--epochs', '2', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '8',
+    tiny = ['--data', 'numbers', '--n-train', '400', '--n-eval', '200', '--epochs', '2', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '8',
             '--nhid', '8', '--device', 'cpu']
     for m, kw in (('gdas', ['--curvature-windows', '1']), ('random', [])): cli.run_command(['search', *tiny, *kw, '--method', m, '--out', str(tmp_path/m)])
     capsys.readouterr()

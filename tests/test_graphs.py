@@ -4,13 +4,44 @@ records it once with make_fx and replays the recorded operators, as a CUDA graph
 from contextlib import contextmanager
 import pytest, torch
 from rnn_darts.core import set_seed
-from rnn_darts.learner import search_learner
+from rnn_darts.learner import search_learner, train_learner
 from rnn_darts.data import lm_dls, search_stream, numbers_corpus
 from rnn_darts.model import DartsRnn
 from rnn_darts.genotypes import DARTS_V2
 from rnn_darts.callbacks.graphs import StepGraphs, Captured
-from tests.test_learner import corpus, make, state, assert_same   # noqa: F401 (a fixture)
 
+@pytest.fixture(scope='module')
+def corpus():
+    "The GPU twins' corpus: 19 training batches an epoch at `bptt` 10"
+    return numbers_corpus(n_train=1_500, n_valid=600, n_test=400)
+
+@pytest.fixture(scope='module')
+def small():
+    "The CPU fits' corpus: 6 training batches an epoch at `bptt` 10 (bs 8), 5 evaluation batches (eval_bs 4): each graph met more than twice"
+    return numbers_corpus(n_train=500, n_valid=200, n_test=100)
+
+SMALL = dict(nhid=8)   # the graphs' bookkeeping does not depend on the width
+
+def make(kind, corpus, path, seed=0, device='cpu', bptt=10, nhid=16, **kw):
+    "A tiny search learner (first order, no λ_max, unless `kw` says) or a derived-cell learner, on `device`"
+    set_seed(seed)
+    if kind == 'search':
+        dls = lm_dls(corpus, bs=8, bptt=bptt, phase='search', eval_bs=4, device=device)
+        learn = search_learner(dls, search_stream(corpus, 8, device=device), path=path, emsize=nhid, nhid=nhid, **{'mode': 'first', 'curvature': False, **kw})
+    else:
+        dls = lm_dls(corpus, bs=8, bptt=bptt, phase='train', eval_bs=4, device=device)
+        learn = train_learner(dls, DARTS_V2, path=path, emsize=nhid, nhid=nhid, **kw)
+    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
+    learn.recorder.silent = True
+    return learn
+
+def state(o):
+    "Weights of a learner's or a model's (α and BatchNorm statistics included), as copies"
+    return {k: v.detach().clone() for k, v in getattr(o, 'model', o).state_dict().items()}
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a: assert torch.equal(a[k], b[k]), k
 
 def outcome(learn):
     "What a fit leaves: the weights and α, the recorded losses and epoch values, the carried hidden states, the flat gradient"
@@ -34,12 +65,12 @@ CASES = [pytest.param('search', dict(mode='first'), ['arch', 'eval', 'train'], i
          pytest.param('train', dict(asgd=True), ['eval', 'train'], id='train-asgd')]
 
 @pytest.mark.parametrize('kind,kw,kinds', CASES)
-def test_emulated_graphs_fit_like_eager(kind, kw, kinds, corpus, tmp_path):
-    "Every batch through its graph's bookkeeping (static inputs, one graph per shape, the hidden-state carry, device-side learning rates) equals the eager fit bit for bit; exact mode's α step stays eager. Two epochs for first order and the training (the graphs and the carry across an epoch's end), one for the others (the second order's 30 s more would show nothing new)"
+def test_emulated_graphs_fit_like_eager(kind, kw, kinds, small, tmp_path):
+    "Every batch through its graph's bookkeeping (static inputs, one graph per shape, the hidden-state carry, device-side learning rates) equals the eager fit bit for bit; exact mode's α step stays eager. Two epochs for first order and the training (the graphs and the carry across an epoch's end), one for the others (a second epoch would show nothing new)"
     kw = dict(kw, curvature=False) if kind == 'search' else kw   # λ_max runs eager: the graphs are the point here
     n = 1 if kw.get('mode') in ('second', 'exact') else 2
-    a = make(kind, corpus, tmp_path/'a', graphs=False, **kw); a.fit(n)
-    b = make(kind, corpus, tmp_path/'b', graphs='emulate', **kw); b.fit(n)
+    a = make(kind, small, tmp_path/'a', graphs=False, **SMALL, **kw); a.fit(n)
+    b = make(kind, small, tmp_path/'b', graphs='emulate', **SMALL, **kw); b.fit(n)
     assert a.cuda_graphs.graphs is None
     assert_same_fit(a, b)
     assert graph_kinds(b) == kinds
@@ -55,12 +86,14 @@ def capturable_adam_on_cpu(learn):
     try: yield
     finally: A._get_capturable_supported_devices = supported
 
-TRACE_BPTT = 5   # a trace records every operator of the unrolled steps: half the steps, half the time to record
+TRACE_BPTT = 3   # a trace records every operator of the unrolled steps: fewer steps, less to record
 
 @pytest.fixture(scope='module')
 def short():
-    "The traced fits' corpus: ~15 training batches an epoch at TRACE_BPTT, each replayed graph still met many times (a fit runs twice: eager and traced)"
-    return numbers_corpus(n_train=600, n_valid=300, n_test=200)
+    """The traced fits' corpus: 6 training batches an epoch at TRACE_BPTT (bs 8), 6 evaluation batches (eval_bs 4), none
+    shorter: a graph is recorded at its shape's second call, and a last short batch met again in a second epoch would be one
+    more recording (seconds each) that shows nothing new. Each replayed graph is still met several times"""
+    return numbers_corpus(n_train=150, n_valid=75, n_test=50)
 
 @pytest.mark.slow
 def test_traced_graphs_take_the_learning_rate_as_an_input(short, tmp_path):
@@ -69,7 +102,7 @@ def test_traced_graphs_take_the_learning_rate_as_an_input(short, tmp_path):
     the virtual step reach the replayed graphs as inputs, and dropout masks are drawn anew at every replay"""
     runs = []
     for graphs in (False, 'trace'):
-        learn = make('search', short, tmp_path/str(graphs), graphs=graphs, mode='second', curvature=False, checkpoint=False, bptt=TRACE_BPTT)
+        learn = make('search', short, tmp_path/str(graphs), graphs=graphs, mode='second', curvature=False, checkpoint=False, bptt=TRACE_BPTT, **SMALL)
         with capturable_adam_on_cpu(learn): learn.fit_one_cycle(1, 5.)
         runs.append(learn)
     assert_same_fit(*runs)
@@ -84,7 +117,7 @@ def test_traced_graphs_train_a_derived_cell_like_eager(short, tmp_path):
     "The derived cell's training batches and evaluation, recorded once and replayed under `fit_one_cycle` with NT-ASGD: equal to eager bit for bit"
     runs = []
     for graphs in (False, 'trace'):
-        learn = make('train', short, tmp_path/str(graphs), graphs=graphs, asgd=True, checkpoint=False, bptt=TRACE_BPTT)
+        learn = make('train', short, tmp_path/str(graphs), graphs=graphs, asgd=True, checkpoint=False, bptt=TRACE_BPTT, **SMALL)
         learn.fit_one_cycle(1, 5.)
         runs.append(learn)
     assert_same_fit(*runs)
@@ -104,7 +137,7 @@ def test_the_family_traced_fits_like_eager(kw, short, tmp_path):
     keeps or reverts its perturbation on the device"""
     runs = []
     for graphs in (False, 'trace'):
-        learn = make('search', short, tmp_path/str(graphs), graphs=graphs, curvature=False, checkpoint=False, bptt=TRACE_BPTT, **kw)
+        learn = make('search', short, tmp_path/str(graphs), graphs=graphs, curvature=False, checkpoint=False, bptt=TRACE_BPTT, **SMALL, **kw)
         with capturable_adam_on_cpu(learn): learn.fit(2 if kw.get('beta_decay') else 1)
         runs.append(learn)
     g = runs[1].cuda_graphs.graphs
@@ -115,18 +148,18 @@ def test_the_family_traced_fits_like_eager(kw, short, tmp_path):
 @pytest.mark.slow
 def test_a_failed_capture_falls_back_to_eager_saying_why(short, tmp_path, capsys):
     "A step that reads a value on the host cannot be captured: α's CPU Adam reads its step count. The fit goes on eager, and says so once"
-    learn = make('search', short, tmp_path, graphs='trace', mode='first', curvature=False, checkpoint=False, bptt=TRACE_BPTT)
+    learn = make('search', short, tmp_path, graphs='trace', mode='first', curvature=False, checkpoint=False, bptt=TRACE_BPTT, **SMALL)
     learn.fit(1)
     out = capsys.readouterr().out
     assert out.count('CUDA graphs: capturing a step failed') == 1 and 'the steps run eager from here' in out
     assert learn.cuda_graphs.graphs.failed and not learn.cuda_graphs.graphs.graphs
     assert all(torch.isfinite(torch.tensor(v)).all() for v in learn.recorder.values[-1][:-1])
 
-def test_lr_find_with_graphs_equals_eager(corpus, tmp_path):
+def test_lr_find_with_graphs_equals_eager(small, tmp_path):
     "lr_find's batches (α steps aside) go through the graphs and suggest what eager suggests, leaving the weights as they were"
     res = []
     for graphs in (False, 'emulate'):
-        learn = make('search', corpus, tmp_path/str(graphs), graphs=graphs)
+        learn = make('search', small, tmp_path/str(graphs), graphs=graphs, **SMALL)
         w0 = state(learn)
         res.append((learn.lr_find(num_it=12, show_plot=False), [float(x) for x in learn.recorder.losses]))
         assert_same(state(learn), w0)
@@ -176,18 +209,18 @@ def test_captured_runs_its_body_then_records_then_replays():
     assert len(calls) == 2 and c.captured
     with pytest.raises(ValueError, match="emulate must be"): Captured(body, emulate=True)
 
-def test_graphs_say_why_they_are_off(corpus, tmp_path, capsys):
+def test_graphs_say_why_they_are_off(small, tmp_path, capsys):
     "Asked for on a CPU, or with bf16, one line says why and the fit runs eager; by default on a CPU nothing is said; random search refuses them"
     for graphs, bf16, line in ((True, False, 'CUDA graphs off: they need a GPU, and the model is on the cpu; the steps run eager'),
                                ('emulate', True, 'CUDA graphs off: not with bf16 autocast'), (None, False, None)):
-        learn = make('train', corpus, tmp_path/str(graphs), graphs=graphs, bf16=bf16, checkpoint=False)
+        learn = make('train', small, tmp_path/str(graphs), graphs=graphs, bf16=bf16, checkpoint=False, **SMALL)
         learn.fit(1)
         out = capsys.readouterr().out
         assert (line in out) if line else 'CUDA graphs' not in out
         assert learn.cuda_graphs.graphs is None
-    dls = lm_dls(corpus, bs=8, bptt=10, eval_bs=4, device='cpu')
+    dls = lm_dls(small, bs=8, bptt=10, eval_bs=4, device='cpu')
     with pytest.raises(ValueError, match="graphs=True with mode='random'"):
-        search_learner(dls, search_stream(corpus, 8, device='cpu'), mode='random', graphs=True, emsize=8, nhid=8)
+        search_learner(dls, search_stream(small, 8, device='cpu'), mode='random', graphs=True, emsize=8, nhid=8)
 
 @pytest.mark.gpu
 def test_cuda_graphs_fit_like_eager_on_a_gpu(corpus, tmp_path):

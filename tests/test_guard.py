@@ -7,7 +7,7 @@ import pytest, torch
 from fastai.callback.core import Callback
 from rnn_darts.callbacks.checkpoint import Checkpoint, load_checkpoint, restore, kept_nonfinite, save_atomic
 from tests._resume_script import build
-from tests.test_reliability import fit, sd_clone, sd_equal, tiny_train, safe_tar, Inject
+from tests.test_reliability import fit, sd_clone, sd_equal, tiny_train, safe_tar, Inject, SetValid
 
 NAN, INF = float('nan'), float('inf')
 
@@ -31,13 +31,6 @@ class Poison(Callback):
         if (self.epoch, self.iter) != self.at: return
         t, self.what = TARGETS[self.target](self.learn)
         with torch.no_grad(): t.view(-1)[0] = self.value
-
-class SetValid(Callback):
-    "Pretend the validation loss of `epoch` was `v` (after the Recorder, before BestValidLoss, ASGDSwitch, RunInfo and Checkpoint read it)"
-    order = 50.5
-    def __init__(self, epoch, v): self.e, self.v = epoch, v
-    def after_epoch(self):
-        if self.training is False and self.epoch == self.e: self.learn.final_record[1] = self.v
 
 class Snap(Callback):
     "The model, α's Adam state and the weight optimizer's state at after_train, at this callback's order"
@@ -237,19 +230,19 @@ def test_resume_removes_temporary_files_of_dead_writers(tmp_path, capsys):
 def test_runlogger_in_process(tmp_path, capsys):
     "Resume from an earlier checkpoint: later rows dropped; validate() leaves the log alone; other columns are an error"
     from rnn_darts.callbacks.logs import RunLogger
-    learn = tiny_train(tmp_path, cbs=[RunLogger('log.csv', append=True)]); fit(learn, 3)
+    learn = tiny_train(tmp_path, cbs=[RunLogger('log.csv', append=True)]); fit(learn, 2)
     log = (tmp_path/'log.csv').read_text().splitlines()
-    assert log[0].startswith('epoch,train_loss,valid_loss') and [l.split(',')[0] for l in log[1:]] == ['0', '1', '2']
+    assert log[0].startswith('epoch,train_loss,valid_loss') and [l.split(',')[0] for l in log[1:]] == ['0', '1']
     learn.validate()
     assert (tmp_path/'log.csv').read_text().splitlines() == log
-    learn = tiny_train(tmp_path, cbs=[RunLogger('log.csv', append=True)], resume=tmp_path/'checkpoints'/'epoch_0001.pth'); fit(learn, 3)
+    learn = tiny_train(tmp_path, cbs=[RunLogger('log.csv', append=True)], resume=tmp_path/'checkpoints'/'epoch_0000.pth'); fit(learn, 2)
     new = (tmp_path/'log.csv').read_text().splitlines()
-    assert new[:3] == log[:3] and len(new) == 4 and new[3].split(',')[:3] == log[3].split(',')[:3]   # epoch 2 redone, once
-    assert "dropped the rows of epochs [2]" in capsys.readouterr().out
+    assert new[:2] == log[:2] and len(new) == 3 and new[2].split(',')[:3] == log[2].split(',')[:3]   # epoch 1 redone, once
+    assert "dropped the rows of epochs [1]" in capsys.readouterr().out
     (tmp_path/'log.csv').write_text('epoch,loss,time\n0,1.0,00:01\n')
     learn = tiny_train(tmp_path, cbs=[RunLogger('log.csv', append=True)], resume=True)
     with pytest.raises(ValueError, match=r"log\.csv: its columns \(epoch,loss,time\) are not this run's \(epoch,train_loss,valid_loss,"):
-        fit(learn, 4)
+        fit(learn, 3)
 
 # ---------------------------------------------------------------- lr_find and run.json
 def test_guard_neither_stops_nor_rolls_back_inside_lr_find(tmp_path, capsys):

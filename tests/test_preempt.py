@@ -1,19 +1,25 @@
 """Interrupted, preempted or fed other data, through the command line: SIGINT and SIGTERM mid-epoch save the run and
 say how to resume it, and the resumed run ends as one never interrupted; a second signal stops at once and leaves
-whole files; changed data is refused; a failed write names its file."""
+whole files; changed data is refused; a failed write names its file.
+
+The corpora are small (20 training batches an epoch for the signals, 10 or fewer elsewhere): the in-process resumes are
+proved exact for every part by tests/test_resume.py; here what only the command line does: the signal handlers, the
+printed resume line, the exit statuses, the run folder's checks."""
 import errno, json, os, re, shlex, signal, subprocess, sys, time
 from pathlib import Path
 import pytest, torch
 from rnn_darts import cli, runs
 from rnn_darts.callbacks.checkpoint import load_checkpoint, latest_checkpoint
+from rnn_darts.callbacks.preemption import Preemption
 
 ROOT = Path(__file__).resolve().parents[1]
 
-def corpus(d, n=700):
-    "A small corpus folder (its train split long enough for a few seconds an epoch at one thread: a signal lands inside an epoch)"
+def corpus(d, n=200, n_eval=60):
+    """A small corpus folder of `n` training lines (~8 tokens each: n=200 gives 20 batches at bs 8, bptt 10, ~2 s of an epoch
+    at one thread, so that a signal sent 0.3 s into an epoch lands inside it) and `n_eval` validation and test lines"""
     d.mkdir(parents=True, exist_ok=True)
     words = 'the cat sat on a mat and saw one dog run to the red barn at noon'.split()
-    for s, k in (('train', n), ('valid', 300), ('test', 200)):
+    for s, k in (('train', n), ('valid', n_eval), ('test', n_eval)):
         (d/f'{s}.txt').write_text(''.join(' ' + ' '.join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 9)) + ' \n' for i in range(k)))
     return d
 
@@ -23,10 +29,13 @@ def args(data, out, *more):
     return ['search', '--curvature', 'false', '--data', str(data), '--epochs', '2', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '16',
             '--nhid', '16', '--mode', 'first', '--device', 'cpu', '--threads', '1', '--compile', 'false', '--out', str(out), *more]
 
-def launch(argv):
-    env = {**os.environ, 'PYTHONPATH': str(ROOT)}
-    return subprocess.Popen([sys.executable, '-m', 'rnn_darts.cli', *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def launch(argv, stdout=None):
+    "`rnn-darts ARGV` in a new process; its stdout to the file `stdout` (unbuffered: read while it runs), else a pipe"
+    env = {**os.environ, 'PYTHONPATH': str(ROOT), 'PYTHONUNBUFFERED': '1'}
+    f = subprocess.PIPE if stdout is None else open(stdout, 'w')
+    try: return subprocess.Popen([sys.executable, '-m', 'rnn_darts.cli', *argv], cwd=ROOT, env=env, stdout=f, stderr=subprocess.PIPE, text=True)
+    finally:
+        if stdout is not None: f.close()
 
 def wait_for(p, cond, what, limit=300):
     t0 = time.time()
@@ -49,71 +58,88 @@ def same_run(ref, run):
     h = lambda d: [(e['genotype'], e['weights'], e.get('lambda_max')) for e in json.loads((d/'history.json').read_text())]
     assert h(ref) == h(run)
 
-@pytest.fixture(scope='module')
-def reference(tmp_path_factory):
-    "The uninterrupted run every interrupted one must end as"
-    d = tmp_path_factory.mktemp('pre')
-    data = corpus(d/'corpus')
-    p = launch(args(data, d/'ref')); out, err = p.communicate(timeout=600)
-    assert p.returncode == 0, err
-    return data, d/'ref'
+def stopped(err, name):
+    "The one line a signal's stop ends with: (epoch, batch, of, saved to, resume command)"
+    assert 'Traceback' not in err, err
+    m = re.fullmatch(rf"rnn-darts: {name} at epoch (\d), after batch (\d+) of (\d+): saved to (\S+); resume with: (.+)", err.strip().splitlines()[-1])
+    assert m, err
+    return m
 
 @pytest.mark.slow
-@pytest.mark.xdist_group('preempt-reference')
-def test_sigterm_mid_epoch_then_resume_is_exact(reference, tmp_path):
-    "SIGTERM (SIGINT takes the same handler: its exit status 130 below) mid-epoch, then the printed resume line: the uninterrupted run, bit for bit"
-    data, ref = reference
-    run, sig = tmp_path/'run', signal.SIGTERM
+def test_sigterm_then_sigint_mid_epoch_then_the_printed_resume_line_is_exact(tmp_path):
+    """SIGTERM mid-epoch saves the run and prints the line that resumes it (without --overwrite); that line, run, resumes
+    inside the epoch, and SIGINT (the same handler, exit status 130) stops it again a few batches on, printing the same
+    line; the line, run again to the end: the uninterrupted run, bit for bit. Four processes of ~8 s start-up each (the
+    uninterrupted run alongside the first) and ~4 epochs of 20 batches in all: ~45 s on 2 cores"""
+    data = corpus(tmp_path/'corpus')
+    ref = launch(args(data, tmp_path/'ref'))                   # the uninterrupted run every interrupted one must end as
+    run, mid_path = tmp_path/'run', tmp_path/'run'/'checkpoints'/'mid_epoch.pth'
     argv = args(data, run, '--overwrite')   # the resume line must leave --overwrite out
     p = launch(argv)
     wait_for(p, lambda: (run/'checkpoints'/'epoch_0000.pth').exists(), 'first checkpoint')
     time.sleep(0.3)                                            # inside epoch 1
-    p.send_signal(sig)
+    p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=300)
-    assert p.returncode == 128 + sig, err
-    name = signal.Signals(sig).name
-    last = err.strip().splitlines()[-1]
-    m = re.fullmatch(rf"rnn-darts: {name} at epoch (\d), after batch (\d+) of (\d+): saved to (\S+); resume with: (.+)", last)
-    assert m, err
-    assert 'Traceback' not in err and Path(m[4]) == run/'checkpoints'/'mid_epoch.pth' and Path(m[4]).is_file()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    m = stopped(err, 'SIGTERM')
+    assert Path(m[4]) == mid_path and mid_path.is_file()
     assert not (run/'genotype.json').exists()                  # the search did not end
-    mid = load_checkpoint(m[4])
-    assert mid['epoch'] == int(m[1]) and mid['mid']['batches'] == int(m[2]) < int(m[3])
+    mid = load_checkpoint(mid_path)
+    assert mid['epoch'] == int(m[1]) == 1 and mid['mid']['batches'] == int(m[2]) < int(m[3])
     before = mid['cbs']['RunInfo']['epoch_seconds']            # the epoch's time before the signal, carried into the resumed run
     assert 0.2 < before < 300
-    r = launch(shlex.split(m[5])[1:]); out, err = r.communicate(timeout=600)   # the printed command, as a user would paste it
-    assert r.returncode == 0, err
-    assert f"(epoch {m[1]}, after batch {m[2]} of {m[3]})" in out
-    assert json.loads((run/'run.json').read_text())['epoch_times'][int(m[1])] > before
-    same_run(ref, run)
-    assert not (run/'checkpoints'/'mid_epoch.pth').exists()    # superseded by the later epoch checkpoints
+    line = shlex.split(m[5])                                   # the printed command, as a user would paste it
+    assert line == ['rnn-darts', *[a for a in argv if a != '--overwrite'], '--resume'], line
 
-@pytest.mark.slow
-@pytest.mark.xdist_group('preempt-reference')
-def test_second_sigint_stops_at_once_and_leaves_whole_files(reference, tmp_path):
-    data, ref = reference
-    run = tmp_path/'run'
-    p = launch(args(data, run))
-    wait_for(p, lambda: (run/'checkpoints'/'epoch_0000.pth').exists(), 'first checkpoint')
-    p.send_signal(signal.SIGINT); p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 130 and 'Traceback' not in err, err
-    assert err.strip().splitlines()[-1].startswith('rnn-darts: ')
-    for f in (run/'checkpoints').iterdir(): load_checkpoint(f) if f.suffix == '.pth' else None   # every checkpoint loads
-    json.loads((run/'run.json').read_text())
-    r = launch(args(data, run, '--resume')); out, err = r.communicate(timeout=600)
+    log = tmp_path/'resumed.out'                               # the line, run: stopped by SIGINT once it has resumed
+    r = launch(line[1:], stdout=log)
+    wait_for(r, lambda: f"resumed from {mid_path} (epoch 1, after batch {m[2]} of {m[3]})" in log.read_text(), 'resume')
+    time.sleep(0.3)                                            # inside the fit: the handlers are in place
+    r.send_signal(signal.SIGINT)
+    _, err = r.communicate(timeout=300)
+    assert r.returncode == 130, err
+    m2 = stopped(err, 'SIGINT')
+    assert (m2[1], m2[3], m2[4], m2[5]) == (m[1], m[3], m[4], m[5]) and int(m[2]) < int(m2[2]) < int(m2[3])
+    later = load_checkpoint(mid_path)['cbs']['RunInfo']['epoch_seconds']
+    assert later > before
+
+    r = launch(line[1:]); out, err = r.communicate(timeout=600)  # the line again, to the end
     assert r.returncode == 0, err
-    same_run(ref, run)
+    assert f"resumed from {mid_path} (epoch 1, after batch {m2[2]} of {m2[3]})" in out
+    assert json.loads((run/'run.json').read_text())['epoch_times'][1] > later
+    out, err = ref.communicate(timeout=600)
+    assert ref.returncode == 0, err
+    same_run(tmp_path/'ref', run)
+    assert not mid_path.exists()                               # superseded by the later epoch checkpoints
     assert not [f for f in (run/'checkpoints').iterdir() if '.tmp' in f.name]
 
 @pytest.mark.slow
-def test_checkpoint_every_writes_mid_epoch_states(tmp_path):
-    "--checkpoint-every (minutes): mid-epoch checkpoints without stopping; changing it on --resume is free"
-    data = corpus(tmp_path/'c', 400)
-    learn = cli.run_command(args(data, tmp_path/'r', '--checkpoint-every', '0.00001', '--epochs', '1'))
-    assert learn.preemption.every == pytest.approx(0.0006)
-    assert not (tmp_path/'r'/'checkpoints'/'mid_epoch.pth').exists()   # written, then superseded at the epoch's end
-    cli.run_command(args(data, tmp_path/'r', '--epochs', '2', '--resume'))   # no --override needed
+def test_a_second_sigint_stops_at_once_and_leaves_whole_files(tmp_path, capsys, monkeypatch):
+    """Two SIGINTs inside one batch (raised in the process: two sent from outside arrive as one when the first is not yet
+    handled): the first asks to stop after the batch, the second stops at once, through the command line: exit 130, one
+    line, no mid-epoch checkpoint, the handlers put back, the files written whole; --resume goes on from the last epoch's
+    checkpoint. In process, ~2 epochs of 10 batches"""
+    data, out = corpus(tmp_path/'c', 100), tmp_path/'r'
+    after_batch, sigint = Preemption.after_batch, signal.getsignal(signal.SIGINT)
+    def twice(self):
+        if self.training and (self.epoch, self.iter) == (1, 2):
+            signal.raise_signal(signal.SIGINT)                  # taken by Preemption: stop after this batch
+            signal.raise_signal(signal.SIGINT)                  # before the batch has ended: at once
+        after_batch(self)
+    monkeypatch.setattr(Preemption, 'after_batch', twice)
+    with pytest.raises(SystemExit) as e: cli.run_command(args(data, out))
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and 'Traceback' not in err, err
+    assert err.strip().splitlines() == ["SIGINT: stopping after this batch and saving the run; SIGINT again stops at once",
+        "rnn-darts: interrupted at once (a second Ctrl-C); the files written so far are whole; resume with --resume"], err
+    assert signal.getsignal(signal.SIGINT) is sigint
+    assert sorted(f.name for f in (out/'checkpoints').iterdir()) == ['best.pth', 'epoch_0000.pth']   # no mid-epoch checkpoint, no temporary file
+    for f in (out/'checkpoints').iterdir(): load_checkpoint(f)
+    json.loads((out/'run.json').read_text())
+    monkeypatch.undo()
+    cli.run_command(args(data, out, '--resume'))
+    assert f"resumed from {out/'checkpoints'/'epoch_0000.pth'} (epoch 0)" in capsys.readouterr().out
+    assert len(json.loads((out/'run.json').read_text())['epoch_times']) == 2
 
 def test_a_resumed_epoch_counts_its_time_before_the_stop(tmp_path):
     "run.json's epoch_times (a study's search time) hold a whole epoch's time: `RunInfo` saves the seconds so far mid-epoch"
@@ -121,7 +147,7 @@ def test_a_resumed_epoch_counts_its_time_before_the_stop(tmp_path):
     from rnn_darts.data import numbers_corpus, lm_dls
     from rnn_darts.learner import train_learner, RunInfo
     from rnn_darts.genotypes import DARTS_V2
-    c = numbers_corpus(n_train=1_500, n_valid=600, n_test=400)
+    c = numbers_corpus(n_train=800, n_valid=300, n_test=100)
     learn = train_learner(lm_dls(c, bs=8, bptt=10, phase='train', eval_bs=4), DARTS_V2, emsize=16, nhid=16, path=tmp_path, checkpoint=False)
     ri, seen = RunInfo('train'), []
     class Peek(Callback):
@@ -136,35 +162,36 @@ def test_a_resumed_epoch_counts_its_time_before_the_stop(tmp_path):
     assert 1000 < t[0] < 1000 + 60 and t[1] < 60                            # carried into the resumed epoch only
 
 @pytest.mark.slow
-def test_fewer_epochs_than_done_are_refused_on_resume(tmp_path, capsys):
-    data = corpus(tmp_path/'c', 300)
-    cli.run_command(args(data, tmp_path/'r', '--epochs', '2'))
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e: cli.run_command(args(data, tmp_path/'r', '--epochs', '1', '--resume', '--override', 'true'))
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count('\n') == 1 and f"--epochs 1: {tmp_path/'r'} has done 2 epochs" in err
-
-@pytest.mark.slow
-def test_changed_data_is_refused_on_resume(tmp_path, capsys):
-    data = corpus(tmp_path/'c', 400)
-    cli.run_command(args(data, tmp_path/'r', '--epochs', '1'))
-    info = json.loads((tmp_path/'r'/'run.json').read_text())
+def test_what_a_resume_may_change(tmp_path, capsys):
+    """One run, resumed three times: --checkpoint-every (minutes) writes mid-epoch states without stopping, and changing it
+    on --resume is free; fewer epochs than done are refused; changed data is refused, and goes on with --override true
+    (recorded in run.json). 3 epochs of 10 batches in all"""
+    data, r = corpus(tmp_path/'c', 100), tmp_path/'r'
+    learn = cli.run_command(args(data, r, '--checkpoint-every', '0.00001', '--epochs', '1'))
+    assert learn.preemption.every == pytest.approx(0.0006)
+    assert not (r/'checkpoints'/'mid_epoch.pth').exists()   # written, then superseded at the epoch's end
+    info = json.loads((r/'run.json').read_text())
     assert info['data']['train']['file'] == str(data/'train.txt') and len(info['data']['train']['sha256']) == 64
-    (data/'train.txt').write_text((data/'train.txt').read_text() + ' the cat \n')
+    cli.run_command(args(data, r, '--epochs', '2', '--resume'))   # no --override needed
     capsys.readouterr()
-    with pytest.raises(SystemExit) as e: cli.run_command(args(data, tmp_path/'r', '--epochs', '2', '--resume'))
+    with pytest.raises(SystemExit) as e: cli.run_command(args(data, r, '--epochs', '1', '--resume', '--override', 'true'))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count('\n') == 1 and f"--epochs 1: {r} has done 2 epochs" in err
+    (data/'train.txt').write_text((data/'train.txt').read_text() + ' the cat \n')
+    with pytest.raises(SystemExit) as e: cli.run_command(args(data, r, '--epochs', '3', '--resume'))
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count('\n') == 1
     assert f"--resume: the data train changed since the run started: it was {data/'train.txt'} (" in err and '--override true' in err
-    cli.run_command(args(data, tmp_path/'r', '--epochs', '2', '--resume', '--override', 'true'))
-    info = json.loads((tmp_path/'r'/'run.json').read_text())
+    cli.run_command(args(data, r, '--epochs', '3', '--resume', '--override', 'true'))
+    info = json.loads((r/'run.json').read_text())
     assert 'data train' in info['overrides'][-1]['changes'] and info['data']['train']['size'] == (data/'train.txt').stat().st_size
+    assert len(info['epoch_times']) == 3
 
 @pytest.mark.slow
 @pytest.mark.parametrize('target', ['run.json', 'log.csv', 'genotype.json', 'epoch_0000.pth'])
 def test_a_failed_write_names_its_file(tmp_path, capsys, monkeypatch, target):
     "The disk fills up while one of the run's files is written (every write ends with an fsync): one line naming that file, exit 1"
-    data, out = corpus(tmp_path/'c', 300), tmp_path/'r'
+    data, out = corpus(tmp_path/'c', 50, 20), tmp_path/'r'
     real = os.fsync
     def fsync(fd):
         if os.readlink(f'/proc/self/fd/{fd}').split('/')[-1].lstrip('.').startswith(target): raise OSError(errno.ENOSPC, 'No space left on device')
@@ -189,7 +216,7 @@ def small_disk(tmp_path):
 @pytest.mark.slow
 def test_a_real_full_disk(tmp_path, capsys, small_disk):
     "A 256 kB tmpfs as the run folder: the checkpoint is named, run.json stays whole"
-    mnt, data = small_disk, corpus(tmp_path/'c', 300)
+    mnt, data = small_disk, corpus(tmp_path/'c', 50, 20)
     with pytest.raises(SystemExit) as e: cli.run_command(args(data, mnt/'r', '--epochs', '1', '--nhid', '64', '--emsize', '64'))
     err = capsys.readouterr().err
     assert e.value.code == 1 and f"while writing checkpoint {mnt/'r'/'checkpoints'}" in err, err
@@ -203,7 +230,7 @@ def test_a_disk_full_from_the_start_names_the_first_file(tmp_path, capsys, small
             while True: f.write(b'\0' * 4096)
         except OSError as e: assert e.errno == errno.ENOSPC
     out = small_disk/'r'
-    argv = (args(corpus(tmp_path/'c', 300), out, '--epochs', '1') if command == 'search'
+    argv = (args(corpus(tmp_path/'c', 50, 20), out, '--epochs', '1') if command == 'search'
             else ['study', '--preset', 'study-quick', '--out', str(out), '--threads', '1'])
     with pytest.raises(SystemExit) as e: cli.run_command(argv)
     err = capsys.readouterr().err
@@ -219,7 +246,7 @@ def test_a_signal_after_the_last_batch_still_stops_the_command(tmp_path):
         def before_validate(self):
             if self.epoch == self.n_epoch - 1: signal.raise_signal(signal.SIGTERM)
     set_seed(0)
-    c = numbers_corpus(0, 1500, 300, 300)
+    c = numbers_corpus(0, 800, 300, 100)
     learn = search_learner(lm_dls(c, 8, 10, 'search', eval_bs=4, seed=0), search_stream(c, 8), emsize=8, nhid=8, mode='first',
                            path=tmp_path, compile=False, curvature=False)
     before = signal.getsignal(signal.SIGTERM)

@@ -1,8 +1,9 @@
 """`rnn-darts study` (issue 25): the paper's protocol as one command, run as a user runs it. Tiny presets of our own:
 a first-order and a random search, their short trainings and DARTS_V2's, the winner's final training. The stages
 are the same runs as `rnn-darts search|train` with the same flags; a kill and a rerun give the same table; stages
-run alone (a scheduler's jobs) and then collected give the same table; bad settings get one line."""
-import json, math, os, shutil, signal, subprocess, sys, time
+run alone (a scheduler's jobs) and then collected give the same table; bad settings get one line.
+Each search and training has about 19 batches (1,500 tokens), its validation 600 tokens."""
+import contextlib, io, json, math, os, shutil, signal, subprocess, sys, time
 from pathlib import Path
 import pandas as pd, pytest
 from rnn_darts import cli
@@ -13,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = """
 [tiny-search]
 data = numbers
-n_train = 3000
-n_eval = 1500
+n_train = 1500
+n_eval = 600
 epochs = 1
 bs = 8
 bptt = 10
@@ -28,8 +29,8 @@ curvature = false
 
 [tiny-train]
 data = numbers
-n_train = 3000
-n_eval = 1500
+n_train = 1500
+n_eval = 600
 bs = 8
 bptt = 10
 eval_bs = 4
@@ -64,12 +65,11 @@ def table(out):
 
 @pytest.fixture(scope='module')
 def done(tmp_path_factory):
-    "An uninterrupted tiny study, and its stdout"
+    "An uninterrupted tiny study, and its stdout (run in this process: the kill test runs the command as a user does, by subprocess)"
     d = tmp_path_factory.mktemp('study'); ini(d)
-    p = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', *study_args(d, d/'s')], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, 'PYTHONPATH': str(ROOT)}, timeout=900)
-    assert p.returncode == 0, p.stderr
-    return d, d/'s', p.stdout
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said): cli.run_command(study_args(d, d/'s'))
+    return d, d/'s', said.getvalue()
 
 @pytest.mark.slow
 def test_study_runs_every_stage_and_tells_the_truth(done):
@@ -134,28 +134,39 @@ def test_run_again_skips_and_changed_settings_are_refused(done, tmp_path, capsys
     pd.testing.assert_frame_equal(new.drop(columns=['final_valid_ppl', 'final_test_ppl']), old.drop(columns=['final_valid_ppl', 'final_test_ppl']))
 
 def launch(argv):
-    return subprocess.Popen([sys.executable, '-m', 'rnn_darts.cli', *argv], cwd=ROOT, env={**os.environ, 'PYTHONPATH': str(ROOT)},
+    "The command as a user runs it; unbuffered, so that what it said before a SIGKILL reaches the pipe"
+    return subprocess.Popen([sys.executable, '-m', 'rnn_darts.cli', *argv], cwd=ROOT, env={**os.environ, 'PYTHONPATH': str(ROOT), 'PYTHONUNBUFFERED': '1'},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 @pytest.mark.slow
-@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGKILL])
-def test_killed_study_resumes_to_the_same_table(done, tmp_path, sig, capsys):
+def test_killed_study_resumes_to_the_same_table(done, tmp_path, capsys):
+    """SIGTERM inside the first cell's short training; running again goes on from its mid-epoch state, and is SIGKILLed inside
+    the reference's short training; --resume ends with the uninterrupted study's table. One study's work over three runs, the
+    two killed ones by subprocess (the signals are the point): over 20 s for that"""
     d, s, _ = done
-    p = launch(study_args(d, tmp_path/'s'))
-    for line in p.stdout:                                              # kill it inside the short training of the first cell
-        if 'short-search-first-1: starts' in line: break
-    time.sleep(1.0)
-    p.send_signal(sig); out, err = p.communicate(timeout=300)
-    assert p.returncode in ((143, -15) if sig == signal.SIGTERM else (-9,)), err   # -15: it came between two stages
-    if p.returncode == 143:                                            # caught inside the fit: the resume line repeats the study command
+    out = tmp_path/'s'
+    def kill_in(stage, sig):
+        p, said = launch(study_args(d, out)), []
+        for line in p.stdout:                                          # kill it inside the stage
+            said.append(line)
+            if f'{stage}: starts' in line: break
+        time.sleep(1.0)
+        p.send_signal(sig); rest, err = p.communicate(timeout=300)
+        return p.returncode, ''.join(said) + rest, err
+    code, _, err = kill_in('short-search-first-1', signal.SIGTERM)
+    assert code in (143, -15), err                                     # -15: it came between two stages
+    if code == 143:                                                    # caught inside the fit: the resume line repeats the study command
         assert 'resume with: rnn-darts study --preset tiny-study' in err and '--resume' not in err
+    again, said, err = kill_in('short-DARTS_V2', signal.SIGKILL)      # running again: what the resume line says to do
+    assert again == -9, err
+    if code == 143: assert 'resumed from' in said                      # the stopped stage went on from its mid-epoch state
     capsys.readouterr()
-    cli.run_command(study_args(d, tmp_path/'s', *(['--resume'] if sig == signal.SIGKILL else [])))   # --resume: what running again does
-    if p.returncode == 143: assert 'resumed from' in capsys.readouterr().out   # the stopped stage went on from its mid-epoch state
-    pd.testing.assert_frame_equal(table(tmp_path/'s'), table(s))
+    cli.run_command(study_args(d, out, '--resume'))                    # --resume: what running again does
+    pd.testing.assert_frame_equal(table(out), table(s))
 
 @pytest.mark.slow
 def test_stages_alone_then_collected_give_the_same_table(done, tmp_path, capsys):
+    "Three stages alone in a scheduler's order, then the rest collected: the uninterrupted table. It runs every stage once (a whole study's work)"
     d, s, _ = done
     out = tmp_path/'s'
     with pytest.raises(SystemExit) as e: cli.run_command(study_args(d, out, '--stage', 'short-search-first-1'))

@@ -36,8 +36,10 @@ if torch.cuda.is_available():
 else: print('no CUDA device visible')
 import fastai; print('fastai', fastai.__version__)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/nvidia-smi: /'
-# four workers, so the tier's 19 tests fit its limit: each runs tiny models (not yet timed on a GPU this way)
-stage gpu-tier 200 $py -m pytest -q --gpu -n 4 -rs --durations=10 -p no:cacheprovider tests
+# four workers, so the tier's 19 tests fit its limit: each runs tiny models; without a GPU the tier only skips, so no
+# workers are started (each would import torch and collect every module)
+workers=4; grep -q 'no CUDA device visible' "$out/versions.log" && workers=0
+stage gpu-tier 200 $py -m pytest -q --gpu -n $workers -rs --durations=10 -p no:cacheprovider tests
 stage bench-graphed 110 $py -m rnn_darts.cli bench --device cuda --graphs --iters 3 --methods none --json-path "$out/bench-graphed.json"
 stage bench-eager 60 $py -m rnn_darts.cli bench --device cuda --iters 3 --methods none --json-path "$out/bench-eager.json"
 stage quick-search 80 $py -m rnn_darts.cli search --preset quick --epochs 1 --device cuda --out "$out/quick" --overwrite
