@@ -9,6 +9,7 @@ from rnn_darts.data import lm_dls, search_stream, numbers_corpus
 from rnn_darts.model import DartsRnn
 from rnn_darts.genotypes import DARTS_V2
 from rnn_darts.callbacks.graphs import StepGraphs, Captured
+from tests.test_learner import state, assert_same
 
 @pytest.fixture(scope='module')
 def corpus():
@@ -34,14 +35,6 @@ def make(kind, corpus, path, seed=0, device='cpu', bptt=10, nhid=16, **kw):
     learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
     learn.recorder.silent = True
     return learn
-
-def state(o):
-    "Weights of a learner's or a model's (α and BatchNorm statistics included), as copies"
-    return {k: v.detach().clone() for k, v in getattr(o, 'model', o).state_dict().items()}
-
-def assert_same(a, b):
-    assert a.keys() == b.keys()
-    for k in a: assert torch.equal(a[k], b[k]), k
 
 def outcome(learn):
     "What a fit leaves: the weights and α, the recorded losses and epoch values, the carried hidden states, the flat gradient"
