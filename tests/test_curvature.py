@@ -26,11 +26,11 @@ def full_hessian(m, batches, seed=0):
         m.alpha.requires_grad_(False)
     return (H + H.t()).double() / 2
 
-def learner(path, epochs_data=600, n_valid=400, **kw):
-    "A tiny first-order search: `epochs_data` training tokens (~`epochs_data` / 80 batches an epoch), `n_valid` validation tokens"
+def learner(path, epochs_data=600, n_valid=400, bptt=10, **kw):
+    "A tiny first-order search: `epochs_data` training tokens (~`epochs_data` / (8 `bptt`) batches an epoch), `n_valid` validation tokens"
     set_seed(0)
     c = numbers_corpus(0, epochs_data, n_valid, 100)
-    dls = lm_dls(c, 8, 10, 'search', eval_bs=4, seed=0)
+    dls = lm_dls(c, 8, bptt, 'search', eval_bs=4, seed=0)
     kw = dict(dict(emsize=12, nhid=12, mode='first', dropout=0.2, dropouth=0.1, dropoutx=0.1, dropouti=0.1, path=path, compile=False), **kw)
     return search_learner(dls, search_stream(c, 8), **kw)
 
@@ -50,10 +50,11 @@ def test_lambda_max_is_the_full_hessians(tmp_path, trained):
 
 @pytest.mark.slow
 def test_logged_every_epoch_without_changing_the_search(tmp_path):
-    "lambda_max in log.csv and history.json is the median over the windows at the epoch's end; the search's losses and α are those of a search without it"
-    a = learner(tmp_path/'a', cbs=[RunLogger('log.csv')], curvature_windows=3)
+    """lambda_max in log.csv and history.json is the median over the windows at the epoch's end; the search's losses and α are
+    those of a search without it. Windows of 5 tokens (`bptt` 5): each window's Lanczos run is most of the time"""
+    a = learner(tmp_path/'a', 300, 240, bptt=5, cbs=[RunLogger('log.csv')], curvature_windows=3)
     with a.no_bar(): a.fit(2)
-    b = learner(tmp_path/'b', curvature=False)
+    b = learner(tmp_path/'b', 300, 240, bptt=5, curvature=False)
     with b.no_bar(): b.fit(2)
     va, vb = a.recorder.values, b.recorder.values
     assert [r[:-1] for r in va] == vb and torch.equal(a.model.alpha, b.model.alpha)   # the measurement forks the RNG
@@ -101,7 +102,7 @@ class AlphaLog(Callback):
 PLANTED = [1.] * 8 + [5., 9., 20., 30., 40., 50.]
 
 def es_learner(path, **kw):
-    "A search under DARTS-ES with planted λ_max values: 2 training batches an epoch (α moves at each), 2 evaluation batches"
+    "A search under DARTS-ES with planted λ_max values: 2 training batches an epoch (α moves at each), 3 evaluation batches"
     learn = learner(path, epochs_data=160, n_valid=100, curvature=False, **kw)
     learn.add_cbs([Planted(PLANTED), CurvatureStop(start=2)])
     return learn
