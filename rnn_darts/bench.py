@@ -40,9 +40,9 @@ def _sync(device):
     if torch.device(device).type == 'cuda': torch.cuda.synchronize(device)
 
 def _reset_peak(device):
-    gc.collect()
+    "Before a row on CUDA: free what is unreferenced and restart the peak; a CPU's peak RSS cannot go down, so nothing to do there"
     if torch.device(device).type == 'cuda':
-        torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats(device)
+        gc.collect(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats(device)
 
 def _peak_mb(device):
     if torch.device(device).type == 'cuda': return torch.cuda.max_memory_allocated(device) / 2**20

@@ -123,7 +123,6 @@ def _choose(M:int, K:int, N:int, a_rows:bool, b_rows:bool, bias:bool) -> bool:
 # (tests/test_kernels.py checks that the mark is the decorator's).
 _choose._dynamo_marked_constant = True
 
-
 def _key(a, b, bias): return a.shape[0], a.shape[1], b.shape[0], a.stride(1) == 1, b.stride(1) == 1, bias is not None
 
 def _forced() -> bool:

@@ -1,5 +1,5 @@
 "The tests' plain reference (`tests/_reference.py`) computes the same math as ours; run_bench returns well-formed results."
-import gc, json
+import json
 import pytest, torch
 from rnn_darts.model import DartsRnnSearch
 from rnn_darts.bench import run_bench, print_table, search_step, arch_updater, _batches, STEP_NAMES, FAMILY
@@ -59,15 +59,7 @@ def test_plain_step_matches_ours_over_a_few_steps():
     torch.testing.assert_close(p.W0.detach(), m.cell.W0, rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(p.bn.running_var, m.cell.bn.running_var)
 
-@pytest.fixture
-def frozen_heap():
-    "run_bench collects garbage before each row (for CUDA's peak memory): a full collection scans the whole suite's heap (0.2-0.5 s "
-    "each, 20 rows); with the objects made before the test frozen, each collection still runs but scans only what the test made"
-    gc.freeze()
-    try: yield
-    finally: gc.unfreeze()
-
-def test_run_bench_tiny(tmp_path, capsys, frozen_heap):
+def test_run_bench_tiny(tmp_path, capsys):
     tiny = dict(bs=3, bptt=4, nhid=6, ntoken=40)
     res = run_bench(small=True, device='cpu', iters=1, warmup=0, shape=tiny, train_shape=dict(tiny, nhid=8), eval_bs=2,
                     modes=('second', 'first', 'exact', 'weight', 'random'), json_path=tmp_path/'b.json',
@@ -99,7 +91,7 @@ def test_run_bench_tiny(tmp_path, capsys, frozen_heap):
         assert f"CPU kernels chosen: oneDNN for {sum(c['kernel'] == 'onednn' for c in cs)} of {len(cs)} product shapes" in out
         assert cs[0]['product'] in out and res['kernels']['machine'] == kernels.machine_key()
 
-def test_run_bench_options(frozen_heap):
+def test_run_bench_options():
     tiny = dict(bs=2, bptt=3, nhid=4, ntoken=20)
     res = run_bench(small=True, iters=1, warmup=0, shape=tiny, modes=('first',), methods=(), train=False, evaluate=False)
     assert [r['impl'] for r in res['rows']] == ['ours'] and res['ratios'] == {} and res['method_ratios'] == {}
@@ -107,7 +99,7 @@ def test_run_bench_options(frozen_heap):
     with pytest.raises(ValueError, match='unknown methods'): run_bench(methods=('darts-pt',))
 
 @ON_DEVICES
-def test_run_bench_bf16_times_and_measures_agreement(capsys, device, frozen_heap):
+def test_run_bench_bf16_times_and_measures_agreement(capsys, device):
     tiny = dict(bs=3, bptt=4, nhid=6, ntoken=40)
     res = run_bench(small=True, device=device, iters=1, warmup=0, shape=tiny, modes=('first', 'second'), train=False,
                     evaluate=False, bf16=True)
