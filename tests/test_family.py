@@ -1,7 +1,7 @@
 """The DARTS family's parts on the one supernet (`rnn_darts.relax`, `rnn_darts.callbacks.arch`): each part's equation against
 a plain version written here, and each method through a real `search_learner` fit; bad combinations get one line. That each method's seeded fit
 repeats and resumes bit for bit is tests/test_resume.py's."""
-import tempfile
+import functools, tempfile
 import pytest, torch, torch.nn.functional as F
 from fastai.callback.core import Callback
 from rnn_darts.core import set_seed, UsageError
@@ -191,15 +191,13 @@ class Mixes(Callback):
         m.cell_inputs = spy
     def after_fit(self): del self.model.cell_inputs
 
-_SDARTS = {}
+@functools.cache
 def sdarts_fit(kind):
     "One epoch of 7 batches (bptt 5) under SDARTS's `kind` perturbation with its mixing weights recorded, made once per module (the adversarial one serves two tests)"
-    if kind not in _SDARTS:
-        rec = Mixes()
-        learn = learner(perturb=kind, mode='first', n_train=280, n_valid=60, bptt=5)
-        fit(learn, 1, [rec])
-        _SDARTS[kind] = learn, rec
-    return _SDARTS[kind]
+    rec = Mixes()
+    learn = learner(perturb=kind, mode='first', n_train=280, n_valid=60, bptt=5)
+    fit(learn, 1, [rec])
+    return learn, rec
 
 @pytest.mark.parametrize('kind', ['random', 'adversarial'])
 def test_sdarts_perturbs_the_weight_step_only_within_its_bound(kind):
