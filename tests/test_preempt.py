@@ -237,7 +237,8 @@ def test_a_disk_full_from_the_start_names_the_first_file(tmp_path, capsys, small
     assert e.value.code == 1 and err == f"rnn-darts: error: {out/'.lock'}: No space left on device\n", err
 
 def test_a_signal_after_the_last_batch_still_stops_the_command(tmp_path):
-    "SIGTERM during the last epoch's validation: the fit ends whole, yet the command stops (143) instead of going on"
+    """SIGTERM during the last epoch's validation: the fit ends whole, yet the command stops (143) instead of going on.
+    A signal in `learn.validate()` (a command's test evaluation) acts at once: it is not taken, and forgotten"""
     from fastai.callback.core import Callback
     from rnn_darts.core import set_seed
     from rnn_darts.data import numbers_corpus, lm_dls, search_stream
@@ -256,3 +257,9 @@ def test_a_signal_after_the_last_batch_still_stops_the_command(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before
     with pytest.raises(SystemExit) as e: runs.exit_if_interrupted(learn)
     assert e.value.code == 143
+    class SignalInValidate(Callback):
+        def before_validate(self): signal.raise_signal(signal.SIGINT)
+    sigint = signal.signal(signal.SIGINT, signal.default_int_handler)          # Python's own: KeyboardInterrupt
+    try:
+        with pytest.raises(KeyboardInterrupt): learn.validate(cbs=[SignalInValidate()])
+    finally: signal.signal(signal.SIGINT, sigint)

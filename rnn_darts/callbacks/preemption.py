@@ -24,9 +24,11 @@ class Preemption(Callback):
         if every is not None and not every > 0: raise ValueError(f"every must be > 0 (seconds), got {every!r}")
         self.every, self.dirname, self.old = every, dirname, {}
 
-    def before_fit(self):
-        self.signum, self.last, self.learn.interrupted = None, time.monotonic(), None
-        if in_lr_find(self.learn) or rank_distrib() or threading.current_thread() is not threading.main_thread(): return
+    def before_fit(self): self.signum, self.last, self.learn.interrupted = None, time.monotonic(), None
+
+    def before_train(self):
+        "Take the signals when the fit first trains: `learn.validate()` fires `before_fit` too, and a signal there acts at once"
+        if self.old or in_lr_find(self.learn) or rank_distrib() or threading.current_thread() is not threading.main_thread(): return
         if torch.distributed.is_available() and torch.distributed.is_initialized(): return
         self.old = {s: signal.signal(s, self.on_signal) for s in self.SIGNALS}
 
