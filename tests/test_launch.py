@@ -6,7 +6,7 @@ import pytest, torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")]
 
-TINY = ['search', '--epochs', '1', '--n-train', '2000', '--n-eval', '1500', '--emsize', '16', '--nhid', '16', '--bs', '8', '--bptt', '10',
+TINY = ['search', '--epochs', '1', '--n-train', '800', '--n-eval', '400', '--emsize', '16', '--nhid', '16', '--bs', '8', '--bptt', '10',
         '--eval-bs', '8', '--device', 'cpu', '--seed', '5', '--curvature', 'false', '--mode', 'first']   # the launchers are the point
 
 def free_port():

@@ -211,7 +211,7 @@ def test_readme_python_example_with_a_preset(tmp_path):
     "The README's Python example, at tiny sizes: a preset's data settings and the learners' configs of it"
     from rnn_darts import numbers_corpus, lm_dls, search_stream, test_dl, search_learner, train_learner, evaluate, load_preset, SearchConfig, TrainConfig
     p = load_preset('quick')
-    p.update(n_train=1_500, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=16, nhid=16)   # tiny, for the test
+    p.update(n_train=1_500, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=16, nhid=16, curvature=False)   # tiny, for the test
     with pytest.raises(TypeError): search_learner(None, None, **p)   # a preset is not a list of learner keywords
     set_seed(p['seed'])
     corpus = numbers_corpus(seed=p['seed'], n_train=p['n_train'], n_valid=600, n_test=400)   # README: default valid/test sizes
@@ -230,7 +230,7 @@ def test_readme_python_example_with_a_preset(tmp_path):
 def test_readme_python_example_and_the_command_line_give_the_same_losses(tmp_path):
     "The README's Python example and `rnn-darts search --preset quick`, at tiny sizes and one thread: the same losses, bit for bit"
     from rnn_darts import cli, set_seed, numbers_corpus, lm_dls, search_stream, search_learner, load_preset, SearchConfig
-    tiny = dict(n_train=1_500, epochs=1, bs=8, bptt=10, eval_bs=40, emsize=16, nhid=16)   # eval_bs 40: the example's 20,000 validation tokens in 50 batches
+    tiny = dict(n_train=1_500, epochs=1, bs=8, bptt=10, eval_bs=40, emsize=16, nhid=16, curvature=False)   # eval_bs 40: the example's 20,000 validation tokens in 50 batches; λ_max is tests/test_curvature.py's
     n = torch.get_num_threads()
     try:
         flags = [f for k, v in tiny.items() for f in ('--' + k.replace('_', '-'), str(v))]

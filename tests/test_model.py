@@ -11,8 +11,8 @@ from tests._devices import ON_DEVICES
 
 # torch.compile's graphs without Inductor's code generation (~10 s a step, not ~70 s on a 2-core CPU), for the tests whose
 # point is the graph (what it traces, taps and keeps alive), not the generated code. Inductor's code is checked by
-# test_compiled_step_equals_eager (small weights: the plain step), test_compiled_step_with_onednn_products_equals_eager
-# (nhid 128: its large weights tapped, the products oneDNN's), test_compiled_cpu_tanh_matches_float64 and
+# test_compiled_step_equals_eager (on a CPU at nhid 160: its large weights tapped, the products oneDNN's; on CUDA the
+# plain step), test_compiled_cpu_tanh_matches_float64 and
 # tests/test_bench.py's launch count
 AOT = 'aot_eager'
 COMPILED_STEPS = 3   # the cell of the tests that compile with Inductor (compile time grows with the cell's operators)
@@ -186,20 +186,34 @@ def tiny_search(steps=STEPS, **dropouts):
 
 @pytest.mark.slow
 @ON_DEVICES
-def test_compiled_step_equals_eager(device):
+def test_compiled_step_equals_eager(device, monkeypatch):
     """The torch.compile fast path gives the eager numbers (outputs and α/weight gradients). A 3-node cell: every operator
-    kind and a node's sum over several edges, a cold Inductor compile of about 30 s here where the 8-node cell's took 70"""
-    m, x, y = tiny_search(COMPILED_STEPS, dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1)
+    kind and a node's sum over several edges, one cold Inductor compile (about 45 s here; the 8-node cell's took 70). On a
+    CPU with oneDNN the compiled step's products go through oneDNN and are checked against aten's eager ones, at nhid 160:
+    node 0's successors' weights (3·320 × 160) are tapped, the others not (TAP_MIN_NUMEL), so Inductor's code for both
+    kinds of weight is checked. Elsewhere (CUDA; a CPU without oneDNN's fp32 product) the step's own kernels, at nhid 8"""
+    from rnn_darts.model import DeferredWeight
+    onednn = device == 'cpu' and kernels.ONEDNN
+    if onednn: m, (x, y), _ = onednn_search(nhid=160, T=4, steps=COMPILED_STEPS)
+    else: m, x, y = tiny_search(COMPILED_STEPS, dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1)
     m, x, y = m.to(device), x.to(device), y.to(device)
     def grads():
         m.reset(); m.alpha.requires_grad_(True)
         loss = m.loss(x, y, advance=False)
         return [loss.detach()] + list(torch.autograd.grad(loss, [m.alpha, m.cell.block]))
     with m.frozen_masks():
+        if onednn: monkeypatch.setattr(kernels, 'ONEDNN', False)
         eager = grads()
+        if onednn:
+            monkeypatch.setattr(kernels, 'ONEDNN', True); monkeypatch.setattr(kernels, 'KERNEL', 'onednn')
+            torch._dynamo.reset()   # traced afresh: the graph takes the kernel choice as a constant
         m.cell.compile_step()
         compiled = grads()
-    for a, b in zip(eager, compiled): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    if onednn:
+        W0hT, Wsuf = m.cell.per_sequence(**m.cell_inputs())[:2]
+        assert [isinstance(w, DeferredWeight) for w in (W0hT, *Wsuf)] == [False, True, False, False]   # tapped and plain weights
+    tol = dict(rtol=1e-3, atol=1e-5) if onednn else dict(rtol=1e-4, atol=1e-6)   # oneDNN against aten: another rounding
+    for a, b in zip(eager, compiled): torch.testing.assert_close(a, b, **tol)
     import pickle; assert pickle.loads(pickle.dumps(m)).cell._compiled is None
 
 @pytest.mark.slow
@@ -402,35 +416,11 @@ def test_onednn_products_give_aten_hypergradients(mode, monkeypatch):
     for a, b in zip(fast, run()): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
 
 @pytest.mark.slow
-@pytest.mark.skipif(not kernels.ONEDNN, reason="oneDNN's fp32 inner product is not available here")
-def test_compiled_step_with_onednn_products_equals_eager(monkeypatch):
-    """The compiled step keeps the oneDNN product as one opaque operator and gives aten's eager numbers. A 3-node cell at
-    nhid 160: node 0's successors' weights (3·320 × 160) are tapped, the others not (TAP_MIN_NUMEL), so Inductor's code
-    for both kinds of weight is checked"""
-    from rnn_darts.model import DeferredWeight
-    m, trn, val = onednn_search(nhid=160, T=4, steps=COMPILED_STEPS)
-    def grads():
-        m.reset(); m.alpha.requires_grad_(True)
-        loss = m.loss(*trn, advance=False)
-        return [loss.detach()] + list(torch.autograd.grad(loss, [m.alpha, m.cell.block]))
-    with m.frozen_masks():
-        monkeypatch.setattr(kernels, 'ONEDNN', False)
-        eager = grads()
-        monkeypatch.setattr(kernels, 'ONEDNN', True)
-        monkeypatch.setattr(kernels, 'KERNEL', 'onednn')
-        torch._dynamo.reset()   # traced afresh: the graph takes the kernel choice as a constant
-        m.cell.compile_step()
-        compiled = grads()
-    W0hT, Wsuf = m.cell.per_sequence(**m.cell_inputs())[:2]
-    assert [isinstance(w, DeferredWeight) for w in (W0hT, *Wsuf)] == [False, True, False, False]   # tapped and plain weights
-    for a, b in zip(eager, compiled): torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
-
-@pytest.mark.slow
 @pytest.mark.parametrize('kernel', ['aten', 'onednn'])
 @pytest.mark.parametrize('derived', [False, True])
 @pytest.mark.parametrize('compiled', [False, True])
 def test_deferred_weight_gradients_equal_autograds_per_step_ones(kernel, derived, compiled, monkeypatch):
-    "Forwards with gradients stash the products and sum the weight gradient every 8 steps (compiled: through taps in AOT autograd's graph; Inductor's code for taps is test_compiled_step_with_onednn_products_equals_eager's, at nhid 128); it equals autograd's per-step sum"
+    "Forwards with gradients stash the products and sum the weight gradient every 8 steps (compiled: through taps in AOT autograd's graph; Inductor's code for taps is test_compiled_step_equals_eager's, at nhid 160); it equals autograd's per-step sum"
     from rnn_darts.model import DeferredWeight
     if kernel == 'onednn' and not kernels.ONEDNN: pytest.skip("oneDNN's fp32 inner product is not available here")
     monkeypatch.setattr(kernels, 'KERNEL', kernel)

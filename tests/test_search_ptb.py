@@ -2,8 +2,9 @@
 validation loss is finite at every epoch and below a uniform guess. With plain running statistics this configuration's
 validation once went NaN (seed 3, one thread, third epoch, torch 2.13). The bound that fixed it is proved where it shows
 at the smallest size: `tests/test_model.py` runs 2,000 tokens through a fresh model, finite with the bound and not without.
-Here seed 3 runs two epochs, eager (the compiled step equals eager in `tests/test_model.py`): under two minutes, where the
-three seeds of three epochs took eight. Its α learning rate (3e-2, ten times the paper's) makes the supernet itself worse
+Here seed 3 runs two epochs of 21 batches of 16 × 15 tokens, eager (the compiled step equals eager in
+`tests/test_model.py`): about 35 s on one thread, where 43 batches of 16 × 30 took three minutes and the three seeds of three
+epochs eight. The cost is the eager cell's per-time-step work, six passes of it in a second-order step. Its α learning rate (3e-2, ten times the paper's) makes the supernet itself worse
 in some epochs (batch, re-estimated and running statistics all rose at seed 3's second epoch in 03_model's measurements),
 so falling validation is measured on the paper's settings (the PTB run in 03_model, *The search cell, checked and
 measured*), not asserted here."""
@@ -26,8 +27,8 @@ def one_thread():
 def search(seed, epochs=2):
     set_seed(seed)
     c = read_corpus(PENN, unk='<unk>', files=dict(train='valid.txt', valid='test.txt', test='test.txt'))
-    c.train, c.valid = c.train[:20_000], c.valid[:8_000]            # a short run: ~40 batches an epoch
-    dls = lm_dls(c, 16, 30, phase='search', seed=seed)
+    c.train, c.valid = c.train[:5_000], c.valid[:4_000]             # a short run: 21 batches an epoch
+    dls = lm_dls(c, 16, 15, phase='search', seed=seed)
     learn = search_learner(dls, search_stream(c, 16), emsize=32, nhid=32, mode='second', arch_lr=3e-2,
                            dropout=0.2, dropouth=0.1, dropoutx=0.1, dropouti=0.1, checkpoint=False, path=tempfile.mkdtemp(),
                            curvature=False, compile=False)   # about validation: λ_max on a 10k-word decoder would double its time
@@ -41,12 +42,12 @@ def column(learn, name):
 @pytest.mark.slow
 @needs_ptb
 def test_search_on_ptb_validation_is_finite(one_thread):
-    "Two epochs of a second-order search on real text (seed 3): under two minutes (see the module's docstring)"
+    "Two epochs of a second-order search on real text (seed 3), a 6,000-word vocabulary: over 20 s (see the module's docstring)"
     learn = search(3)
     valid = column(learn, 'valid_loss')
     assert all(v == v and v < float('inf') for v in valid), f"validation must be finite every epoch: {valid}"
     uniform = math.log(len(learn.dls.vocab))
-    assert all(v < uniform for v in valid) and min(valid) < uniform - 1.5, f"validation vs a uniform guess ({uniform:.2f}): {valid}"
+    assert all(v < uniform for v in valid) and min(valid) < uniform - 1, f"validation vs a uniform guess ({uniform:.2f}): {valid}"
     assert all(v == v for k in ('train_loss', 'search_loss') for v in column(learn, k))
     w = learn.model.arch_weights().detach()
     assert (w - 0.2).abs().max() > 0.01, "α should have moved away from uniform"

@@ -24,12 +24,13 @@ def test_compile_default_on_cpu_and_the_flag(corpus, tmp_path):
         assert f.model.cell._compiled is None and not any(isinstance(cb, AutoCompile) for cb in f.cbs)
 
 @pytest.mark.slow
-def test_auto_compile_compiles_a_long_search_fit_only(corpus, tmp_path):
+def test_auto_compile_compiles_a_long_search_fit_only(tmp_path):
     """A fit shorter than `min_steps` batches runs eager; a longer one runs its time steps through the compiled step. The decision
     is the point: `compile_step` here installs the eager step behind a counter as the "compiled" one (what compiling gives
-    is tests/test_model.py's; a compile in this fit took 40-95 s on 2 cores)"""
-    dls = lm_dls(corpus, 4, 6, device='cpu')
-    learn = search_learner(dls, search_stream(corpus, 4), path=tmp_path, mode='first', curvature=False, **TINY)
+    is tests/test_model.py's; a compile in this fit took 40-95 s on 2 cores). 12 batches an epoch"""
+    c = numbers_corpus(n_train=300, n_valid=100, n_test=100)
+    dls = lm_dls(c, 4, 6, device='cpu')
+    learn = search_learner(dls, search_stream(c, 4), path=tmp_path, mode='first', curvature=False, **TINY)
     cell, calls = learn.model.cell, []
     def counted(step): return lambda *a: calls.append(1) or step(*a)
     def compile_step():
