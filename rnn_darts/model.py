@@ -49,13 +49,13 @@ class PackedCell(nn.Module):
         # row-block position of each node's W_i inside WhT (derived cells order nodes by predecessor)
         self.col = list(order) if order is not None else list(range(n_nodes))
         self._compiled = self._compiled_tapped = None
-        self._compile_noticed = False
+        self._compile_watched = set()   # the phases whose first compiled batch `CompileNotice` watched
         self.defer = True   # forwards with weight gradients: each weight's gradient over several time steps per product (`DeferredWeight`)
 
     def compile_step(self, **kwargs):
         "Fuse the time step with `torch.compile` (fixed shapes); the learners call it by default on a GPU, `AutoCompile` for long CPU searches"
         self._compiled = torch.compile(self.step, dynamic=False, **kwargs)
-        self._compile_noticed = False   # `CompileNotice` says once that the first batches compile it
+        self._compile_watched = set()   # `CompileNotice` watches the new graphs' first batches
         self._compiled_tapped = torch.compile(self._tapped_step, dynamic=False, **kwargs)   # with `DeferredWeight`s
         return self
 

@@ -4,6 +4,7 @@
 
 # %% ../../nbs/05b_speed.ipynb #adac8364
 from __future__ import annotations
+import threading, time
 import torch
 from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision, AMPMode
@@ -37,13 +38,31 @@ class AutoCompile(Callback):
 
 # %% ../../nbs/05b_speed.ipynb #c0mp1e02
 class CompileNotice(Callback):
-    "Say once, before the first epoch that runs a newly compiled step, that its first batches compile it"
+    "A line when the first training (or validation) batch of a newly compiled step is still running after `quiet` seconds, as it compiles, and its time when it ends; nothing when Inductor's cache makes it quick"
     order = AutoCompile.order + 1   # after AutoCompile has decided
-    def before_train(self):
-        cell = self.learn.model.cell
-        if cell._compiled is None or getattr(cell, '_compile_noticed', False) or rank_distrib(): return
-        cell._compile_noticed = True
-        where = ' on a CPU' if self.learn.model.flat.data.device.type == 'cpu' else ''
-        print(f"compiling the recurrent step (torch.compile), once: the first batches take about a minute more{where}, and the "
-              "progress bar's estimate is too long until then; later runs reuse Inductor's cache on disk", flush=True)
+    def __init__(self, quiet:float=10.): self.quiet, self.timer, self.said = quiet, None, []
 
+    def watch(self, phase:str):
+        cell = self.learn.model.cell
+        if cell._compiled is None or phase in cell._compile_watched or rank_distrib(): return
+        cell._compile_watched.add(phase)
+        self.t0, self.said = time.perf_counter(), []
+        self.timer = threading.Timer(self.quiet, self.say, args=(phase,))
+        self.timer.daemon = True; self.timer.start()
+
+    def say(self, phase:str):
+        where = ' on a CPU' if self.learn.model.flat.data.device.type == 'cpu' else ''
+        print(f"\ncompiling the recurrent step for {phase} (torch.compile): its first batch waits for it, about a minute{where} "
+              "with an empty Inductor cache; the progress bar's estimate is too long until then", flush=True)
+        self.said.append(phase)
+
+    def before_train(self): self.watch('training')
+    def before_validate(self): self.watch('validation')
+    def after_batch(self): self.stop()
+    def after_fit(self): self.stop()
+
+    def stop(self):
+        if self.timer is None: return
+        self.timer.cancel(); self.timer.join(); self.timer = None
+        if self.said: print(f"compiled the recurrent step for {self.said[0]} in {time.perf_counter() - self.t0:.0f} s; "
+                            "later runs load it from Inductor's cache on disk", flush=True)
