@@ -205,6 +205,7 @@ def _prepare(command, flags:dict) -> _Run:
     check_fits(r.corpus, r.s, command, r.src)
     check_memory(r.s, len(r.corpus.vocab), command, r.dev)
     r.out = Path(r.s['out'] or f'runs/{command}')
+    r.s['out'] = str(r.out)   # run.json (and the report's settings) name the folder, the default too
     r.changes = {}
     if r.rank == 0: r.lock, r.changes = prepare_run_dir(r.out, command, r.s, c['resume'], c['overwrite'], c['override'], r.data)
     else: r.out.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ __all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'COMPARI
            'plan_stages', 'check_study', 'stage_command', 'stage_record', 'stage_settings', 'stage_done',
            'stage_seconds', 'select_winner', 'study_rows', 'run_passes', 'planned_work', 'check_stages', 'check_final',
            'run_stage', 'run_study', 'collect_study', 'plot_study', 'write_study_report', 'search_comparison',
-           'write_search_comparison']
+           'plot_search_comparison', 'write_search_comparison']
 
 # %% ../nbs/17_study.ipynb #160dffce
 STUDY_OPTIONS = {f.name: (option_type(f.default, f.type), f.default) for f in fields(StudyConfig)}   # name -> (type, default): `StudyConfig`'s, the paper's protocol
@@ -412,7 +412,7 @@ def write_study_report(study_dir, df=None) -> Path:
     return p
 
 # %% ../nbs/17_study.ipynb #45c053bc
-COMPARISON_COLUMNS = ('run', 'method', 'epochs', 'valid_ppl', 'lambda_max', 'cell', 'minutes', 'finite', 'finished')
+COMPARISON_COLUMNS = ('run', 'method', 'epochs', 'best_valid_ppl', 'last_valid_ppl', 'lambda_max', 'cell', 'minutes', 'finite', 'finished')
 
 def _log_rows(run:Path) -> list:
     import csv
@@ -425,7 +425,7 @@ def _all_finite(rows:list) -> bool:
     return all(math.isfinite(float(v)) for r in rows for k, v in r.items() if k not in ('epoch', 'time') and v)
 
 def search_comparison(folder) -> list:
-    "A row per search run folder inside `folder`, by name (`COMPARISON_COLUMNS`): the searches side by side, outside a study"
+    "A row per search run folder inside `folder`, by name (`COMPARISON_COLUMNS`, and each epoch's perplexity and λ_max for the figure)"
     from rnn_darts.genotypes import genotype_from_dict
     from rnn_darts.random_search import cell_text
     rows = []
@@ -434,25 +434,51 @@ def search_comparison(folder) -> list:
         if rec.get('command') != 'search': continue
         log, s = _log_rows(run), rec.get('settings', {})
         g = rec.get('genotype')
+        ppl = [(int(r['epoch']), float(r['perplexity'])) for r in log]
+        lam = [(int(r['epoch']), float(r['lambda_max'])) for r in log if r.get('lambda_max')]
+        finite = [v for _, v in ppl if math.isfinite(v)]
         rows.append(dict(run=run.name, method=s.get('method') or s.get('mode'), epochs=len(log),
-                         valid_ppl=float(log[-1]['perplexity']) if log else float('nan'),
-                         lambda_max=[float(r['lambda_max']) for r in log if r.get('lambda_max')],
+                         best_valid_ppl=min(finite, default=float('nan')), last_valid_ppl=ppl[-1][1] if ppl else float('nan'),
+                         lambda_max=[v for _, v in lam], by_epoch=dict(perplexity=ppl, lambda_max=lam),
                          cell=cell_text(genotype_from_dict(g, f"{run/'run.json'}: genotype")) if g else '',
                          minutes=(stage_seconds(rec) or 0.) / 60, finite=_all_finite(log), finished=bool(rec.get('finished'))))
     return rows
 
 def _cmp_cell(col:str, v) -> str:
     if col == 'lambda_max': return ' → '.join(f"{x:.3g}" for x in v)
-    if col in ('valid_ppl', 'minutes'): return f"{v:.1f}"
+    if col.endswith('_ppl'): return f"{v:.2f}"
+    if col == 'minutes': return f"{v:.1f}"
     if col in ('finite', 'finished'): return 'yes' if v else '**no**'
     return str(v)
 
+def plot_search_comparison(rows:list, path=None):
+    "Each search's validation perplexity and λ_max by epoch, side by side (non-finite values left out); a Figure, or the path written"
+    import numpy as np
+    from rnn_darts.plot import _figure, _out
+    fig = _figure(10, 3.8); axs = fig.subplots(1, 2)
+    for j, r in enumerate(rows):
+        for ax, key in zip(axs, ('perplexity', 'lambda_max')):
+            pts = [(e, v) for e, v in r['by_epoch'][key] if math.isfinite(v)]
+            if pts: ax.plot(*zip(*pts), 'o-', ms=4, color=f'C{j % 10}', label=r['run'])
+    from matplotlib.ticker import MaxNLocator
+    for ax, what in zip(axs, ('validation perplexity', 'λ_max')):
+        ax.set_xlabel('epoch'); ax.set_ylabel(what); ax.grid(alpha=0.3); ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ys = np.concatenate([l.get_ydata() for l in ax.lines]) if ax.lines else np.ones(1)
+        if ys.min() > 0 and ys.max() / ys.min() > 20: ax.set_yscale('log')
+    if axs[0].lines: axs[0].legend(fontsize=8)
+    axs[1].set_title('the validation Hessian in α' + (' (none for random search)' if any(not r['by_epoch']['lambda_max'] for r in rows) else ''), fontsize=9)
+    fig.tight_layout()
+    return _out(fig, path)
+
 def write_search_comparison(folder) -> Path:
-    "Write `FOLDER/report.md`: the table of `search_comparison`; returns its path"
+    "Write `FOLDER/report.md`: the figure of `plot_search_comparison` (`searches.png`) and the table of `search_comparison`; returns its path"
     folder = Path(folder)
     rows = search_comparison(folder)
     if not rows: raise FileNotFoundError(f"{folder} holds no search run folder (a folder with a run.json of rnn-darts search)")
-    L = [f"# Searches in {folder.resolve().name}", '', '| ' + ' | '.join(COMPARISON_COLUMNS) + ' |', '|' + '---|' * len(COMPARISON_COLUMNS)]
+    plot_search_comparison(rows, folder/'searches.png')
+    L = [f"# Searches in {folder.resolve().name}", '', '![validation perplexity and λ_max by epoch](searches.png)', '',
+         '*Each search by epoch: validation perplexity (left), λ_max (right).*', '',
+         '| ' + ' | '.join(COMPARISON_COLUMNS) + ' |', '|' + '---|' * len(COMPARISON_COLUMNS)]
     L += ['| ' + ' | '.join(_cmp_cell(c, r[c]) for c in COMPARISON_COLUMNS) + ' |' for r in rows]
     p = folder/'report.md'
     write_text_atomic('\n'.join(L) + '\n', p)

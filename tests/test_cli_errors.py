@@ -159,13 +159,15 @@ def test_presets_ship_with_the_package(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_quick_preset_from_any_folder_by_subprocess(tmp_path):
-    "A fresh `python -m rnn_darts.cli` in a folder without settings.ini reads [quick] from the package; its run's size is not the point (first order, no λ_max, 1,000 tokens)"
+    """A fresh `python -m rnn_darts.cli` in a folder without settings.ini reads [quick] from the package; run.json names the
+    default run folder it wrote (the report's settings showed it blank). Its run's size is not the point (first order, no λ_max, 1,000 tokens)"""
     env = {**os.environ, 'PYTHONPATH': str(ROOT), 'OMP_NUM_THREADS': '1'}
     small = ['--mode', 'first', '--curvature', 'false', '--n-train', '1000', '--n-eval', '500']
-    r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', 'search', '--preset', 'quick', *NUM, *small, '--out', 'q'],
+    r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', 'search', '--preset', 'quick', *NUM, *small],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads((tmp_path/'q'/'run.json').read_text())['settings']['dropout'] == 0.2   # from [quick]
+    s = json.loads((tmp_path/'runs'/'search'/'run.json').read_text())['settings']
+    assert s['dropout'] == 0.2 and s['out'] == str(Path('runs')/'search'), s   # from [quick]; the default folder
 
 # --- corpus files ------------------------------------------------------------------------------------------------------
 def test_corpus_file_errors(capsys, tmp_path):

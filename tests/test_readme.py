@@ -45,3 +45,15 @@ def test_ci_runs_the_readme_test_command():
 if __name__ == '__main__':
     README.write_text(readme_from_index(), encoding='utf-8')
     print(f"README.md written from {INDEX.relative_to(ROOT)} ({len(README.read_text(encoding='utf-8').splitlines())} lines)")
+
+def test_github_runs_the_ci_script_and_deploys_the_docs():
+    "nbdev's two GitHub workflows: every push runs `.ci/run` (what CI runs); a push to main builds the docs site with Quarto for GitHub Pages"
+    import pytest
+    yaml = pytest.importorskip('yaml')
+    wf = ROOT/'.github'/'workflows'
+    test, deploy = (yaml.safe_load((wf/f).read_text()) for f in ('test.yaml', 'deploy.yaml'))
+    on = lambda w: w.get('on', w.get(True))   # YAML 1.1 reads the key `on` as True
+    assert {'push', 'pull_request'} <= set(on(test)), on(test)
+    assert [s['run'] for s in test['jobs']['test']['steps'] if 'run' in s] == ['bash .ci/run']
+    assert on(deploy)['push']['branches'] == ['main', 'master'] and deploy['permissions'] == {'contents': 'write', 'pages': 'write'}
+    assert [s['uses'].split('@')[0] for s in deploy['jobs']['deploy']['steps']] == ['AnswerDotAI/workflows/quarto-ghp3']
