@@ -74,6 +74,7 @@ def done(tmp_path_factory):
 @pytest.mark.slow
 def test_study_runs_every_stage_and_tells_the_truth(done):
     d, s, stdout = done
+    assert '\r' not in stdout and '█' not in stdout, stdout[:400]     # into a file or pipe: lines, no bar frames (its searches, scoring, trainings)
     lines = [l for l in stdout.splitlines() if l.startswith('study [')]
     assert [l.split()[2].rstrip(':') for l in lines] == [x for x in STAGES for _ in (0, 1)]   # a line as each starts and ends
     assert all('so far' in l for l in lines[::2]) and all('done in' in l for l in lines[1::2])
