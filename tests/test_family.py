@@ -284,7 +284,7 @@ def test_the_command_line_writes_darts_pts_cell_and_its_time(tmp_path):
 
 @pytest.mark.slow
 def test_the_report_of_a_folder_of_searches_sets_the_methods_side_by_side(tmp_path, capsys):
-    "`rnn-darts report FOLDER` over real searches: a row per run with its method, λ_max after each epoch as logged, its cell and a finite log"
+    "`rnn-darts report FOLDER` over real searches: a row per run with its method, best and last perplexity, λ_max after each epoch as logged, its cell and a finite log; the figure"
     import csv
     from rnn_darts import cli
     from rnn_darts.genotypes import load_genotype
@@ -297,10 +297,13 @@ def test_the_report_of_a_folder_of_searches_sets_the_methods_side_by_side(tmp_pa
     assert capsys.readouterr().out.strip() == f"report written to {tmp_path/'report.md'}"
     rows = [r for r in (tmp_path/'report.md').read_text().splitlines() if r.startswith('| gdas') or r.startswith('| random')]
     gdas, rnd = [[c.strip() for c in r.strip('|').split('|')] for r in rows]
-    with (tmp_path/'gdas'/'log.csv').open() as f: lams = [float(r['lambda_max']) for r in csv.DictReader(f)]
-    assert gdas[:3] == ['gdas', 'gdas', '2'] and gdas[4] == ' → '.join(f"{x:.3g}" for x in lams) and len(lams) == 2
-    assert gdas[5] == cell_text(load_genotype(tmp_path/'gdas'/'genotype.json')) and gdas[7:] == ['yes', 'yes']
-    assert rnd[1] == 'random' and rnd[4] == '' and rnd[7:] == ['yes', 'yes']
+    with (tmp_path/'gdas'/'log.csv').open() as f: log = list(csv.DictReader(f))
+    lams, ppl = [float(r['lambda_max']) for r in log], [float(r['perplexity']) for r in log]
+    assert gdas[:5] == ['gdas', 'gdas', '2', f"{min(ppl):.2f}", f"{ppl[-1]:.2f}"] and len(lams) == 2
+    assert gdas[5] == ' → '.join(f"{x:.3g}" for x in lams)
+    assert gdas[6] == cell_text(load_genotype(tmp_path/'gdas'/'genotype.json')) and gdas[8:] == ['yes', 'yes']
+    assert rnd[1] == 'random' and rnd[5] == '' and rnd[8:] == ['yes', 'yes']
+    assert (tmp_path/'searches.png').read_bytes()[:4] == b'\x89PNG'
 
 # ------------------------------------------------------------------ hot paths
 from torch.utils._python_dispatch import TorchDispatchMode
