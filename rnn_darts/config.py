@@ -9,6 +9,8 @@ from functools import partial
 from rnn_darts.core import UsageError
 
 RELAXATIONS = ('softmax', 'sigmoid', 'gdas', 'snas', 'drnas')   # `rnn_darts.relax`
+MODES = ('second', 'first', 'exact', 'mixed', 'single', 'random')   # α's step (`rnn_darts.callbacks.arch`), then random search's
+ARCH_MODES = MODES[:-1]                                             # the modes with α
 TEMPERED, DRAWN = ('gdas', 'snas'), ('gdas', 'snas', 'drnas')  # the relaxations with a temperature; those that draw their weights
 ALPHA_PARTS = ('relax', 'zero_one', 'op_decay', 'early_stop', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay', 'dirichlet_kl', 'perturb', 'epsilon',
                'select', 'pt_tune')   # what α's search does
@@ -27,9 +29,9 @@ METHODS = {   # name -> the settings of its parts (on the defaults of `SearchCon
 }
 
 # %% auto #0
-__all__ = ['RELAXATIONS', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS', 'CONFIGS', 'setting', 'redefault',
-           'RunConfig', 'SearchConfig', 'TrainConfig', 'StudyConfig', 'configured', 'with_method', 'check_rules',
-           'has_all']
+__all__ = ['RELAXATIONS', 'MODES', 'ARCH_MODES', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS', 'CONFIGS',
+           'setting', 'redefault', 'RunConfig', 'SearchConfig', 'TrainConfig', 'StudyConfig', 'configured',
+           'with_method', 'check_rules', 'has_all']
 
 # %% ../nbs/00a_config.ipynb #fed0f08a
 def setting(default, help:str|None=None, check=None):
@@ -111,7 +113,7 @@ class SearchConfig(RunConfig):
                                 "order) and evaluation (default: on for CUDA, except with --bf16; a step that cannot be captured falls back to eager, saying why)")
     mode: str = setting('second', "architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product) | "
                         "mixed (MiLeNAS: training and validation) | single (SNAS: the training loss); or random: random search with "
-                        "weight sharing, no α", ('second', 'first', 'exact', 'mixed', 'single', 'random'))
+                        "weight sharing, no α", MODES)
     method: str|None = setting(None, "a method of the DARTS family, one of the choices above: it sets its parts' settings that are left at "
                                'their defaults (see rnn_darts.config.METHODS)', tuple(METHODS))
     arch_lr: float = setting(3e-3, 'learning rate of α (Adam), > 0', 'pos_float')
@@ -230,7 +232,7 @@ def _check_family(s:dict, name):
         raise UsageError(f"{name('perturb')} (SDARTS) perturbs softmax mixing weights on the simplex; {name('relax')} {r} is not softmax")
     if s.get('select') == 'pt' and r is not None and r != 'softmax':
         raise UsageError(f"{name('select')} pt (DARTS-PT) removes ops from softmax mixing weights; {name('relax')} {r} is not softmax")
-    if s.get('mixed_lambda', 1.) != 1. and mode is not None and mode != 'mixed':
+    if s.get('mixed_lambda', SearchConfig.mixed_lambda) != SearchConfig.mixed_lambda and mode is not None and mode != 'mixed':
         raise UsageError(f"{name('mixed_lambda')} weighs the validation gradient of {name('mode')} mixed, not {mode}")
 
 def has_all(s:dict, *ks) -> bool: return all(s.get(k) is not None for k in ks)

@@ -13,6 +13,7 @@ from rnn_darts.genotypes import PRIMITIVES, sample_genotype, genotype_to_dict, s
 from rnn_darts.data import batchify
 from rnn_darts.callbacks.logs import write_json_atomic
 from rnn_darts.core import write_text_atomic
+from rnn_darts.config import SearchConfig
 
 # %% auto #0
 __all__ = ['SCREEN_ROWS', 'TOP', 'default_candidates', 'space_size', 'draw_candidates', 'cell_text', 'stream_loss', 'weights_key',
@@ -20,7 +21,7 @@ __all__ = ['SCREEN_ROWS', 'TOP', 'default_candidates', 'space_size', 'draw_candi
 
 # %% ../nbs/15_random.ipynb #c31c195a
 SCREEN_ROWS = 1024   # rows of the screening pass: the reference scores every cell on the valid split batched 256·4 wide
-TOP = 10             # cells of the screen the full validation pass scores (the reference's 10)
+TOP = SearchConfig.top   # cells of the screen the full validation pass scores (the reference's 10; `--top`)
 
 def default_candidates(n_batches:int) -> int:
     "The reference's number of cells to score after `n_batches` training batches: 1,000 per 10,000, here at least 100"

@@ -9,16 +9,16 @@ from functools import partial
 import torch, torch.nn.functional as F
 from fastai.callback.core import Callback
 from rnn_darts.genotypes import PRIMITIVES
-from rnn_darts.config import SearchConfig, check_rules
+from rnn_darts.config import SearchConfig, check_rules, ARCH_MODES
 from rnn_darts.relax import dirichlet_kl, linear_schedule
 from rnn_darts.callbacks.training import SeqLenLR, check_flat_opt
 
 # %% auto #0
-__all__ = ['UNROLLED', 'ARCH_MODES', 'ARCH_BETAS', 'train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first',
-           'fd_hvp', 'exact_hvp', 'hypergrad_second', 'hypergrad_mixed', 'hypergrad_single', 'hypergrad',
-           'op_param_counts', 'op_decay_grad', 'check_zero_one', 'penalty_grad', 'zero_one_grad', 'beta_decay_loss',
-           'alpha_penalty', 'arch_adam', 'guarded_adam_step', 'arch_precision', 'arch_grad', 'arch_step',
-           'ArchParamUpdate', 'Temperature']
+__all__ = ['UNROLLED', 'ARCH_BETAS', 'train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first', 'fd_hvp',
+           'exact_hvp', 'hypergrad_second', 'hypergrad_mixed', 'hypergrad_single', 'hypergrad', 'op_param_counts',
+           'op_decay_grad', 'check_zero_one', 'penalty_grad', 'zero_one_grad', 'beta_decay_loss', 'alpha_penalty',
+           'arch_adam', 'guarded_adam_step', 'arch_precision', 'arch_grad', 'arch_step', 'ArchParamUpdate',
+           'Temperature']
 
 # %% ../../nbs/04_arch.ipynb #bb97d689
 def train_loss(model, xb, yb, weight_grads=True):
@@ -82,7 +82,6 @@ def hypergrad_single(model, trn, val):
     return torch.autograd.grad(loss, model.alpha)[0], loss.detach()
 
 UNROLLED = ('second', 'exact')   # the modes with a virtual weight step
-ARCH_MODES = ('first', 'second', 'exact', 'mixed', 'single')
 
 def hypergrad(model, trn, val, mode=SearchConfig.mode, lr=SearchConfig.lr, wd=0., clip=None, mixed_lambda=SearchConfig.mixed_lambda):
     "The hypergradient of `mode` (first|second|exact|mixed|single) and the loss α descends (the search loss; single: the training loss)"
