@@ -14,17 +14,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rnn_darts.core import cpu_name, naming
 from rnn_darts.genotypes import DARTS_V2, load_genotype, sample_genotype
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
-from rnn_darts.callbacks.arch import ArchParamUpdate, ARCH_BETAS, arch_grad, hypergrad
-from rnn_darts.config import SearchConfig, TrainConfig
+from rnn_darts.callbacks.arch import ArchParamUpdate, ARCH_BETAS, arch_grad, hypergrad, beta_weight_at
+from rnn_darts.config import SearchConfig, TrainConfig, METHODS, FAMILY as METHOD_FAMILY
+from rnn_darts.learner import search_parts
 from rnn_darts.callbacks.graphs import StepGraphs
 from rnn_darts.callbacks.perturb import Perturbation
 
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'FAMILY', 'STEP_NAMES', 'mem_kind',
-           'time_fn', 'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'arch_hypergrad',
-           'random_step', 'method_model', 'method_updater', 'method_step', 'search_step', 'in_bf16', 'kernel_profile',
-           'profiler_log_off', 'launch_count', 'bf16_agreement', 'cpu_kernels', 'write_json', 'run_bench',
-           'print_table']
+           'time_fn', 'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'bound_updater',
+           'arch_hypergrad', 'random_step', 'method_model', 'method_updater', 'method_step', 'search_step', 'in_bf16',
+           'kernel_profile', 'profiler_log_off', 'launch_count', 'bf16_agreement', 'cpu_kernels', 'write_json',
+           'run_bench', 'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 _S, _T = SearchConfig(), TrainConfig()   # the paper's search and training settings
@@ -122,6 +123,10 @@ def arch_updater(model, mode=_S.mode, arch_bf16=False, graphs=None, **kwargs):
     "An `ArchParamUpdate` bound to `model` outside a `Learner` (the search learner's callback, its Adam and guard); its steps as graphs of `graphs` (a `StepGraphs`) if given"
     cb = ArchParamUpdate(None, mode, arch_lr=STEP['arch_lr'], arch_betas=STEP['arch_betas'], arch_wd=STEP['arch_wd'],
                          arch_bf16=arch_bf16, **kwargs)
+    return bound_updater(cb, model, graphs)
+
+def bound_updater(cb, model, graphs=None):
+    "`cb` (an `ArchParamUpdate`) bound to `model` outside a `Learner`, its Adam made; its steps as graphs of `graphs` if given"
     cb.learn = SimpleNamespace(model=model, cuda_graphs=SimpleNamespace(graphs=graphs))
     cb.hypers = STEP['lr'], STEP['wd'], STEP['clip']
     cb.before_fit()
@@ -136,7 +141,7 @@ def random_step(model, gen, xb, yb, lr=STEP['lr'], clip=STEP['clip']):
     model.use(sample_genotype(model.steps, gen))
     return weight_step(model, xb, yb, lr=lr, clip=clip)
 
-FAMILY = ('gdas', 'snas', 'drnas', 'milenas', 'beta-darts', 'sdarts-rs', 'sdarts-adv')   # darts-pt's steps are first order; its selection's time is in run.json
+FAMILY = tuple(m for m in METHOD_FAMILY if 'select' not in METHODS[m])   # darts-pt's steps are first order; its selection's time is in run.json
 
 def method_model(method, shape, seed=0):
     "The search model of `method` (its relaxation; τ at its first epoch's) at `shape`"
@@ -147,13 +152,13 @@ def method_model(method, shape, seed=0):
     return m
 
 def method_updater(model, method, graphs=None):
-    "The architecture callback (`arch_updater`) and SDARTS's `Perturbation` (or None) of `method`, bound to `model` outside a `Learner`; β-DARTS's λ at half its final value"
-    c = SearchConfig(method=method)
-    cb = arch_updater(model, c.mode, graphs=graphs, mixed_lambda=c.mixed_lambda, beta_decay=c.beta_decay, dirichlet_kl=c.dirichlet_kl)
-    if cb.beta_weight is not None: cb.beta_weight.fill_(c.beta_decay / 2)
-    if c.perturb == 'none': return cb, None
-    pert = Perturbation(c.perturb, c.epsilon)
-    pert.learn, pert.eps = SimpleNamespace(model=model), c.epsilon
+    "The architecture callback (`arch_updater`) and SDARTS's `Perturbation` (or None) of `method`, bound to `model` outside a `Learner`; β-DARTS's λ of the paper's middle epoch (25 of 50)"
+    c = SearchConfig(method=method, arch_lr=STEP['arch_lr'], arch_wd=STEP['arch_wd'])
+    parts = search_parts(c)
+    cb = bound_updater(next(p for p in parts if isinstance(p, ArchParamUpdate)), model, graphs)
+    if cb.beta_weight is not None: cb.beta_weight.fill_(beta_weight_at(c.beta_decay, 25))
+    pert = next((p for p in parts if isinstance(p, Perturbation)), None)
+    if pert is not None: pert.learn, pert.eps = SimpleNamespace(model=model), c.epsilon
     return cb, pert
 
 def method_step(model, cb, pert, trn, val):

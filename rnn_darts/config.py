@@ -6,7 +6,7 @@
 from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace, asdict
 from functools import partial
-from rnn_darts.core import UsageError
+from rnn_darts.core import UsageError, check_number, check_choice
 
 RELAXATIONS = ('softmax', 'sigmoid', 'gdas', 'snas', 'drnas')   # `rnn_darts.relax`
 MODES = ('second', 'first', 'exact', 'mixed', 'single', 'random')   # α's step (`rnn_darts.callbacks.arch`), then random search's
@@ -26,12 +26,14 @@ METHODS = {   # name -> the settings of its parts (on the defaults of `SearchCon
     'sdarts-rs': dict(mode='first', perturb='random'),             # Chen & Hsieh, ICML 2020
     'sdarts-adv': dict(mode='first', perturb='adversarial'),
     'darts-pt': dict(mode='first', select='pt'),                   # Wang et al., ICLR 2021
+    'fair-darts': dict(relax='sigmoid', mode='first', zero_one=10.),   # Chu et al., ECCV 2020 (its code's aux_loss_weight)
 }
+FAMILY = tuple(m for m in METHODS if m not in MODES + ('darts',))   # the methods beyond the bare modes
 
 # %% auto #0
-__all__ = ['RELAXATIONS', 'MODES', 'ARCH_MODES', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS', 'CONFIGS',
+__all__ = ['RELAXATIONS', 'MODES', 'ARCH_MODES', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS', 'FAMILY', 'CONFIGS',
            'setting', 'redefault', 'RunConfig', 'SearchConfig', 'TrainConfig', 'StudyConfig', 'configured',
-           'with_method', 'check_rules', 'has_all']
+           'check_value', 'check_fields', 'with_method', 'check_rules', 'has_all', 'check_random']
 
 # %% ../nbs/00a_config.ipynb #fed0f08a
 def setting(default, help:str|None=None, check=None):
@@ -124,8 +126,8 @@ class SearchConfig(RunConfig):
                                   '(default: GDAS 10, SNAS 1)', 'pos_float')
     tau_min: float|None = setting(None, '--relax gdas|snas: τ of the last epoch (default: GDAS 0.1, SNAS 0.03)', 'pos_float')
     mixed_lambda: float = setting(1., "--mode mixed (MiLeNAS): α's gradient is ∇α L_train + λ ∇α L_valid; λ", 'pos_float')
-    beta_decay: float = setting(0., "β-DARTS: α's loss adds λ · mean over edges of logsumexp(α), λ rising linearly as beta_decay × epoch / "
-                                "epochs (β-DARTS: 50); default: off", 'nonneg_float')
+    beta_decay: float = setting(0., "β-DARTS: α's loss adds λ · mean over edges of logsumexp(α), λ = beta_decay × epoch / 100 (epochs from 0), "
+                                "as β-DARTS's code (its 50: λ = 24.5 in the last of its 50 epochs); default: off", 'nonneg_float')
     dirichlet_kl: float = setting(0., "--relax drnas: α's loss adds this × Σ over edges of KL(Dirichlet(ELU(α)+1) ‖ Dirichlet(1)) "
                                   "(--method drnas: 1e-3); default: off", 'nonneg_float')
     perturb: str = setting('none', "SDARTS: every weight step mixes by softmax(α) perturbed within ε: random (RS) | adversarial (ADV: 7 PGD "
@@ -185,8 +187,26 @@ def configured(cls, config, caller:str, settings:dict):
         raise TypeError(f"{caller}(): config must be a {cls.__name__}, got {type(config).__name__} {config!r}; "
                         f"settings go by keyword ({caller}(..., nhid=...))")
     c = (config or cls()).updated(caller, **settings)
+    check_fields(c)
     check_rules(c.asdict())
     return c
+
+def check_value(name:str, v, check):
+    "Raise a `UsageError` naming `name` unless `v` passes `check` (a config field's: 'pos_int', 'nonneg_int', 'bptt', 'pos_float', 'nonneg_float', 'prob', or choices)"
+    if isinstance(check, tuple): return check_choice(name, v, check)
+    if check == 'prob':
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise UsageError(f"{name} is a dropout probability and must be in [0, 1), got {v!r}")
+        return
+    lo, integer, lo_open = dict(pos_int=(1, True, False), nonneg_int=(0, True, False), bptt=(2, True, False),
+                                pos_float=(0, False, True), nonneg_float=(0, False, False))[check]
+    check_number(name, v, lo, integer=integer, lo_open=lo_open)
+
+def check_fields(c, name=str):
+    "Raise a `UsageError` naming (by `name(key)`) the first field of config `c` whose value fails its field's check"
+    for f in fields(c):
+        v, check = getattr(c, f.name), f.metadata.get('check')
+        if v is not None and check: check_value(name(f.name), v, check)
 
 def _default(k): return SearchConfig.__dataclass_fields__[k].default
 
@@ -236,3 +256,19 @@ def _check_family(s:dict, name):
         raise UsageError(f"{name('mixed_lambda')} weighs the validation gradient of {name('mode')} mixed, not {mode}")
 
 def has_all(s:dict, *ks) -> bool: return all(s.get(k) is not None for k in ks)
+
+def check_random(s:dict, name=str, given=lambda k: False):
+    """Random search's rules (no α; another cell every batch), on the settings `s`: a `UsageError` for an α setting the
+    user wrote (`given(k)`: a flag, or a keyword of `search_learner`) or an α part moved from its default by anyone, for
+    compile and CUDA graphs, and for `candidates`/`top` written for another mode. Named by `name(key)`, as `check_rules`.
+    The one place these rules are written: the command line and `search_learner` call it"""
+    mode = s.get('mode')
+    if mode != 'random':
+        for k in ('candidates', 'top'):
+            if given(k): raise UsageError(f"{name(k)} applies to random search (the cells it scores after training), not to mode {mode}")
+        return
+    for k in ALPHA_ONLY:
+        if given(k) or (k in ALPHA_PARTS and k in s and s[k] != _default(k)):
+            raise UsageError(f"{name(k)} applies to the architecture weights α, which random search (mode random) does not have")
+    for k, why in (('compile', 'a compiled step would recompile for each (see rnn_darts.random_search)'), ('graphs', 'each would need its own CUDA graphs')):
+        if s.get(k): raise UsageError(f"{name(k)} true: random search runs another cell every batch, and {why}; it runs eager")

@@ -22,7 +22,7 @@ from fastai.optimizer import SGD
 import fastai.callback.schedule  # adds Learner.lr_find and fit_one_cycle
 from fastai.callback.progress import CSVLogger
 from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name, naming
-from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, ALPHA_PARTS, TEMPERED
+from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, check_random, TEMPERED
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
 from rnn_darts.callbacks.arch import ArchParamUpdate, Temperature
@@ -42,7 +42,7 @@ from rnn_darts.callbacks.graphs import CudaGraphs, EMULATIONS
 
 # %% auto #0
 __all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'run_genotype', 'RunInfo', 'SeqCrossEntropy', 'search_learner',
-           'train_learner', 'eval_weights', 'evaluate', 'VocabDLs', 'load_preset']
+           'search_parts', 'train_learner', 'eval_weights', 'evaluate', 'VocabDLs', 'load_preset']
 
 # %% ../nbs/07_learner.ipynb #237f3218
 class DartsLearner(Learner):
@@ -160,43 +160,36 @@ def _learner(dls, model, c:RunConfig, path, device, compile=None, auto_compile=F
 
 def _dropouts(c:RunConfig) -> dict: return dict(dropout=c.dropout, dropouth=c.dropouth, dropoutx=c.dropoutx, dropouti=c.dropouti, dropoute=c.dropoute)
 
-def _check_random(c:SearchConfig):
-    "Random search has no α: its settings would be ignored, and a new cell every batch would recompile a compiled step"
-    d = SearchConfig()
-    moved = {k: getattr(c, k) for k in ALPHA_PARTS if getattr(c, k) != getattr(d, k)}
-    if moved: raise ValueError(f"mode='random' has no α: {', '.join(f'{k}={v!r}' for k, v in moved.items())} would be ignored")
-    if c.compile: raise ValueError("compile=True with mode='random': every batch runs another cell, and a compiled step recompiles for "
-                                   "each new cell (see rnn_darts.random_search); random search runs eager")
-    if c.graphs: raise ValueError("graphs=True with mode='random': every batch runs another cell, and each would need its own CUDA graphs; "
-                                  "random search runs eager")
 
 def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resume=None, cbs=None, device=None, ntoken=None,
                    **settings) -> DartsLearner:
     """A `Learner` for the search phase with the settings of `config` (default: the paper's, `SearchConfig`), any of them
     overridden by keyword: DARTS (`mode` second|first|exact), or random search with weight sharing (`mode='random'`:
     `search_dl` unused, `candidates` and `top` for `choose_cell`)"""
-    c = configured(SearchConfig, config, 'search_learner', settings)
-    modes = SearchConfig.__dataclass_fields__['mode'].metadata['check']
-    if c.mode not in modes: raise ValueError(f"mode must be one of {', '.join(map(repr, modes))}, got {c.mode!r}")
+    c = configured(SearchConfig, config, 'search_learner', settings)   # each field checked, as the command line checks its flag
     rnd = c.mode == 'random'
-    if rnd: _check_random(c)
+    check_random(c.asdict(), given=settings.__contains__)
     n = _ntoken(dls, ntoken)
     model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c)) if rnd else DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax)
     learn = _learner(dls, model, c, path, device, False if rnd else c.compile, auto_compile=not rnd, graphs=False if rnd else c.graphs)
-    if rnd: own = [RandomArch(candidates=c.candidates, top=c.top)]
-    else:
-        arch = ArchParamUpdate(search_dl, c.mode, c.arch_lr, arch_wd=c.arch_wd, same_masks=c.same_masks, zero_one=c.zero_one,
-                               op_decay=c.op_decay, arch_bf16=c.arch_bf16, mixed_lambda=c.mixed_lambda, beta_decay=c.beta_decay,
-                               dirichlet_kl=c.dirichlet_kl)
-        learn.metrics.append(ValueMetric(arch.search_loss, 'search_loss'))
-        curv = [Curvature(c.curvature_windows)] if c.curvature else []
-        for cb in curv: learn.metrics.append(ValueMetric(cb.lambda_max, 'lambda_max'))
-        own = [arch, GenotypeLogger()] + curv + ([CurvatureStop()] if c.early_stop else [])
-        if c.relax in TEMPERED: own.append(Temperature(c.tau_max, c.tau_min))
-        if c.perturb != 'none': own.append(Perturbation(c.perturb, c.epsilon))
-        if c.select == 'pt': own.append(PtSelection(c.pt_tune))
+    own = search_parts(c, search_dl)
+    learn.metrics += [ValueMetric(cb.search_loss, 'search_loss') for cb in own if isinstance(cb, ArchParamUpdate)]
+    learn.metrics += [ValueMetric(cb.lambda_max, 'lambda_max') for cb in own if isinstance(cb, Curvature)]
     learn.add_cbs(_common_cbs(c, resume) + own + list(L(cbs)))
     return learn
+
+def search_parts(c:SearchConfig, search_dl=None) -> list:
+    """The callbacks that make `c`'s search, each a part of the DARTS family: random search's cell sampler, or α's step
+    (its mode, Adam and regularisers) with the derived cell's log and the parts `c`'s settings turn on. The one place a
+    search is assembled: `search_learner` and the bench build from it"""
+    if c.mode == 'random': return [RandomArch(candidates=c.candidates, top=c.top)]
+    parts = [ArchParamUpdate.of(c, search_dl), GenotypeLogger()]
+    if c.curvature: parts.append(Curvature(c.curvature_windows))
+    if c.early_stop: parts.append(CurvatureStop())
+    if c.relax in TEMPERED: parts.append(Temperature(c.tau_max, c.tau_min))
+    if c.perturb != 'none': parts.append(Perturbation(c.perturb, c.epsilon))
+    if c.select == 'pt': parts.append(PtSelection(c.pt_tune))
+    return parts
 
 def train_learner(dls, genotype, config:TrainConfig|None=None, path='.', resume=None, cbs=None, device=None, ntoken=None,
                   **settings) -> DartsLearner:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import inspect, os
 from dataclasses import fields
 from pathlib import Path
-from rnn_darts.core import UsageError, UserError, read_preset, check_number, check_choice, option_type
-from rnn_darts.config import CONFIGS, ALPHA_ONLY, METHODS, check_rules, with_method
+from rnn_darts.core import UsageError, UserError, read_preset, option_type
+from rnn_darts.config import CONFIGS, METHODS, check_rules, check_random, check_value, with_method
 
 # %% auto #0
 __all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'FLAG_ORDER', 'FLAGS', 'CHECKS', 'CHOICES', 'learner_options', 'known_options',
            'code_defaults', 'settings_and_sources', 'resolve_settings', 'command_flags', 'flag_default',
-           'flags_signature', 'check_random', 'check_value', 'setting_name', 'check_settings', 'check_fits',
-           'memory_estimate', 'available_memory', 'check_memory']
+           'flags_signature', 'setting_name', 'check_settings', 'check_fits', 'memory_estimate', 'available_memory',
+           'check_memory']
 
 # %% ../nbs/07a_options.ipynb #09131284
 def learner_options(command:str) -> dict:
@@ -104,29 +104,7 @@ CHECKS = {**{f.name: f.metadata['check'] for c in ('search', 'train') for f in f
           'threads': 'pos_int', 'iters': 'pos_int', 'split': ('test', 'valid'), 'fmt': ('md', 'html')}
 CHOICES = {k: c for k, c in CHECKS.items() if isinstance(c, tuple)}   # name -> the values it may take
 
-def check_random(s:dict, src:dict|None=None):
-    "Raise a `UsageError` for flags that do not fit the search mode: α's with --mode random, --candidates/--top without it"
-    n, flag = (lambda k: setting_name(k, src)), (lambda k: (src or {}).get(k) == 'flag')
-    if s.get('mode') != 'random':
-        for k in ('candidates', 'top'):
-            if flag(k): raise UsageError(f"{n(k)} applies to --mode random (the cells it scores after training), not --mode {s.get('mode')}")
-        return
-    for k in ALPHA_ONLY:
-        if flag(k): raise UsageError(f"{n(k)} applies to the architecture weights α, which --mode random does not have")
-    if s.get('compile'): raise UsageError(f"{n('compile')}: --mode random runs another cell every batch, and a compiled step would "
-                                          "recompile for each; random search runs eager")
-    if s.get('graphs'): raise UsageError(f"{n('graphs')}: --mode random runs another cell every batch, and each would need its own "
-                                         "CUDA graphs; random search runs eager")
-def check_value(name:str, v, check):
-    "Raise a `UsageError` naming `name` unless `v` passes `check` (a config field's: 'pos_int', 'nonneg_int', 'bptt', 'pos_float', 'nonneg_float', 'prob', or choices)"
-    if isinstance(check, tuple): return check_choice(name, v, check)
-    if check == 'prob':
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-            raise UsageError(f"{name} is a dropout probability and must be in [0, 1), got {v!r}")
-        return
-    lo, integer, lo_open = dict(pos_int=(1, True, False), nonneg_int=(0, True, False), bptt=(2, True, False),
-                                pos_float=(0, False, True), nonneg_float=(0, False, False))[check]
-    check_number(name, v, lo, integer=integer, lo_open=lo_open)
+
 
 def setting_name(k, src=None) -> str:
     "How to name setting `k` in an error: its flag, or the preset key that set it"
@@ -140,7 +118,7 @@ def check_settings(s:dict, src:dict|None=None) -> dict:
     for k, v in s.items():
         if v is not None and k in CHECKS: check_value(n(k), v, CHECKS[k])
     if s.get('method'): s.update(with_method(s))   # the method's parts, where the settings leave them at their defaults
-    if 'mode' in s: check_random(s, src)
+    if 'mode' in s: check_random(s, n, lambda k: (src or {}).get(k) == 'flag')
     check_rules(s, n)
     if s.get('curvature') is False and (src or {}).get('curvature_windows') == 'flag':
         raise UsageError(f"{n('curvature_windows')} sets how λ_max is measured, and {n('curvature')} is false")

@@ -87,8 +87,10 @@ def test_same_masks_decides_whether_the_passes_share_masks(same):
 
 # ------------------------------------------------------------------ the zero-one (Fair DARTS) loss
 def test_zero_one_gradient_is_that_of_the_fair_darts_loss_with_its_sign():
-    w = 0.7
-    learn = learner(mode='first', relax='sigmoid', zero_one=w)
+    "`--method fair-darts` (Chu et al., ECCV 2020): sigmoid weights, first order, and its code's zero-one loss weight, 10"
+    w = 10.
+    learn = learner(method='fair-darts')
+    assert (learn.model.relax, learn.arch_param_update.mode) == ('sigmoid', 'first')
     rec = {}
     class Spy(Callback):
         order = ArchParamUpdate.order + 0.5

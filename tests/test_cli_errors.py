@@ -60,9 +60,9 @@ uses_run_dir = pytest.mark.xdist_group('cli-errors-run')
     (['--dropout', '1.0'], ['--dropout is a dropout probability and must be in [0, 1), got 1.0']),
     (['--dropoute', '-0.1'], ['--dropoute is a dropout probability']),
     (['--mode', 'third'], ["--mode must be one of second, first, exact, mixed, single, random; got 'third'"]),
-    (['--candidates', '5'], ['--candidates applies to --mode random', 'not --mode second']),
-    (['--mode', 'random', '--arch-lr', '0.1'], ['--arch-lr applies to the architecture weights α, which --mode random does not have']),
-    (['--mode', 'random', '--compile', 'true'], ['--compile: --mode random runs another cell every batch']),
+    (['--candidates', '5'], ['--candidates applies to random search (the cells it scores after training), not to mode second']),
+    (['--mode', 'random', '--arch-lr', '0.1'], ['--arch-lr applies to the architecture weights α, which random search (mode random) does not have']),
+    (['--mode', 'random', '--compile', 'true'], ['--compile true: random search runs another cell every batch']),
     (['--mode', 'random', '--candidates', '5', '--top', '6'], ['--top (6) cannot exceed --candidates (5)']),
     (['--mode', 'random', '--candidates', '0'], ['--candidates must be an integer >= 1, got 0']),
     (['--mode', 'random', '--early-stop', 'true'], ['--early-stop applies to the architecture weights α']),
@@ -82,7 +82,7 @@ uses_run_dir = pytest.mark.xdist_group('cli-errors-run')
     (['--relax', 'drnas', '--mode', 'first', '--beta-decay', '5'], ["--beta-decay (β-DARTS) decays α's logsumexp"]),
     (['--perturb', 'random', '--relax', 'sigmoid'], ["--perturb (SDARTS) perturbs softmax mixing weights on the simplex; --relax sigmoid is not softmax"]),
     (['--mode', 'first', '--mixed-lambda', '2'], ["--mixed-lambda weighs the validation gradient of --mode mixed, not first"]),
-    (['--method', 'random', '--beta-decay', '5'], ["--beta-decay applies to the architecture weights α, which --mode random does not have"]),
+    (['--method', 'random', '--beta-decay', '5'], ["--beta-decay applies to the architecture weights α, which random search (mode random) does not have"]),
     (['--epsilon', '0'], ["--epsilon must be a finite number > 0, got 0.0"]),
     (['--device', 'gpu'], ['--device gpu: not a device name; use cpu, cuda or cuda:N']),
     (['--epochs', 'abc'], ['search: argument --epochs: invalid int value', '(see rnn-darts search -h)']),
@@ -309,7 +309,7 @@ def test_commands(capsys):
     fails(capsys, ['--preset', 'quick'], 2, '--preset: give the command first')
     fails(capsys, ['report', 'x', '--fmt', 'pdf'], 2, "--fmt must be one of md, html; got 'pdf'")
     fails(capsys, ['bench', '--iters', '0'], 2, '--iters must be an integer >= 1')
-    fails(capsys, ['bench', '--methods', 'gdas,foo'], 2, "--methods must be one of gdas, snas, drnas, milenas, beta-darts, sdarts-rs, sdarts-adv; got 'foo'")
+    fails(capsys, ['bench', '--methods', 'gdas,foo'], 2, "--methods must be one of gdas, snas, drnas, milenas, beta-darts, sdarts-rs, sdarts-adv, fair-darts; got 'foo'")
 
 def test_one_line_by_subprocess(tmp_path):
     "As a user sees it: one line on stderr and exit 2; with --debug the traceback"

@@ -27,6 +27,10 @@ def test_a_learner_takes_a_config_or_keywords_and_nothing_else():
         train_learner(DLS, DARTS_V2, arch_lr=1e-2)
     t = train_learner(DLS, DARTS_V2, TrainConfig(emsize=8, nhid=8, nonmono=2), checkpoint=False)
     assert t.asgd_switch.nonmono == 2 and t.model.nhid == 8 and t.config.nonmono == 2
+    from rnn_darts.core import UsageError
+    with pytest.raises(UsageError, match="dropouth is a dropout probability"): search_learner(DLS, None, dropouth=1.)   # a field's check, as the flag's
+    with pytest.raises(UsageError, match="arch_lr applies to the architecture weights α, which random search"):        # the command line's rule
+        search_learner(DLS, None, mode='random', arch_lr=1e-2)
 
 def test_the_command_line_resolves_onto_the_configs_fields():
     "A command's resolved settings are its config's fields, no more and no fewer; the help's defaults are the config's"
@@ -62,6 +66,15 @@ def test_each_settings_default_is_written_once():
     repeats = [f"{p.name}:{line} {name}={v!r}" for p in sorted(PKG.rglob('*.py')) if p.name not in ('config.py', '_modidx.py')
                for name, v, line in _literal_defaults(ast.parse(p.read_text()))
                if name in defaults and repr(v) in defaults[name] and v not in (None, False, True, '', 0, 0.)]
+    assert repeats == [], repeats
+
+def test_each_list_of_names_is_written_once():
+    "No tuple, list or set of names in the package repeats one of the config's registries (modes, relaxations, α's settings, methods): it reads the registry"
+    import rnn_darts.config as C
+    regs = {k: set(getattr(C, k)) for k in ('MODES', 'ARCH_MODES', 'RELAXATIONS', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS', 'FAMILY')}
+    repeats = [f"{p.name}:{node.lineno} {k}" for p in sorted(PKG.rglob('*.py')) if p.name not in ('config.py', '_modidx.py')
+               for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, (ast.Tuple, ast.List, ast.Set))
+               for k, names in regs.items() if {getattr(e, 'value', None) for e in node.elts} == names]
     assert repeats == [], repeats
 
 def test_the_configs_import_no_torch():

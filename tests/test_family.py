@@ -7,7 +7,7 @@ from fastai.callback.core import Callback
 from rnn_darts.core import set_seed, UsageError
 from rnn_darts.config import SearchConfig, METHODS, RELAXATIONS as RELAX_NAMES, TEMPERED, DRAWN, configured
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
-from rnn_darts.genotypes import edge_slices
+from rnn_darts.genotypes import edge_slices, derive_genotype
 from rnn_darts.learner import search_learner
 from rnn_darts.model import DartsRnnSearch
 from rnn_darts.relax import RELAXATIONS, Drnas, Gdas, dirichlet_concentration
@@ -124,6 +124,17 @@ def test_gdas_forward_runs_one_discrete_cell_per_draw():
     e = m.mixing_weights('valid')
     assert torch.equal(e, Gdas(8).evaluate(m.alpha.detach()))
 
+def test_snas_evaluates_its_child_network_not_the_derived_cell():
+    "SNAS's evaluation weights are each edge's argmax op, `none` included: a node keeps every edge whose argmax is an op, where the genotype keeps one pair"
+    a = torch.zeros(36, 5, dtype=torch.double)
+    a[1:3, 2] = 1.                        # node 2's two edges: relu wins on each
+    a[0, 0] = 1.                          # node 1's one edge: none wins
+    w = RELAXATIONS['snas']().evaluate(a)
+    sl = edge_slices(8)
+    assert w[sl[1], 1:].sum() == 2 and w[sl[0], 1:].sum() == 0 and torch.equal(w.sum(-1), torch.ones(36, dtype=torch.double))
+    g = derive_genotype(F.softmax(a, -1).numpy(), 8)
+    assert len(g.recurrent) == 8 and g.recurrent[1][0] == 'relu' and all(op != 'none' for op, _ in g.recurrent)   # one pair per node
+
 def test_the_stochastic_relaxations_evaluate_deterministically():
     x = torch.randint(0, 30, (4, 6))
     for relax in DRAWN:
@@ -142,16 +153,20 @@ class Taus(Callback):
                               float(self.learn.arch_param_update.beta_weight) if self.learn.arch_param_update.beta_weight is not None else None))
 
 @pytest.mark.parametrize('method,want', [('gdas', [(10., None), (5.05, None), (0.1, None)]), ('snas', [(1., None), (0.515, None), (0.03, None)]),
-                                         ('beta-darts', [(None, 0.), (None, 50 / 3), (None, 100 / 3)])])
+                                         ('beta-darts', [(None, 24.), (None, 24.5)])])
 def test_schedules_follow_the_papers_over_the_fit(method, want):
-    "Three epochs (the schedule's start, middle and end) of two or three training batches each: the schedule moves per epoch"
+    """Three epochs of two or three training batches each (the τ schedule's start, middle and end); β-DARTS's λ in the
+    last two of the paper's 50 epochs (a fit of 50 from epoch 48), where its authors' code, 50 × epoch / 100, reaches 24.5"""
     rec = Taus()
-    fit(learner(method=method, n_train=100, n_valid=100), 3, [rec])
+    learn = learner(method=method, n_train=100, n_valid=100)
+    if method == 'beta-darts':
+        with learn.no_logging(): learn.fit(50, start_epoch=48, cbs=[rec])
+    else: fit(learn, 3, [rec])
     for (t, b), (wt, wb) in zip(rec.seen, want):
         assert (t is None) == (wt is None) and (b is None) == (wb is None)
         if t is not None: assert abs(t - wt) < 1e-6
         if b is not None: assert abs(b - wb) < 1e-5
-    assert len(rec.seen) == 3
+    assert len(rec.seen) == len(want)
 
 def test_tau_settings_override_the_papers():
     rec = Taus()
@@ -170,7 +185,7 @@ def test_tau_settings_override_the_papers():
     (dict(relax='snas', mode='first', select='pt'), "select pt (DARTS-PT) removes ops from softmax mixing weights; relax snas is not softmax"),
     (dict(mixed_lambda=2.), "mixed_lambda weighs the validation gradient of mode mixed, not second"),
     (dict(method='gdas', relax='snas'), "method gdas sets relax to 'gdas'; relax 'snas' contradicts it"),
-    (dict(method='random', beta_decay=2.), "mode='random' has no α: beta_decay=2.0 would be ignored"),
+    (dict(method='random', beta_decay=2.), "beta_decay applies to the architecture weights α, which random search (mode random) does not have"),
 ])
 def test_bad_combinations_are_refused_with_one_line(settings, msg):
     with pytest.raises(ValueError) as e: learner(**settings)

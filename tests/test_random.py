@@ -95,8 +95,8 @@ def test_a_new_cell_every_training_batch_from_the_seeded_sampler(tmp_path):
 def test_compile_and_alpha_options_are_refused_in_python():
     c = numbers_corpus(0, 2000, 600, 300)
     dls = lm_dls(c, 8, 10, 'search', eval_bs=4)
-    with pytest.raises(ValueError, match="mode='random' has no α: op_decay=0.1"): search_learner(dls, None, emsize=8, nhid=8, mode='random', op_decay=0.1)
-    with pytest.raises(ValueError, match='recompiles for each new cell'): search_learner(dls, None, emsize=8, nhid=8, mode='random', compile=True)
+    with pytest.raises(ValueError, match="op_decay applies to the architecture weights α, which random search"): search_learner(dls, None, emsize=8, nhid=8, mode='random', op_decay=0.1)
+    with pytest.raises(ValueError, match='compile true: random search runs another cell every batch, and a compiled step would recompile'): search_learner(dls, None, emsize=8, nhid=8, mode='random', compile=True)
     with pytest.raises(ValueError, match="mode must be one of"): search_learner(dls, None, emsize=8, nhid=8, mode='randm')
 
 # --- the command line ---------------------------------------------------------------------------------------------

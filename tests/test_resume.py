@@ -28,7 +28,7 @@ def learner(path, kind='search', seed=0, **kw):
     c = numbers_corpus(seed=seed, n_train=800, n_valid=300, n_test=100)   # 10 training batches an epoch
     dls = lm_dls(c, 8, 10, 'search' if kind == 'search' else 'train', eval_bs=8, seed=seed)
     kw = dict(emsize=NHID, nhid=NHID, path=path, **kw)
-    if kind == 'search': learn = search_learner(dls, search_stream(c, 8), **dict(dict(curvature=False), **kw))
+    if kind == 'search': learn = search_learner(dls, search_stream(c, 8), **dict({} if kw.get('mode') == 'random' else dict(curvature=False), **kw))
     else: learn = train_learner(dls, DARTS_V2, **kw)
     learn.remove_cb(learn.progress)
     return learn

@@ -16,9 +16,9 @@ from rnn_darts.callbacks.training import SeqLenLR, check_flat_opt
 # %% auto #0
 __all__ = ['UNROLLED', 'ARCH_BETAS', 'train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first', 'fd_hvp',
            'exact_hvp', 'hypergrad_second', 'hypergrad_mixed', 'hypergrad_single', 'hypergrad', 'op_param_counts',
-           'op_decay_grad', 'check_zero_one', 'penalty_grad', 'zero_one_grad', 'beta_decay_loss', 'alpha_penalty',
-           'arch_adam', 'guarded_adam_step', 'arch_precision', 'arch_grad', 'arch_step', 'ArchParamUpdate',
-           'Temperature']
+           'op_decay_grad', 'check_zero_one', 'penalty_grad', 'zero_one_grad', 'beta_decay_loss', 'beta_weight_at',
+           'alpha_penalty', 'arch_adam', 'guarded_adam_step', 'arch_precision', 'arch_grad', 'arch_step',
+           'ArchParamUpdate', 'Temperature']
 
 # %% ../../nbs/04_arch.ipynb #bb97d689
 def train_loss(model, xb, yb, weight_grads=True):
@@ -123,6 +123,10 @@ def beta_decay_loss(alpha):
     "β-DARTS's β-decay term: the mean over edges of logsumexp(α) over the ops (its gradient is softmax(α) / edges)"
     return torch.logsumexp(alpha, dim=-1).mean()
 
+def beta_weight_at(beta_decay, epoch):
+    "β-DARTS's λ in `epoch` (from 0): `beta_decay × epoch / 100`, as its authors' code (`50 × epoch / 100`), whatever the run's length"
+    return beta_decay * epoch / 100
+
 def alpha_penalty(beta_weight=None, kl=0.):
     "The regulariser α's loss adds (None: none): `beta_weight` (a tensor, scheduled) × the β-decay term, plus `kl` × DrNAS's Dirichlet KL"
     terms = ([lambda a: beta_weight * beta_decay_loss(a)] if beta_weight is not None else []) + ([lambda a: kl * dirichlet_kl(a)] if kl else [])
@@ -204,6 +208,19 @@ class ArchParamUpdate(Callback):
         self.reduce = None   # optional: averages the hypergradient across processes (see rnn_darts.distrib)
         self.hypers = None   # optional (lr, wd, clip) for the virtual step; default: the learner's (see `step_hypers`)
 
+    SETTINGS = ('mode', 'arch_lr', 'arch_wd', 'same_masks', 'zero_one', 'op_decay', 'arch_bf16', 'mixed_lambda', 'beta_decay',
+                'dirichlet_kl')   # the fields of `SearchConfig` this step reads
+
+    @classmethod
+    def of(cls, config:SearchConfig, search_dl=None, **overrides):
+        "The α step `config` describes (its `SETTINGS`), any argument replaced by `overrides`"
+        return cls(search_dl, **{**{k: getattr(config, k) for k in cls.SETTINGS}, **overrides})
+
+    @property
+    def spec(self) -> tuple:
+        "What the step computes, as its settings now: a captured step is reused only for the same spec"
+        return tuple(getattr(self, k) for k in self.SETTINGS)
+
     def before_fit(self):
         a = self.model.alpha
         check_zero_one(self.zero_one, self.model.relax)
@@ -218,8 +235,7 @@ class ArchParamUpdate(Callback):
     def before_train(self): self.loss_sum, self.n_steps = None, 0
 
     def before_epoch(self):
-        "β-DARTS's λ rises linearly with the epoch: `beta_decay × epoch / n_epoch` (its code: 50 × epoch / 100)"
-        if self.beta_weight is not None: self.beta_weight.fill_(self.beta_decay * self.epoch / self.n_epoch)
+        if self.beta_weight is not None: self.beta_weight.fill_(beta_weight_at(self.beta_decay, self.epoch))
 
     def penalty(self):
         "The regulariser α's loss adds (`alpha_penalty`): β-DARTS's β-decay, DrNAS's Dirichlet KL; None: none"
@@ -245,13 +261,35 @@ class ArchParamUpdate(Callback):
         "Inside a bf16 autocast (`BF16Autocast`) the passes stay in bf16 if `arch_bf16`, else they run in fp32"
         return arch_precision(self.model.alpha.device, self.arch_bf16)
 
+    def step(self, trn, val, grad_fn):
+        "The step itself, with this callback's settings and optimizer (`arch_step`): run eager, or the body a CUDA graph captures"
+        return arch_step(self.model, self.arch_opt, trn, val, same_masks=self.same_masks, arch_bf16=self.arch_bf16, zero_one=self.zero_one,
+                         op_decay=self.op_decay, reduce=self.reduce, grad_fn=grad_fn, penalty=self.penalty())
+
+    def graphed_step(self, graphs, trn, val):
+        """`step` as a CUDA graph of `graphs` (a `StepGraphs`: a captured graph per batch shape and `spec`), the virtual
+        step's learning rate and weight decay its inputs, not constants; None where the step runs eager (exact: a double
+        backward; a hypergradient averaged across processes)"""
+        if self.mode == 'exact' or self.reduce is not None: return None
+        m = self.model
+        lr, wd, clip = self.step_hypers()
+        graphs.watch(self.arch_opt)
+        def body(xt, yt, xv, yv, ht, hs, lr, wd):
+            grad_fn = partial(hypergrad, m, mode=self.mode, lr=lr, wd=wd, clip=clip, mixed_lambda=self.mixed_lambda)
+            (loss, ok), hid = graphs.with_hidden(dict(train=ht, search=hs), partial(self.step, (xt, yt), (xv, yv), grad_fn))
+            return loss, ok, hid['search']
+        g = self.arch_opt.param_groups[0]
+        key = ('arch', tuple(trn[0].shape), tuple(val[0].shape), clip, self.spec, tuple((k, v) for k, v in g.items() if k != 'params'))
+        res = graphs.run(key, [*trn, *val, graphs.hidden_in('train', trn[0].shape[0]), graphs.hidden_in('search', val[0].shape[0]), lr, wd], body)
+        if res is None: return None
+        m.hidden['search'] = res[2].clone()
+        return res[:2]
+
     def arch_step(self, trn, val):
-        "One architecture step (`arch_step`, or its CUDA graph: `CudaGraphs`) with this callback's settings and optimizer; counts skipped steps and the search loss"
+        "One architecture step, as a CUDA graph where the learner runs them (`CudaGraphs`), else eager; counts skipped steps and the search loss"
         graphs = getattr(getattr(self.learn, 'cuda_graphs', None), 'graphs', None)
-        res = graphs.arch(self, trn, val) if graphs is not None else None
-        loss, ok = res if res is not None else arch_step(self.model, self.arch_opt, trn, val, same_masks=self.same_masks, arch_bf16=self.arch_bf16,
-                                                         zero_one=self.zero_one, op_decay=self.op_decay, reduce=self.reduce, grad_fn=self.hypergrad,
-                                                         penalty=self.penalty())
+        res = self.graphed_step(graphs, trn, val) if graphs is not None else None
+        loss, ok = res if res is not None else self.step(trn, val, self.hypergrad)
         self.n_skipped += (~ok).long()
         self.loss_sum = loss.clone() if self.loss_sum is None else self.loss_sum + loss   # a graph's loss is rewritten at its next replay
         self.n_steps += 1

@@ -14,7 +14,7 @@ from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision
 from fastai.torch_core import num_distrib, rank_distrib
 from rnn_darts.callbacks.training import ar_tar
-from rnn_darts.callbacks.arch import arch_step, hypergrad
+
 
 # %% auto #0
 __all__ = ['EMULATIONS', 'Captured', 'StepGraphs', 'CudaGraphs']
@@ -95,7 +95,8 @@ def _ptrs(ts): return tuple(t.data_ptr() for t in ts)
 
 class StepGraphs:
     """A language model's batches as captured CUDA graphs, one per kind and shape, all in one memory pool: a training
-    batch's forward, AR/TAR and backward (`train`), an evaluation forward (`evaluate`) and a DARTS architecture step (`arch`)"""
+    batch's forward, AR/TAR and backward (`train`), an evaluation forward (`evaluate`), and any step a caller hands `run`
+    (`ArchParamUpdate.graphed_step`: DARTS's architecture step)"""
     def __init__(self, model, emulate:bool=False, max_graphs:int=64):
         self.model, self.emulate, self.max_graphs = model, emulate, max_graphs
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
@@ -142,7 +143,7 @@ class StepGraphs:
         h = m.hidden.get(stream)
         return h if h is not None and h.shape[0] == bs and h.device == m.flat.data.device else m.flat.data.new_zeros(bs, m.nhid)
 
-    def _with_hidden(self, hidden, f):
+    def with_hidden(self, hidden, f):
         "`f()` with the model's hidden states `hidden` (static tensors); the model's own are restored after"
         m = self.model
         saved, m.hidden = m.hidden, dict(hidden)
@@ -159,7 +160,7 @@ class StepGraphs:
                 for t in ar_tar(out, raw, ar, tar): total = total + t
                 total.backward()
                 return loss.detach(), raw.detach(), out.detach()
-            res, hid = self._with_hidden({stream: h}, step)
+            res, hid = self.with_hidden({stream: h}, step)
             return (*res, hid[stream])
         key = ('train', stream, tuple(x.shape), ar, tar, m.training)
         res = self.run(key, [x, y, self.hidden_in(stream, x.shape[0])], body)
@@ -173,32 +174,13 @@ class StepGraphs:
         def body(x, h):
             def fwd():
                 with torch.no_grad(): return m(x)
-            res, hid = self._with_hidden({stream: h}, fwd)
+            res, hid = self.with_hidden({stream: h}, fwd)
             return (*res, hid[stream])
         res = self.run(('eval', stream, tuple(x.shape), m.training), [x, self.hidden_in(stream, x.shape[0])], body)
         if res is None: return None
         m.hidden[stream] = res[3].clone()
         return tuple(t.clone() for t in res[:3])
 
-    def arch(self, cb, trn, val):
-        "`cb`'s (an `ArchParamUpdate`) architecture step on `trn` and `val`; the search loss and the finiteness flag. The virtual step's learning rate and weight decay are inputs, not constants"
-        if cb.mode == 'exact' or cb.reduce is not None: return None   # double backward; a hypergradient averaged across processes
-        m = self.model
-        lr, wd, clip = cb.step_hypers()
-        self.watch(cb.arch_opt)
-        def body(xt, yt, xv, yv, ht, hs, lr, wd):
-            grad_fn = partial(hypergrad, m, mode=cb.mode, lr=lr, wd=wd, clip=clip, mixed_lambda=cb.mixed_lambda)
-            step = partial(arch_step, m, cb.arch_opt, (xt, yt), (xv, yv), same_masks=cb.same_masks, arch_bf16=cb.arch_bf16,
-                           zero_one=cb.zero_one, op_decay=cb.op_decay, grad_fn=grad_fn, penalty=cb.penalty())
-            (loss, ok), hid = self._with_hidden(dict(train=ht, search=hs), step)
-            return loss, ok, hid['search']
-        g = cb.arch_opt.param_groups[0]
-        key = ('arch', tuple(trn[0].shape), tuple(val[0].shape), cb.mode, clip, cb.same_masks, cb.arch_bf16, cb.zero_one,
-               cb.op_decay, cb.mixed_lambda, cb.beta_decay, cb.dirichlet_kl, tuple((k, v) for k, v in g.items() if k != 'params'))
-        res = self.run(key, [*trn, *val, self.hidden_in('train', trn[0].shape[0]), self.hidden_in('search', val[0].shape[0]), lr, wd], body)
-        if res is None: return None
-        m.hidden['search'] = res[2].clone()
-        return res[:2]
 
 # %% ../../nbs/05e_graphs.ipynb #aa41a9a2
 class CudaGraphs(Callback):
