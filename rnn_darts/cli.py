@@ -6,12 +6,14 @@
 from __future__ import annotations
 import argparse, difflib, errno, inspect, linecache, os, re, sys, traceback
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 from fastcore.script import bool_arg
 from fastcore.docments import docments
 from fastcore.imports import in_notebook
 from rnn_darts.core import UserError, UsageError, get_device, check_number, check_choice
 from rnn_darts.options import CHOICES, FLAGS, SWITCHES, code_defaults, command_flags, flag_default
+from rnn_darts.config import CONFIGS
 from rnn_darts import runs
 from rnn_darts.runs import search, train, evaluate_run, set_threads, read_run_json
 
@@ -29,16 +31,16 @@ def study(
     override:bool_arg=False, # continue although the study's settings differ from its study.json (recorded there)
     resume:bool=False,    # continue the study in --out, as running the same command again does: finished stages are kept, a stage cut short resumes from its checkpoint
     threads:int=None,
-    data:str=None,        # corpus of every stage, over the presets' own: numbers | ptb | a folder (default: each preset's)
+    data:str=None,
     files:str=None,
     unk:str=None,
-    methods:str=None,     # search methods, comma-separated: second, first, exact, random, or any of the DARTS family (rnn_darts.config.METHODS)
-    seeds:str=None,       # search seeds, comma-separated (the paper ran 4)
-    references:str=None,  # published cells (DARTS_V2, ENAS, ...) or genotype files trained beside the searched ones as yardsticks, never selected; '' for none
-    search_preset:str=None, # settings.ini preset of every search
-    train_preset:str=None,  # settings.ini preset of the short trainings and the final one
-    short_epochs:int=None,  # epochs of each cell's short training (the paper: 300)
-    final_epochs:int=None,  # epochs of the selected cell's final training (the paper: 3600)
+    methods:str=None,
+    seeds:str=None,
+    references:str=None,
+    search_preset:str=None,
+    train_preset:str=None,
+    short_epochs:int=None,
+    final_epochs:int=None,
 ):
     "The paper's protocol: searches over methods and seeds, a short training of each cell, the best one trained fully and tested"
     from rnn_darts.study import run_study, STUDY_OPTIONS
@@ -152,20 +154,18 @@ def _default_text(k, dflt, defaults):
     if isinstance(v, bool): v = str(v).lower()
     return f" (default: {v}{', or the preset' if dflt is None else ''})"
 
-def _study_defaults() -> dict:
-    from rnn_darts.study import STUDY_OPTIONS
-    return {k: d for k, (_, d) in STUDY_OPTIONS.items()}
 
 def _arguments(cmd:str):
     "(name, annotation, default, help) of each argument of `rnn-darts CMD`: search and train from the settings schema's `FLAGS`, the others from their function's signature and comments"
     if cmd in ('search', 'train'):
         for k, (t, h) in command_flags(cmd).items(): yield k, ((bool if k in SWITCHES else bool_arg) if t is bool else t), flag_default(k), h
         return
-    for k, d in docments(COMMANDS[cmd], full=True, returns=False, eval_str=True).items(): yield k, d.anno, d.default, d.docment or FLAGS.get(k, '')
+    meta = {f.name: f.metadata.get('help') for f in fields(CONFIGS[cmd])} if cmd in CONFIGS else {}   # the study's settings: `StudyConfig`'s
+    for k, d in docments(COMMANDS[cmd], full=True, returns=False, eval_str=True).items(): yield k, d.anno, d.default, d.docment or meta.get(k) or FLAGS.get(k, '')
 
 def command_parser(cmd:str) -> argparse.ArgumentParser:
     "The argument parser of `rnn-darts CMD`"
-    defaults = code_defaults(cmd) if cmd in ('search', 'train') else _study_defaults() if cmd == 'study' else {}
+    defaults = code_defaults(cmd) if cmd in CONFIGS else {}
     p = _Parser(prog=f'rnn-darts {cmd}', description=COMMANDS[cmd].__doc__, allow_abbrev=False,
                 epilog="--debug (or RNN_DARTS_DEBUG=1) shows the traceback of an error.")
     for k, anno, default, help in _arguments(cmd):

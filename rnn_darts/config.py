@@ -168,16 +168,18 @@ class TrainConfig(RunConfig):
 @dataclass(frozen=True)
 class StudyConfig:
     "The paper's protocol (`rnn-darts study`): methods × seeds searched briefly, the best of each trained longer, against the references"
-    data: str = ''
-    files: str = ''
-    unk: str = ''
-    methods: str = 'second,first,random'
-    seeds: str = '1,2,3,4'
-    references: str = 'DARTS_V2'
-    search_preset: str = 'search'
-    train_preset: str = 'train'
-    short_epochs: int = 300
-    final_epochs: int = 3600
+    data: str = setting('', "corpus of every stage, over the presets' own: numbers | ptb | a folder (default: each preset's)")
+    files: str = redefault(RunConfig, 'files', '')
+    unk: str = redefault(RunConfig, 'unk', '')
+    methods: str = setting('second,first,random', 'search methods, comma-separated: second, first, exact, random, or any of the DARTS '
+                           'family (rnn_darts.config.METHODS)')
+    seeds: str = setting('1,2,3,4', 'search seeds, comma-separated (the paper ran 4)')
+    references: str = setting('DARTS_V2', "published cells (DARTS_V2, ENAS, ...) or genotype files trained beside the searched ones as "
+                              "yardsticks, never selected; '' for none")
+    search_preset: str = setting('search', 'settings.ini preset of every search')
+    train_preset: str = setting('train', 'settings.ini preset of the short trainings and the final one')
+    short_epochs: int = setting(300, "epochs of each cell's short training (the paper: 300)", 'pos_int')
+    final_epochs: int = setting(3600, "epochs of the selected cell's final training (the paper: 3600)", 'pos_int')
 
 CONFIGS = dict(search=SearchConfig, train=TrainConfig, study=StudyConfig)
 

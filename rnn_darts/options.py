@@ -5,20 +5,20 @@
 # %% ../nbs/07a_options.ipynb #bee5bc81
 from __future__ import annotations
 import inspect, os
-from dataclasses import fields
+from dataclasses import fields, asdict
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, read_preset, option_type
 from rnn_darts.config import CONFIGS, METHODS, check_rules, check_random, check_value, with_method
 
 # %% auto #0
 __all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'FLAG_ORDER', 'FLAGS', 'CHECKS', 'CHOICES', 'learner_options', 'known_options',
-           'code_defaults', 'settings_and_sources', 'resolve_settings', 'command_flags', 'flag_default',
+           'code_defaults', 'preset_keys', 'settings_and_sources', 'resolve_settings', 'command_flags', 'flag_default',
            'flags_signature', 'setting_name', 'check_settings', 'check_fits', 'memory_estimate', 'available_memory',
            'check_memory']
 
 # %% ../nbs/07a_options.ipynb #09131284
 def learner_options(command:str) -> dict:
-    "name -> (default, type) of every setting of `command` (search | train): its config's fields"
+    "name -> (default, type) of every setting of `command` (search | train | study): its config's fields"
     return {f.name: (f.default, option_type(f.default, f.type)) for f in fields(CONFIGS[command])}
 
 def known_options() -> dict:
@@ -27,16 +27,20 @@ def known_options() -> dict:
 
 def code_defaults(command) -> dict:
     "The defaults `command` uses when neither a preset nor a flag sets a value"
-    return CONFIGS[command]().asdict()
+    return asdict(CONFIGS[command]())
+
+def preset_keys(command) -> dict:
+    "The keys a preset of `command` may set, with their types: any search or train setting (one preset may serve both), or a study's own"
+    return {k: t for k, (_, t) in learner_options('study').items()} if command == 'study' else known_options()
 
 def settings_and_sources(command, preset=None, settings_file=None, **flags):
-    "`resolve_settings`, and for each setting where it came from: 'flag', 'SETTINGS: [preset] key', or 'default'"
+    "`resolve_settings`, and for each setting where it came from: 'flag', 'SETTINGS: [preset] key', or 'default'. Every command's precedence"
     res = code_defaults(command)
     src = {k: 'default' for k in res}
     if preset:
         from rnn_darts.core import find_settings
         ini = find_settings(settings_file, preset)
-        for k, v in read_preset(preset, known_options(), ini).items():
+        for k, v in read_preset(preset, preset_keys(command), ini).items():
             if k in res: res[k], src[k] = v, f"{ini}: [{preset}] {k}"
     for k, v in flags.items():
         if v is not None: res[k], src[k] = v, 'flag'

@@ -8,8 +8,8 @@ import json, math, re, time
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
-from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_number, check_choice, write_text_atomic, option_type
-from rnn_darts.config import StudyConfig, METHODS, with_method
+from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_choice, write_text_atomic, option_type
+from rnn_darts.config import StudyConfig, METHODS, with_method, check_fields
 
 # %% auto #0
 __all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'COMPARISON_COLUMNS', 'study_settings', 'Stage',
@@ -22,15 +22,12 @@ __all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'COMPARI
 STUDY_OPTIONS = {f.name: (option_type(f.default, f.type), f.default) for f in fields(StudyConfig)}   # name -> (type, default): `StudyConfig`'s, the paper's protocol
 
 def study_settings(preset:str|None=None, settings_file=None, **flags) -> tuple:
-    "The study's settings (defaults, then the study `preset`, then the `flags` that are not None) and where each came from"
-    s, src = {k: d for k, (_, d) in STUDY_OPTIONS.items()}, {k: 'default' for k in STUDY_OPTIONS}
-    if preset:
-        ini = find_settings(settings_file, preset)
-        for k, v in read_preset(preset, {k: t for k, (t, _) in STUDY_OPTIONS.items()}, ini).items(): s[k], src[k] = v, f"{ini}: [{preset}] {k}"
-    for k, v in flags.items():
-        if k not in s: raise TypeError(f"run_study() got an unknown setting {k!r}; settings: {', '.join(STUDY_OPTIONS)}")
-        if v is not None: s[k], src[k] = v, 'flag'
-    return s, src
+    """The study's settings (`StudyConfig`'s defaults, then the study `preset`, then the `flags` that are not None) and where
+    each came from, resolved as every command's (`options.settings_and_sources`)"""
+    from rnn_darts.options import settings_and_sources
+    bad = next((k for k in flags if k not in STUDY_OPTIONS), None)
+    if bad is not None: raise TypeError(f"run_study() got an unknown setting {bad!r}; settings: {', '.join(STUDY_OPTIONS)}")
+    return settings_and_sources('study', preset, settings_file, **flags)
 
 def _folder_name(ref:str) -> str:
     "The stage folder name of reference cell `ref` (a published name, or a genotype file's stem)"
@@ -73,7 +70,7 @@ def check_study(s:dict, src:dict|None=None) -> dict:
     for r in refs:
         try: load_genotype(r)
         except (FileNotFoundError, ValueError) as e: raise UsageError(f"{n('references')}: {e}") from None
-    for k in ('short_epochs', 'final_epochs'): check_number(n(k), s[k], 1, integer=True)
+    check_fields(StudyConfig(**s), n)                                 # short_epochs, final_epochs: their fields' checks
     lists, taken = dict(methods=methods, seeds=seeds, references=refs), set()
     for st in plan_stages(lists):                                     # each reference trains in a folder of its own
         if st.name in taken: raise UsageError(f"{n('references')}: {st.source} would train in the stage folder {st.name}, "

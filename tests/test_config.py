@@ -96,3 +96,9 @@ def test_a_settings_flag_help_and_check_are_its_config_fields():
     assert command_flags('search')['bs'][1] != command_flags('train')['bs'][1]   # the search's own text where it differs
     for k, bad in (('top', 0), ('seed', -1), ('bptt', 1), ('lr', 0.), ('wd', -1e-3), ('dropouth', 1.), ('relax', 'max')):
         with pytest.raises(UsageError, match=f"--{k}"): check_settings({k: bad})
+    from rnn_darts.cli import command_parser
+    from rnn_darts.study import study_settings, check_study
+    help = ' '.join(command_parser('study').format_help().split())
+    for f in fields(StudyConfig): assert ' '.join(f.metadata['help'].split()) in help, f.name   # the study's flags: StudyConfig's texts
+    s, src = study_settings(short_epochs=0)
+    with pytest.raises(UsageError, match="--short-epochs must be an integer >= 1, got 0"): check_study(s, src)
