@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rnn_darts.core import cpu_name, naming
 from rnn_darts.genotypes import DARTS_V2, load_genotype, sample_genotype
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
-from rnn_darts.callbacks.arch import ArchParamUpdate, ARCH_BETAS, arch_grad, hypergrad, beta_weight_at
+from rnn_darts.callbacks.arch import ArchParamUpdate, ARCH_BETAS, arch_grad, hypergrad
 from rnn_darts.config import SearchConfig, TrainConfig, METHODS, FAMILY as METHOD_FAMILY
 from rnn_darts.learner import search_parts
 from rnn_darts.callbacks.graphs import StepGraphs
@@ -156,7 +156,7 @@ def method_updater(model, method, graphs=None):
     c = SearchConfig(method=method, arch_lr=STEP['arch_lr'], arch_wd=STEP['arch_wd'])
     parts = search_parts(c)
     cb = bound_updater(next(p for p in parts if isinstance(p, ArchParamUpdate)), model, graphs)
-    if cb.beta_weight is not None: cb.beta_weight.fill_(beta_weight_at(c.beta_decay, 25))
+    cb.at_epoch(25)
     pert = next((p for p in parts if isinstance(p, Perturbation)), None)
     if pert is not None: pert.learn, pert.eps = SimpleNamespace(model=model), c.epsilon
     return cb, pert

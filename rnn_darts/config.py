@@ -83,6 +83,10 @@ class RunConfig:
     graphs: bool|None = setting(None, 'run each batch shape as captured CUDA graphs: the training step and evaluation (default: on for CUDA, '
                                 "except with --bf16; a step that cannot be captured falls back to eager, saying why)")
 
+    def __post_init__(self):   # a config checks itself as it is made: each value its field's check, then the rules between settings
+        check_fields(type(self), vars(self))
+        check_rules(vars(self))
+
     @classmethod
     def names(cls) -> tuple: return tuple(f.name for f in fields(cls))
 
@@ -147,9 +151,10 @@ class SearchConfig(RunConfig):
     curvature_windows: int = setting(9, 'validation windows of 16 rows λ_max is measured on, each alone; the median is logged (default: 9)', 'pos_int')
     early_stop: bool = setting(False, "DARTS-ES: stop when λ_max's 5-epoch average grows more than 1.3x over 4 epochs; α and weights go back 6 epochs")
 
-    def __post_init__(self):   # the method's parts, where this config leaves them at their defaults
+    def __post_init__(self):   # the method's parts, where this config leaves them at their defaults; then every check, once
         for k, v in with_method(dict(method=self.method, **{k: getattr(self, k) for k in METHODS.get(self.method or '', {})})).items():
             object.__setattr__(self, k, v)
+        super().__post_init__()
 
 @dataclass(frozen=True)
 class TrainConfig(RunConfig):
@@ -181,6 +186,8 @@ class StudyConfig:
     short_epochs: int = setting(300, "epochs of each cell's short training (the paper: 300)", 'pos_int')
     final_epochs: int = setting(3600, "epochs of the selected cell's final training (the paper: 3600)", 'pos_int')
 
+    def __post_init__(self): check_fields(type(self), vars(self))
+
 CONFIGS = dict(search=SearchConfig, train=TrainConfig, study=StudyConfig)
 
 def configured(cls, config, caller:str, settings:dict):
@@ -188,10 +195,7 @@ def configured(cls, config, caller:str, settings:dict):
     if config is not None and not isinstance(config, cls):
         raise TypeError(f"{caller}(): config must be a {cls.__name__}, got {type(config).__name__} {config!r}; "
                         f"settings go by keyword ({caller}(..., nhid=...))")
-    c = (config or cls()).updated(caller, **settings)
-    check_fields(c)
-    check_rules(c.asdict())
-    return c
+    return (config or cls()).updated(caller, **settings)   # a config checks itself as it is made
 
 def check_value(name:str, v, check):
     "Raise a `UsageError` naming `name` unless `v` passes `check` (a config field's: 'pos_int', 'nonneg_int', 'bptt', 'pos_float', 'nonneg_float', 'prob', or choices)"
@@ -204,10 +208,10 @@ def check_value(name:str, v, check):
                                 pos_float=(0, False, True), nonneg_float=(0, False, False))[check]
     check_number(name, v, lo, integer=integer, lo_open=lo_open)
 
-def check_fields(c, name=str):
-    "Raise a `UsageError` naming (by `name(key)`) the first field of config `c` whose value fails its field's check"
-    for f in fields(c):
-        v, check = getattr(c, f.name), f.metadata.get('check')
+def check_fields(cls, s:dict, name=str):
+    "Raise a `UsageError` naming (by `name(key)`) the first entry of `s` that fails its field's check in config class `cls`"
+    for f in fields(cls):
+        v, check = s.get(f.name), f.metadata.get('check')
         if v is not None and check: check_value(name(f.name), v, check)
 
 def _default(k): return SearchConfig.__dataclass_fields__[k].default

@@ -14,7 +14,7 @@ from rnn_darts.kernels import mm_t, fastest, linear, tanh, DeferredWeight, Weigh
 from rnn_darts.config import SearchConfig, TrainConfig, check_rules
 from rnn_darts.flat import FlatModule
 from rnn_darts.loss import linear_cross_entropy
-from rnn_darts.relax import RELAXATIONS, gumbel_
+from rnn_darts.relax import RELAXATION_CLASSES, gumbel_
 
 # %% auto #0
 __all__ = ['ACTS', 'MaskBank', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm', 'DartsCellSearch', 'LanguageModel',
@@ -348,9 +348,9 @@ class DartsRnnSearch(LanguageModel):
     def __init__(self, ntoken, emsize=_S.emsize, nhid=_S.nhid, dropout=_S.dropout, dropouth=_S.dropouth, dropoutx=_S.dropoutx,
                  dropouti=_S.dropouti, dropoute=_S.dropoute, steps=STEPS, relax=_S.relax):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
-        if relax not in RELAXATIONS: raise ValueError(f"relax must be one of {', '.join(map(repr, RELAXATIONS))}, got {relax!r}")
+        if relax not in RELAXATION_CLASSES: raise ValueError(f"relax must be one of {', '.join(map(repr, RELAXATION_CLASSES))}, got {relax!r}")
         super().__init__(ntoken, emsize, nhid, DartsCellSearch(emsize, nhid, dropoutx, dropouth, steps), dropout, dropouti, dropoute)
-        self.steps, self.relax, self.relaxation = steps, relax, RELAXATIONS[relax](steps)
+        self.steps, self.relax, self.relaxation = steps, relax, RELAXATION_CLASSES[relax](steps)
         self.alpha = nn.Parameter(1e-3 * torch.randn(steps * (steps + 1) // 2, len(PRIMITIVES)))
         if self.relaxation.tau is not None: self.register_buffer('tau', torch.tensor(1.))   # set each epoch by `Temperature`
         self.mixing_hook = None   # while set, a function of the mixing weights that replaces them (SDARTS's perturbation, DARTS-PT's projection)

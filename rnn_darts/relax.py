@@ -10,9 +10,9 @@ from torch.distributions import Dirichlet, kl_divergence
 from rnn_darts.genotypes import PRIMITIVES, STEPS, edge_slices
 
 # %% auto #0
-__all__ = ['RELAXATIONS', 'gumbel_', 'gumbel_like', 'one_hot_argmax', 'straight_through', 'node_pairs', 'per_node', 'pair_slots',
-           'from_nodes', 'Relaxation', 'Sigmoid', 'Gdas', 'Snas', 'dirichlet_concentration', 'Drnas', 'dirichlet_kl',
-           'linear_schedule']
+__all__ = ['RELAXATION_CLASSES', 'gumbel_', 'gumbel_like', 'one_hot_argmax', 'straight_through', 'node_pairs', 'per_node',
+           'pair_slots', 'from_nodes', 'Relaxation', 'Sigmoid', 'Gdas', 'Snas', 'dirichlet_concentration', 'Drnas',
+           'dirichlet_kl', 'linear_schedule']
 
 # %% ../nbs/03d_relax.ipynb #42c245a4
 def gumbel_(t):
@@ -107,7 +107,7 @@ class Drnas(Relaxation):
         return c / c.sum(-1, keepdim=True)
     def sample(self, alpha, tau=None, noise=None): return Dirichlet(dirichlet_concentration(alpha), validate_args=False).rsample()   # no checks: they read the device
 
-RELAXATIONS = {r.name: r for r in (Relaxation, Sigmoid, Gdas, Snas, Drnas)}
+RELAXATION_CLASSES = {r.name: r for r in (Relaxation, Sigmoid, Gdas, Snas, Drnas)}   # name -> class; the names are `rnn_darts.config.RELAXATIONS`
 
 # %% ../nbs/03d_relax.ipynb #5f552e34
 def dirichlet_kl(alpha, prior:float=1.):

@@ -70,7 +70,7 @@ def check_study(s:dict, src:dict|None=None) -> dict:
     for r in refs:
         try: load_genotype(r)
         except (FileNotFoundError, ValueError) as e: raise UsageError(f"{n('references')}: {e}") from None
-    check_fields(StudyConfig(**s), n)                                 # short_epochs, final_epochs: their fields' checks
+    check_fields(StudyConfig, s, n)                                   # short_epochs, final_epochs: their fields' checks
     lists, taken = dict(methods=methods, seeds=seeds, references=refs), set()
     for st in plan_stages(lists):                                     # each reference trains in a folder of its own
         if st.name in taken: raise UsageError(f"{n('references')}: {st.source} would train in the stage folder {st.name}, "

@@ -29,6 +29,11 @@ def test_a_learner_takes_a_config_or_keywords_and_nothing_else():
     assert t.asgd_switch.nonmono == 2 and t.model.nhid == 8 and t.config.nonmono == 2
     from rnn_darts.core import UsageError
     with pytest.raises(UsageError, match="dropouth is a dropout probability"): search_learner(DLS, None, dropouth=1.)   # a field's check, as the flag's
+    for make, msg in ((lambda: SearchConfig(nhid=0), "nhid must be an integer >= 1, got 0"),                           # a config checks itself as it is made:
+                      (lambda: SearchConfig(method='gdas', relax='snas'), "method gdas sets relax to 'gdas'"),       # its fields, its method's parts,
+                      (lambda: TrainConfig(emsize=8), "emsize (8) must equal nhid (850)"),                             # the rules between settings
+                      (lambda: StudyConfig(final_epochs=0), "final_epochs must be an integer >= 1")):
+        with pytest.raises(UsageError, match=re.escape(msg)): make()
     with pytest.raises(UsageError, match="arch_lr applies to the architecture weights α, which random search"):        # the command line's rule
         search_learner(DLS, None, mode='random', arch_lr=1e-2)
 

@@ -10,9 +10,9 @@ from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.genotypes import edge_slices, derive_genotype
 from rnn_darts.learner import search_learner
 from rnn_darts.model import DartsRnnSearch
-from rnn_darts.relax import RELAXATIONS, Drnas, Gdas, dirichlet_concentration
+from rnn_darts.relax import RELAXATION_CLASSES, Drnas, Gdas, dirichlet_concentration
 from rnn_darts.callbacks.arch import (hypergrad, hypergrad_mixed, hypergrad_single, train_loss, search_loss, penalty_grad,
-                                      beta_decay_loss, alpha_penalty, arch_grad)
+                                      beta_decay_loss, alpha_penalty, alpha_terms, arch_grad)
 
 NHID = 8
 
@@ -39,9 +39,9 @@ def batches(seed=1):
 
 # ------------------------------------------------------------------ the registries agree
 def test_the_config_names_every_relaxation_and_each_method_builds_a_valid_config():
-    assert tuple(RELAXATIONS) == RELAX_NAMES
-    assert {n for n, r in RELAXATIONS.items() if r.tau is not None} == set(TEMPERED)
-    assert {n for n, r in RELAXATIONS.items() if r.stochastic} == set(DRAWN)
+    assert tuple(RELAXATION_CLASSES) == RELAX_NAMES
+    assert {n for n, r in RELAXATION_CLASSES.items() if r.tau is not None} == set(TEMPERED)
+    assert {n for n, r in RELAXATION_CLASSES.items() if r.stochastic} == set(DRAWN)
     for name, parts in METHODS.items():
         c = configured(SearchConfig, None, 'search_learner', dict(method=name))
         assert all(getattr(c, k) == v for k, v in parts.items()), name
@@ -90,13 +90,14 @@ def test_single_level_gradient_is_the_training_losss():
 def test_beta_decay_gradient_is_the_softmax_over_edges():
     a = torch.randn(36, 5, dtype=torch.float64)
     torch.testing.assert_close(penalty_grad(a, beta_decay_loss), F.softmax(a, -1) / 36)
-    w = torch.tensor(2.5, dtype=torch.float64)
     kl = lambda x: torch.distributions.kl_divergence(torch.distributions.Dirichlet(F.elu(x) + 1),
                                                      torch.distributions.Dirichlet(torch.ones_like(x))).sum()
     x = a.clone().requires_grad_()
     want = torch.autograd.grad(2.5 * torch.logsumexp(x, -1).mean() + 1e-3 * kl(x), x)[0]
-    torch.testing.assert_close(penalty_grad(a, alpha_penalty(w, 1e-3)), want)
-    assert alpha_penalty(None, 0.) is None
+    terms = alpha_terms(beta_decay=250., kl=1e-3)
+    for t in terms: t.at_epoch(1)                                   # β-DARTS's λ = 250 × 1 / 100
+    torch.testing.assert_close(penalty_grad(a, alpha_penalty(terms)), want)
+    assert alpha_terms() == [] and alpha_penalty([]) is None
 
 def test_gumbel_noise_is_shared_by_the_passes_of_one_architecture_step_only():
     "Inside an architecture pass (frozen masks) two training losses see one Gumbel draw, as the unrolled step's finite differences need; outside, each forward draws anew"
@@ -112,7 +113,7 @@ def test_snas_samples_the_gumbel_softmax_at_tau():
     torch.manual_seed(0)
     a, g = torch.randn(36, 5, dtype=torch.double), torch.randn(36, 5, dtype=torch.double)
     plain = lambda tau: torch.exp((a + g) / tau) / torch.exp((a + g) / tau).sum(-1, keepdim=True)
-    for tau in (1., 0.1): torch.testing.assert_close(RELAXATIONS['snas']().sample(a, tau, g), plain(tau))
+    for tau in (1., 0.1): torch.testing.assert_close(RELAXATION_CLASSES['snas']().sample(a, tau, g), plain(tau))
 
 def test_gdas_forward_runs_one_discrete_cell_per_draw():
     "A GDAS training forward equals the derived model of its one-hot weights: each node one (predecessor, op) pair"
@@ -129,7 +130,7 @@ def test_snas_evaluates_its_child_network_not_the_derived_cell():
     a = torch.zeros(36, 5, dtype=torch.double)
     a[1:3, 2] = 1.                        # node 2's two edges: relu wins on each
     a[0, 0] = 1.                          # node 1's one edge: none wins
-    w = RELAXATIONS['snas']().evaluate(a)
+    w = RELAXATION_CLASSES['snas']().evaluate(a)
     sl = edge_slices(8)
     assert w[sl[1], 1:].sum() == 2 and w[sl[0], 1:].sum() == 0 and torch.equal(w.sum(-1), torch.ones(36, dtype=torch.double))
     g = derive_genotype(F.softmax(a, -1).numpy(), 8)
@@ -149,8 +150,8 @@ class Taus(Callback):
     def before_batch(self):
         if self.training and self.iter == 0:
             m = self.model
-            self.seen.append((float(m.tau) if hasattr(m, 'tau') else None,
-                              float(self.learn.arch_param_update.beta_weight) if self.learn.arch_param_update.beta_weight is not None else None))
+            beta = [float(t.weight) for t in self.learn.arch_param_update.terms if t.name == 'beta_decay']
+            self.seen.append((float(m.tau) if hasattr(m, 'tau') else None, beta[0] if beta else None))
 
 @pytest.mark.parametrize('method,want', [('gdas', [(10., None), (5.05, None), (0.1, None)]), ('snas', [(1., None), (0.515, None), (0.03, None)]),
                                          ('beta-darts', [(None, 24.), (None, 24.5)])])
@@ -340,7 +341,7 @@ def test_a_drawn_relaxation_reads_nothing_on_the_host(relax):
     with HostReads() as r:
         w = m.mixing_weights('train'); (w * torch.randn_like(w)).sum().backward()
         m.eval(); m.mixing_weights('valid'); m.arch_weights()
-        if relax == 'drnas': penalty_grad(m.alpha, alpha_penalty(None, 1e-3))
+        if relax == 'drnas': penalty_grad(m.alpha, alpha_penalty(alpha_terms(kl=1e-3)))
     assert r.seen == [], r.seen
 
 # ------------------------------------------------------------------ the Penn Treebank driver

@@ -16,9 +16,9 @@ from rnn_darts.callbacks.training import SeqLenLR, check_flat_opt
 # %% auto #0
 __all__ = ['UNROLLED', 'ARCH_BETAS', 'train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first', 'fd_hvp',
            'exact_hvp', 'hypergrad_second', 'hypergrad_mixed', 'hypergrad_single', 'hypergrad', 'op_param_counts',
-           'op_decay_grad', 'check_zero_one', 'penalty_grad', 'zero_one_grad', 'beta_decay_loss', 'beta_weight_at',
-           'alpha_penalty', 'arch_adam', 'guarded_adam_step', 'arch_precision', 'arch_grad', 'arch_step',
-           'ArchParamUpdate', 'Temperature']
+           'op_decay_grad', 'check_zero_one', 'penalty_grad', 'zero_one_loss', 'beta_decay_loss', 'beta_weight_at',
+           'AlphaTerm', 'alpha_terms', 'alpha_penalty', 'arch_adam', 'guarded_adam_step', 'arch_precision', 'arch_grad',
+           'arch_step', 'ArchParamUpdate', 'Temperature']
 
 # %% ../../nbs/04_arch.ipynb #bb97d689
 def train_loss(model, xb, yb, weight_grads=True):
@@ -114,10 +114,9 @@ def penalty_grad(alpha, penalty):
         a = alpha.detach().requires_grad_()
         return torch.autograd.grad(penalty(a), a)[0]
 
-def zero_one_grad(model, zero_one):
-    "∇α of the Fair DARTS zero-one loss `−zero_one · mean((σ(α) − ½)²)`, which pushes σ(α) away from ½"
-    check_zero_one(zero_one, model.relax)
-    return penalty_grad(model.alpha, lambda a: -zero_one * F.mse_loss(torch.sigmoid(a), torch.full_like(a, 0.5)))
+def zero_one_loss(alpha):
+    "Fair DARTS's zero-one loss at unit weight, `−mean((σ(α) − ½)²)`: descending it pushes every σ(α) away from ½"
+    return -F.mse_loss(torch.sigmoid(alpha), torch.full_like(alpha, 0.5))
 
 def beta_decay_loss(alpha):
     "β-DARTS's β-decay term: the mean over edges of logsumexp(α) over the ops (its gradient is softmax(α) / edges)"
@@ -127,9 +126,24 @@ def beta_weight_at(beta_decay, epoch):
     "β-DARTS's λ in `epoch` (from 0): `beta_decay × epoch / 100`, as its authors' code (`50 × epoch / 100`), whatever the run's length"
     return beta_decay * epoch / 100
 
-def alpha_penalty(beta_weight=None, kl=0.):
-    "The regulariser α's loss adds (None: none): `beta_weight` (a tensor, scheduled) × the β-decay term, plus `kl` × DrNAS's Dirichlet KL"
-    terms = ([lambda a: beta_weight * beta_decay_loss(a)] if beta_weight is not None else []) + ([lambda a: kl * dirichlet_kl(a)] if kl else [])
+class AlphaTerm:
+    "A regulariser α's loss adds, `weight × loss(α)`; a `schedule` (epoch → weight) makes `weight` a tensor on α's device, which a CUDA graph reads"
+    def __init__(self, name:str, weight, loss, schedule=None, device=None):
+        self.name, self.loss, self.schedule = name, loss, schedule
+        self.weight = torch.zeros((), device=device) if schedule is not None else weight
+    def at_epoch(self, epoch):
+        if self.schedule is not None: self.weight.fill_(self.schedule(epoch))
+    def __call__(self, alpha): return self.weight * self.loss(alpha)
+    def __repr__(self): return f"AlphaTerm({self.name}, weight={float(self.weight):g})"
+
+def alpha_terms(zero_one=0., beta_decay=0., kl=0., device=None) -> list:
+    "The regularisers that are on, as `AlphaTerm`s: Fair DARTS's zero-one loss, β-DARTS's β-decay (scheduled: `beta_weight_at`), DrNAS's Dirichlet KL"
+    return ([AlphaTerm('zero_one', zero_one, zero_one_loss)] if zero_one else []) + \
+           ([AlphaTerm('beta_decay', beta_decay, beta_decay_loss, partial(beta_weight_at, beta_decay), device)] if beta_decay else []) + \
+           ([AlphaTerm('dirichlet_kl', kl, dirichlet_kl)] if kl else [])
+
+def alpha_penalty(terms) -> callable|None:
+    "The sum of `terms` (`AlphaTerm`s) as one scalar function of α; None: there are none"
     return (lambda a: sum(t(a) for t in terms)) if terms else None
 
 # %% ../../nbs/04_arch.ipynb #c9a8e3f2
@@ -179,12 +193,11 @@ def arch_grad(model, trn, val, grad_fn, same_masks=True, arch_bf16=False):
     finally: a.requires_grad_(False)
 
 def arch_step(model, opt, trn, val, mode=SearchConfig.mode, lr=SearchConfig.lr, wd=0., clip=None, same_masks=True, arch_bf16=False,
-              zero_one=0., op_decay=0., reduce=None, grad_fn=None, penalty=None):
-    "One architecture step: the hypergradient of `mode` (or `grad_fn(trn, val)`), `reduce`, the zero-one gradient and `penalty(α)`'s, the guarded Adam step with the op decay. Returns the search loss and the finiteness flag (tensors)"
+              op_decay=0., reduce=None, grad_fn=None, penalty=None):
+    "One architecture step: the hypergradient of `mode` (or `grad_fn(trn, val)`), `reduce`, plus `penalty(α)`'s gradient (`alpha_penalty`), the guarded Adam step with the op decay. Returns the search loss and the finiteness flag (tensors)"
     grad_fn = grad_fn or partial(hypergrad, model, mode=mode, lr=lr, wd=wd, clip=clip)
     g, loss = arch_grad(model, trn, val, grad_fn, same_masks, arch_bf16)
     if reduce is not None: g = reduce(g)
-    if zero_one: g = g + zero_one_grad(model, zero_one)
     if penalty is not None: g = g + penalty_grad(model.alpha, penalty)
     ok = guarded_adam_step(opt, model.alpha, g, op_decay_grad(model, op_decay) if op_decay else None)
     return loss, ok
@@ -201,7 +214,7 @@ class ArchParamUpdate(Callback):
             if v < 0: raise ValueError(f"{k} must be >= 0, got {v}")
         self.search_dl, self.mode, self.same_masks, self.clip = search_dl, mode, same_masks, clip
         self.zero_one, self.op_decay, self.mixed_lambda, self.beta_decay, self.dirichlet_kl = zero_one, op_decay, mixed_lambda, beta_decay, dirichlet_kl
-        self.beta_weight = None   # β-DARTS's λ of this epoch, on α's device (a CUDA graph reads it)
+        self.terms = None         # the regularisers α's loss adds (`alpha_terms`), made on α's device at the first fit
         self.arch_bf16 = arch_bf16
         self.arch_lr, self.arch_betas, self.arch_wd = arch_lr, arch_betas, arch_wd
         self.arch_opt, self.n_skipped, self.loss_sum, self.n_steps = None, None, None, 0
@@ -226,7 +239,7 @@ class ArchParamUpdate(Callback):
         check_zero_one(self.zero_one, self.model.relax)
         check_rules(dict(relax=self.model.relax, mode=self.mode, mixed_lambda=self.mixed_lambda, beta_decay=self.beta_decay, dirichlet_kl=self.dirichlet_kl))
         a.requires_grad_(False)                    # the weight step never touches α
-        if self.beta_decay and self.beta_weight is None: self.beta_weight = torch.zeros((), device=a.device)
+        if self.terms is None: self.terms = alpha_terms(self.zero_one, self.beta_decay, self.dirichlet_kl, a.device)
         check_flat_opt(self.learn)                 # nor does the weight optimizer (a hand-built Learner needs flat_splitter)
         if self.arch_opt is None: self.arch_opt = arch_adam(a, self.arch_lr, self.arch_betas, self.arch_wd)
         if hasattr(self.search_dl, 'to'): self.search_dl.to(a.device)
@@ -235,11 +248,15 @@ class ArchParamUpdate(Callback):
     def before_train(self): self.loss_sum, self.n_steps = None, 0
 
     def before_epoch(self):
-        if self.beta_weight is not None: self.beta_weight.fill_(beta_weight_at(self.beta_decay, self.epoch))
+        self.at_epoch(self.epoch)
+
+    def at_epoch(self, epoch):
+        "Each scheduled regulariser's weight at `epoch` (β-DARTS's λ)"
+        for t in self.terms: t.at_epoch(epoch)
 
     def penalty(self):
-        "The regulariser α's loss adds (`alpha_penalty`): β-DARTS's β-decay, DrNAS's Dirichlet KL; None: none"
-        return alpha_penalty(self.beta_weight if self.beta_decay else None, self.dirichlet_kl)
+        "The regularisers α's loss adds, as one function (`alpha_penalty` of `terms`); None: none"
+        return alpha_penalty(self.terms)
 
     def max_norm(self):
         if self.clip != 'learn': return self.clip
@@ -263,8 +280,8 @@ class ArchParamUpdate(Callback):
 
     def step(self, trn, val, grad_fn):
         "The step itself, with this callback's settings and optimizer (`arch_step`): run eager, or the body a CUDA graph captures"
-        return arch_step(self.model, self.arch_opt, trn, val, same_masks=self.same_masks, arch_bf16=self.arch_bf16, zero_one=self.zero_one,
-                         op_decay=self.op_decay, reduce=self.reduce, grad_fn=grad_fn, penalty=self.penalty())
+        return arch_step(self.model, self.arch_opt, trn, val, same_masks=self.same_masks, arch_bf16=self.arch_bf16, op_decay=self.op_decay,
+                         reduce=self.reduce, grad_fn=grad_fn, penalty=self.penalty())
 
     def graphed_step(self, graphs, trn, val):
         """`step` as a CUDA graph of `graphs` (a `StepGraphs`: a captured graph per batch shape and `spec`), the virtual
