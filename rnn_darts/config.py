@@ -99,7 +99,7 @@ class RunConfig:
         "This config with `overrides`; a `TypeError` naming `caller` for a keyword that is no setting"
         bad = [k for k in overrides if k not in self.names()]
         if bad: raise TypeError(f"{caller}() got an unexpected keyword argument {bad[0]!r} (settings: {', '.join(self.names())})")
-        return replace(self, **overrides)
+        return replace(self, **overrides) if overrides else self   # a config is checked once, as it is made
 
     def asdict(self) -> dict: return asdict(self)
 
