@@ -154,7 +154,6 @@ def _default_text(k, dflt, defaults):
     if isinstance(v, bool): v = str(v).lower()
     return f" (default: {v}{', or the preset' if dflt is None else ''})"
 
-
 def _arguments(cmd:str):
     "(name, annotation, default, help) of each argument of `rnn-darts CMD`: search and train from the settings schema's `FLAGS`, the others from their function's signature and comments"
     if cmd in ('search', 'train'):

@@ -160,7 +160,6 @@ def _learner(dls, model, c:RunConfig, path, device, compile=None, auto_compile=F
 
 def _dropouts(c:RunConfig) -> dict: return dict(dropout=c.dropout, dropouth=c.dropouth, dropoutx=c.dropoutx, dropouti=c.dropouti, dropoute=c.dropoute)
 
-
 def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resume=None, cbs=None, device=None, ntoken=None,
                    **settings) -> DartsLearner:
     """A `Learner` for the search phase with the settings of `config` (default: the paper's, `SearchConfig`), any of them
@@ -168,7 +167,7 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resu
     `search_dl` unused, `candidates` and `top` for `choose_cell`)"""
     c = configured(SearchConfig, config, 'search_learner', settings)   # each field checked, as the command line checks its flag
     rnd = c.mode == 'random'
-    check_random(c.asdict(), given=settings.__contains__)
+    check_random(vars(c), given=settings.__contains__)
     n = _ntoken(dls, ntoken)
     model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c)) if rnd else DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax)
     learn = _learner(dls, model, c, path, device, False if rnd else c.compile, auto_compile=not rnd, graphs=False if rnd else c.graphs)

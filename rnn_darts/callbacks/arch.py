@@ -127,10 +127,10 @@ def beta_weight_at(beta_decay, epoch):
     return beta_decay * epoch / 100
 
 class AlphaTerm:
-    "A regulariser α's loss adds, `weight × loss(α)`; a `schedule` (epoch → weight) makes `weight` a tensor on α's device, which a CUDA graph reads"
-    def __init__(self, name:str, weight, loss, schedule=None, device=None):
+    "A regulariser α's loss adds, `weight × loss(α)`: a fixed `weight`, or a `schedule` (epoch → weight) moving a tensor on α's device, which a CUDA graph reads"
+    def __init__(self, name:str, loss, weight=0., schedule=None, device=None):
         self.name, self.loss, self.schedule = name, loss, schedule
-        self.weight = torch.zeros((), device=device) if schedule is not None else weight
+        self.weight = weight if schedule is None else torch.full((), float(schedule(0)), device=device)
     def at_epoch(self, epoch):
         if self.schedule is not None: self.weight.fill_(self.schedule(epoch))
     def __call__(self, alpha): return self.weight * self.loss(alpha)
@@ -138,9 +138,9 @@ class AlphaTerm:
 
 def alpha_terms(zero_one=0., beta_decay=0., kl=0., device=None) -> list:
     "The regularisers that are on, as `AlphaTerm`s: Fair DARTS's zero-one loss, β-DARTS's β-decay (scheduled: `beta_weight_at`), DrNAS's Dirichlet KL"
-    return ([AlphaTerm('zero_one', zero_one, zero_one_loss)] if zero_one else []) + \
-           ([AlphaTerm('beta_decay', beta_decay, beta_decay_loss, partial(beta_weight_at, beta_decay), device)] if beta_decay else []) + \
-           ([AlphaTerm('dirichlet_kl', kl, dirichlet_kl)] if kl else [])
+    return ([AlphaTerm('zero_one', zero_one_loss, zero_one)] if zero_one else []) + \
+           ([AlphaTerm('beta_decay', beta_decay_loss, schedule=partial(beta_weight_at, beta_decay), device=device)] if beta_decay else []) + \
+           ([AlphaTerm('dirichlet_kl', dirichlet_kl, kl)] if kl else [])
 
 def alpha_penalty(terms) -> callable|None:
     "The sum of `terms` (`AlphaTerm`s) as one scalar function of α; None: there are none"

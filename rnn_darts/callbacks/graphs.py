@@ -15,7 +15,6 @@ from fastai.callback.fp16 import MixedPrecision
 from fastai.torch_core import num_distrib, rank_distrib
 from rnn_darts.callbacks.training import ar_tar
 
-
 # %% auto #0
 __all__ = ['EMULATIONS', 'Captured', 'StepGraphs', 'CudaGraphs']
 
@@ -180,7 +179,6 @@ class StepGraphs:
         if res is None: return None
         m.hidden[stream] = res[3].clone()
         return tuple(t.clone() for t in res[:3])
-
 
 # %% ../../nbs/05e_graphs.ipynb #aa41a9a2
 class CudaGraphs(Callback):
