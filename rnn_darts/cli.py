@@ -5,21 +5,20 @@
 # %% ../nbs/08_cli.ipynb #c0c1a83b
 from __future__ import annotations
 import argparse, difflib, errno, inspect, linecache, os, re, sys, traceback
-from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from fastcore.script import bool_arg
 from fastcore.docments import docments
 from fastcore.imports import in_notebook
-from rnn_darts.core import UserError, UsageError, get_device, check_number, check_choice
+from rnn_darts.core import UserError, UsageError, get_device, check_number, check_choice, foreign_warnings_off
 from rnn_darts.options import CHOICES, FLAGS, SWITCHES, code_defaults, command_flags, flag_default
 from rnn_darts.config import CONFIGS
 from rnn_darts import runs
 from rnn_darts.runs import search, train, evaluate_run, set_threads, read_run_json
 
 # %% auto #0
-__all__ = ['COMMANDS', 'study', 'bench', 'report', 'user_error_code', 'error_message', 'command_parser', 'main_help',
-           'foreign_warnings_off', 'run_command', 'main']
+__all__ = ['COMMANDS', 'OPTIONAL_VALUE', 'study', 'bench', 'report', 'user_error_code', 'error_message', 'command_parser',
+           'main_help', 'run_command', 'main']
 
 # %% ../nbs/08_cli.ipynb #0f1a55ce
 def study(
@@ -31,6 +30,7 @@ def study(
     override:bool_arg=False, # continue although the study's settings differ from its study.json (recorded there)
     resume:bool=False,    # continue the study in --out, as running the same command again does: finished stages are kept, a stage cut short resumes from its checkpoint
     threads:int=None,
+    ray:str=None,         # run the stages as Ray tasks at once, each on a GPU (or its --threads cores): on a local Ray (--ray alone), or the cluster at ADDRESS (ray start --head prints it)
     data:str=None,
     files:str=None,
     unk:str=None,
@@ -46,7 +46,7 @@ def study(
     from rnn_darts.study import run_study, STUDY_OPTIONS
     if threads is not None: check_number('--threads', threads, 1, integer=True)
     del resume   # a study always continues what its folder holds
-    return run_study(preset, settings, out, stage, device, threads, override, **{k: v for k, v in locals().items() if k in STUDY_OPTIONS})
+    return run_study(preset, settings, out, stage, device, threads, override, ray, **{k: v for k, v in locals().items() if k in STUDY_OPTIONS})
 
 def bench(
     small:bool=False,     # the small CPU shape: bs 32, nhid 64 (search), nhid 128 (derived cell)
@@ -162,6 +162,8 @@ def _arguments(cmd:str):
     meta = {f.name: f.metadata.get('help') for f in fields(CONFIGS[cmd])} if cmd in CONFIGS else {}   # the study's settings: `StudyConfig`'s
     for k, d in docments(COMMANDS[cmd], full=True, returns=False, eval_str=True).items(): yield k, d.anno, d.default, d.docment or meta.get(k) or FLAGS.get(k, '')
 
+OPTIONAL_VALUE = dict(ray='local')   # flags whose value may be left out, and what they mean then
+
 def command_parser(cmd:str) -> argparse.ArgumentParser:
     "The argument parser of `rnn-darts CMD`"
     defaults = code_defaults(cmd) if cmd in CONFIGS else {}
@@ -174,6 +176,7 @@ def command_parser(cmd:str) -> argparse.ArgumentParser:
         elif anno is bool_arg: kw.update(type=bool_arg, metavar='true|false')
         else: kw.update(type=anno if anno in (int, float) else str, metavar=k.upper())
         if k in CHOICES: kw['metavar'] = '|'.join(CHOICES[k])
+        if k in OPTIONAL_VALUE: kw.update(nargs='?', const=OPTIONAL_VALUE[k], metavar='ADDRESS')
         p.add_argument('--' + k.replace('_', '-'), help=help + ('' if kw.get('action') else _default_text(k, default, defaults)), **kw)
     p.add_argument('--debug', action='store_true', help="show the traceback of an error")
     return p
@@ -204,21 +207,6 @@ def _dispatch(argv):
     args = vars(command_parser(cmd).parse_args(argv[1:]))
     args.pop('debug', None)
     return COMMANDS[cmd](**args)
-
-_OURS = r'rnn_darts(\.|$)'   # warnings raised in (or attributed to) this project's modules
-
-@contextmanager
-def foreign_warnings_off():
-    "Inside, other packages' warnings (torch's `torch.jit.script` deprecation at fastai's import, ...) and torch's `No CUDA runtime` notice stay off stderr; ours show. The command line's entry only: the library filters nothing"
-    import logging, warnings
-    log = logging.getLogger('torch.utils.cpp_extension')
-    level = log.level
-    with warnings.catch_warnings():
-        warnings.filterwarnings('ignore')
-        warnings.filterwarnings('default', module=_OURS)
-        log.setLevel(logging.ERROR)
-        try: yield
-        finally: log.setLevel(level)
 
 def run_command(argv):
     "Run `rnn-darts ARGV...` (`argv` without the program name) and return what the command returns (a learner, results)"

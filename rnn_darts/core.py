@@ -9,10 +9,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['UserError', 'UsageError', 'get_device', 'cpu_name', 'set_seed', 'rng_states', 'set_rng_states', 'check_positive',
-           'check_prob', 'check_bptt', 'check_number', 'check_choice', 'naming', 'write_text_atomic',
-           'packaged_settings', 'read_ini', 'settings_candidates', 'find_settings', 'read_preset', 'option_type',
-           'options_of']
+__all__ = ['UserError', 'UsageError', 'foreign_warnings_off', 'get_device', 'cpu_name', 'set_seed', 'rng_states',
+           'set_rng_states', 'check_positive', 'check_prob', 'check_bptt', 'check_number', 'check_choice', 'naming',
+           'write_text_atomic', 'packaged_settings', 'read_ini', 'settings_candidates', 'find_settings', 'read_preset',
+           'option_type', 'options_of']
 
 # %% ../nbs/00_core.ipynb #c0e11a02
 class UserError(ValueError):
@@ -22,6 +22,21 @@ class UserError(ValueError):
 class UsageError(UserError):
     "A bad flag or preset value: exit status 2, like argparse's own usage errors"
     exit_code = 2
+
+_OURS = r'rnn_darts(\.|$)'   # warnings raised in (or attributed to) this project's modules
+
+@contextmanager
+def foreign_warnings_off():
+    "Inside, other packages' warnings (torch's `torch.jit.script` deprecation at fastai's import, ...) and torch's `No CUDA runtime` notice stay off stderr; ours show. The command line's entry, and the stages it runs elsewhere (a study's Ray workers): the library filters nothing"
+    import logging, warnings
+    log = logging.getLogger('torch.utils.cpp_extension')
+    level = log.level
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore')
+        warnings.filterwarnings('default', module=_OURS)
+        log.setLevel(logging.ERROR)
+        try: yield
+        finally: log.setLevel(level)
 
 # %% ../nbs/00_core.ipynb #706ea45f
 _DEVICE_RE = re.compile(r'^(cpu|cuda|cuda:\d+|mps)$')

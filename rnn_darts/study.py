@@ -4,18 +4,21 @@
 
 # %% ../nbs/17_study.ipynb #410a7d43
 from __future__ import annotations
-import json, math, re, time
+import contextlib, json, math, os, re, socket, sys, time, uuid
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
-from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_choice, write_text_atomic, option_type
+from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_choice, write_text_atomic, option_type, foreign_warnings_off
 from rnn_darts.config import StudyConfig, METHODS, with_method, check_fields
 
 # %% auto #0
-__all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'COMPARISON_COLUMNS', 'study_settings', 'Stage',
-           'plan_stages', 'check_study', 'stage_command', 'stage_record', 'stage_settings', 'stage_done',
-           'stage_seconds', 'select_winner', 'study_rows', 'run_passes', 'planned_work', 'check_stages', 'check_final',
-           'run_stage', 'run_study', 'collect_study', 'plot_study', 'write_study_report', 'search_comparison',
+__all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'INSTALL', 'RETRIES', 'PROBE', 'STOP_WAIT', 'LOCK_WAIT',
+           'COMPARISON_COLUMNS', 'study_settings', 'Stage', 'plan_stages', 'check_study', 'stage_command',
+           'stage_record', 'stage_settings', 'stage_done', 'stage_seconds', 'select_winner', 'study_rows', 'run_passes',
+           'planned_work', 'check_stages', 'waits_for', 'stage_finished', 'check_final', 'run_stage', 'run_study',
+           'progress_text', 'collect_study', 'import_ray', 'check_ray', 'start_ray', 'check_answers', 'probe_folder',
+           'check_workers_see', 'run_stage_task', 'wait_unlocked', 'stage_error', 'task_options', 'submit_stages',
+           'run_on_ray', 'stop_stages', 'plot_study', 'write_study_report', 'search_comparison',
            'plot_search_comparison', 'write_search_comparison']
 
 # %% ../nbs/17_study.ipynb #160dffce
@@ -228,12 +231,20 @@ def _check_folder(study_dir:Path):
     study_dir.mkdir(parents=True, exist_ok=True)
 
 # %% ../nbs/17_study.ipynb #dfd3f0c7
+def waits_for(st:Stage, stages:list) -> list:
+    "The stages whose results stage `st` uses: a short training its search's cell, the final training every short training's loss"
+    if st.kind == 'short': return [x for x in stages if x.name == st.source]
+    return [x for x in stages if x.kind == 'short'] if st.kind == 'final' else []
+
+def stage_finished(st:Stage, stages:list, s:dict, study_dir, settings_file=None) -> bool:
+    "Whether stage `st` is done with the settings the study asks for (the final training: of the cell selected now)"
+    study_dir = Path(study_dir)
+    if st.kind == 'final' and not all((stage_record(study_dir/x.name) or {}).get('finished') for x in waits_for(st, stages)): return False
+    return stage_done(stage_record(study_dir/st.name), *stage_command(st, s, study_dir, settings_file, _final_source(st, stages, study_dir)))
+
 def _needs(st:Stage, stages:list, study_dir:Path, s:dict, settings_file) -> list:
     "The stages that must be done before `st` runs"
-    if st.kind == 'search': return []
-    if st.kind == 'short': pre = [x for x in stages if x.name == st.source]
-    else: pre = [x for x in stages if x.kind == 'short']
-    return [x for x in pre if not stage_done(stage_record(study_dir/x.name), *stage_command(x, s, study_dir, settings_file, _final_source(x, stages, study_dir)))]
+    return [x for x in waits_for(st, stages) if not stage_finished(x, stages, s, study_dir, settings_file)]
 
 def _final_source(st:Stage, stages:list, study_dir:Path) -> str|None:
     "For the final stage: the search stage of the selected cell"
@@ -268,6 +279,7 @@ def run_study(
     out=None,                # study folder (default: runs/study)
     stage:str|None=None,     # run only this stage, e.g. search-second-1 (a scheduler's job)
     device:str|None=None, threads:int|None=None, override:bool=False,
+    ray:str|None=None,       # run the stages as Ray tasks: `local` (a Ray on this machine, all its GPUs or cores), or a cluster's address
     **flags                  # study settings (`STUDY_OPTIONS`) over the preset's
 ):
     "Run (or continue) the study; returns its table (`study.csv`), or None when `stage` ran one stage"
@@ -277,6 +289,9 @@ def run_study(
     names = [x.name for x in stages]
     if stage is not None and stage not in names:
         raise UsageError(f"--stage {stage}: this study has no such stage; its stages: {', '.join(names)}")
+    if stage is not None and ray is not None: raise UsageError("--stage runs one stage here, --ray runs them all as Ray tasks: give one of them")
+    if ray is not None:
+        check_ray(ray)   # installed, and the cluster answers, before anything is written
     for k in ('search_preset', 'train_preset'):   # both presets exist, before anything runs
         from rnn_darts.options import known_options, setting_name
         try: read_preset(s[k], known_options(), find_settings(settings, s[k]))
@@ -290,26 +305,35 @@ def run_study(
             wait = _needs(st, stages, study_dir, s, settings)
             if wait: raise UsageError(f"--stage {stage} needs {', '.join(x.name for x in wait)} done first (rnn-darts study --stage NAME runs one)")
         _study_record(study_dir, s, preset, override)
-        t0, todo = time.time(), [stages[names.index(stage)]] if stage is not None else stages
         work = planned_work(stages, s, study_dir, settings)
-        for st in todo:
-            i, n = (stages.index(st) + 1, len(stages)) if stage is None else (1, 1)
-            cmd, flags = stage_command(st, s, study_dir, settings, _final_source(st, stages, study_dir))
-            if stage_done(stage_record(study_dir/st.name), cmd, flags):
-                print(f"study [{i}/{n}] {st.name}: done before, skipped", flush=True); continue
-            left = [x for x in todo[todo.index(st):] if x.kind == 'final' or not (stage_record(study_dir/x.name) or {}).get('finished')]
-            _run_logged(st, i, n, left, stages, s, study_dir, settings, device, threads, override, t0, work)
+        if ray is not None:   # every worker finds the folder and the settings where the driver does
+            run_on_ray(ray, stages, s, study_dir.absolute(), settings and str(Path(settings).absolute()), device, threads, override, work)
+        else: _run_in_turn([stages[names.index(stage)]] if stage is not None else stages, stages, s, study_dir, settings, device, threads, override, work,
+                           one=stage is not None)
         if stage is not None: return None
         df = collect_study(study_dir, stages)
         write_study_report(study_dir, df)
         return df
 
 # %% ../nbs/17_study.ipynb #288fc733
+def progress_text(t0:float, left:list, study_dir:Path, work:dict) -> str:
+    "Time since `t0`, and the time the stages `left` take at the rate of the finished ones (`12s so far; about 1m 05s left`)"
+    est = _estimate(left, study_dir, work) if left else 0.
+    return f"{_fmt_time(time.time() - t0)} so far; " + (f"about {_fmt_time(est)} left" if est is not None else "the time left is known once a stage has finished")
+
+def _run_in_turn(todo:list, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, work:dict, one=False):
+    "Run the stages `todo` one after another in this process, each between two progress lines, skipping those done before"
+    t0 = time.time()
+    for st in todo:
+        i, n = (1, 1) if one else (stages.index(st) + 1, len(stages))
+        if stage_finished(st, stages, s, study_dir, settings_file):
+            print(f"study [{i}/{n}] {st.name}: done before, skipped", flush=True); continue
+        left = [x for x in todo[todo.index(st):] if x.kind == 'final' or not (stage_record(study_dir/x.name) or {}).get('finished')]
+        _run_logged(st, i, n, left, stages, s, study_dir, settings_file, device, threads, override, t0, work)
+
 def _run_logged(st:Stage, i:int, n:int, left:list, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, t0:float, work:dict):
     "Run one stage between two progress lines: elapsed time, and the time the stages `left` take at the rate of the finished ones"
-    est = _estimate(left, study_dir, work)
-    print(f"study [{i}/{n}] {st.name}: starts ({_fmt_time(time.time() - t0)} so far; "
-          f"{'about ' + _fmt_time(est) + ' left' if est is not None else 'the time left is known once a stage has finished'})", flush=True)
+    print(f"study [{i}/{n}] {st.name}: starts ({progress_text(t0, left, study_dir, work)})", flush=True)
     t = time.time()
     run_stage(st, stages, s, study_dir, settings_file, device, threads, override)
     print(f"study [{i}/{n}] {st.name}: done in {_fmt_time(time.time() - t)}", flush=True)
@@ -333,6 +357,162 @@ def collect_study(study_dir, stages:list):
               f"after the final training: validation {rows[i]['final_valid_ppl']:.2f}, test {rows[i]['final_test_ppl']:.2f}; "
               f"table in {study_dir/'study.csv'}", flush=True)
     return df
+
+# %% ../nbs/17_study.ipynb #9b5bc4fe
+INSTALL = "pip install 'rnn-darts[ray]' (in a checkout: pip install -e '.[ray]')"
+RETRIES = 3       # a stage whose worker dies (a killed process, a lost node) runs again up to this many times, from its checkpoint
+PROBE = '.ray-probe'
+STOP_WAIT = 60.   # seconds the running stages have to write their checkpoint after Ctrl-C
+LOCK_WAIT = 60.   # seconds a stage waits for its run folder, held by a worker of a Ray that is gone
+
+def import_ray():
+    "Ray, or one line saying how to install it"
+    try: import ray
+    except ImportError: raise UserError(f"--ray needs Ray, an optional extra of rnn-darts: {INSTALL}") from None
+    return ray
+
+def check_ray(address:str|None):
+    "Before anything is written: Ray is installed, and something answers at the cluster's `address`"
+    import_ray()
+    if address not in (None, 'local'): check_answers(address)
+
+def start_ray(address:str|None=None):
+    "Connect to the Ray cluster at `address`, or (None, `local`) start a Ray here with this machine's GPUs and cores; returns `ray`"
+    ray = import_ray()
+    if not sys.stdout.isatty(): os.environ.setdefault('RAY_COLOR_PREFIX', '0')   # Ray's own lines (a worker died, ...) without colour codes in a file
+    quiet = dict(log_to_driver=False, logging_level='ERROR')   # each stage's output goes to its log; Ray's notices stay off
+    try:
+        if address in (None, 'local'): ray.init(address='local', include_dashboard=False, **quiet)
+        else: ray.init(address=address, **quiet)
+    except ConnectionError as e:
+        raise UserError(f"--ray {address}: no Ray cluster answers there ({' '.join(str(e).split())[:160]}); start one with: ray start --head") from None
+    return ray
+
+def check_answers(address:str, timeout:float=10.):
+    "One line if nothing listens at a cluster's `HOST:PORT` (Ray itself would wait there for ever); `auto` and `ray://` addresses are Ray's to check"
+    host, sep, port = address.rpartition(':')
+    if address == 'auto' or '://' in address: return
+    if not sep or not port.isdigit(): raise UserError(f"--ray {address}: give a Ray cluster's address as HOST:PORT (ray start --head prints it), or --ray alone for a local Ray")
+    try: socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e: raise UserError(f"--ray {address}: no Ray cluster answers there ({e.strerror or e}); start one with: ray start --head") from None
+
+# %% ../nbs/17_study.ipynb #7e2972d8
+def probe_folder(study_dir:str, nonce:str) -> str|None:
+    "On a worker: None if it sees the driver's probe file in the study folder and can write beside it, else what is wrong, in a line"
+    d, host = Path(study_dir), socket.gethostname()
+    try: seen = (d/PROBE).read_text()
+    except OSError: seen = None
+    if seen != nonce: return f"a Ray worker on {host} cannot see the study folder --out {d}: every node needs it on a shared filesystem"
+    p = d/f"{PROBE}-{os.getpid()}"
+    try: p.write_text(nonce); p.unlink()
+    except OSError as e: return f"a Ray worker on {host} cannot write in the study folder --out {d}: {e.strerror}"
+    return None
+
+def check_workers_see(ray, study_dir:Path):
+    "Before any stage: a worker on every node of the cluster reads the driver's probe in the study folder and writes there, or one line says what is wrong"
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    nonce = uuid.uuid4().hex
+    write_text_atomic(nonce, study_dir/PROBE)
+    try:
+        probe = ray.remote(num_cpus=0)(probe_folder)
+        nodes = [n['NodeID'] for n in ray.nodes() if n['Alive']]
+        said = ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(str(study_dir), nonce) for n in nodes])
+    finally: (study_dir/PROBE).unlink(missing_ok=True)
+    bad = next((x for x in said if x), None)
+    if bad: raise UserError(bad)
+
+# %% ../nbs/17_study.ipynb #e354f0ae
+def run_stage_task(st, stages, s, study_dir, settings_file, device, threads, override, *after):
+    "On a worker: run stage `st` (`after`: the stages it waits for, done by now), its output in the study's `ray-logs/STAGE.log`"
+    log = Path(study_dir)/'ray-logs'/f"{st.name}.log"
+    log.parent.mkdir(exist_ok=True)
+    with open(log, 'a') as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), foreign_warnings_off():
+        print(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} on {socket.gethostname()}, pid {os.getpid()}", flush=True)
+        wait_unlocked(Path(study_dir)/st.name)
+        if stage_finished(st, stages, s, study_dir, settings_file): return st.name   # Ray ran it again after it had ended
+        try: run_stage(st, stages, s, study_dir, settings_file, device, threads, override)
+        except SystemExit as e:   # a signal stopped the fit at a checkpoint: Ctrl-C (Ray's cancel) ends the task; SIGTERM the worker, which Ray retries
+            if e.code == 130: raise KeyboardInterrupt from None
+            raise
+    return st.name
+
+def wait_unlocked(folder:Path, timeout:float=LOCK_WAIT):
+    "Wait while another process holds the stage's run folder: a worker of a Ray whose driver was killed goes on for a few seconds"
+    from rnn_darts.runs import RunLock
+    t = time.monotonic()
+    while folder.is_dir():
+        try: RunLock(folder).acquire().release(); return
+        except UserError:
+            if time.monotonic() - t > timeout: raise
+            time.sleep(1.)
+
+def stage_error(name:str, e:BaseException) -> BaseException:
+    "A stage's exception as the driver raises it: a user's error (bad data, divergence) naming the stage, its exit status kept; any other as it is"
+    if not isinstance(e, UserError): return e
+    err = UserError(f"stage {name}: {e}")
+    err.exit_code = e.exit_code
+    return err
+
+def task_options(ray, device:str|None, threads:int|None) -> tuple:
+    "(resources a stage asks Ray for, its device, its threads): a GPU each where the cluster has GPUs, else `threads` cores (1 by default)"
+    gpu = ray.cluster_resources().get('GPU', 0) >= 1 and device != 'cpu'
+    if gpu: return dict(num_gpus=1, num_cpus=1), device or 'cuda', threads
+    if device not in (None, 'cpu'): raise UsageError(f"--device {device}: the Ray cluster has no GPU; leave --device out to run the stages on its CPUs")
+    return dict(num_cpus=threads or 1), 'cpu', threads or 1
+
+# %% ../nbs/17_study.ipynb #78af0280
+def submit_stages(ray, todo:list, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, pending:list) -> dict:
+    "Submit the stages `todo` as Ray tasks, each with the results of the stages it waits for as arguments (Ray starts it when they are done); appends each to `pending`, returns task -> stage"
+    res, dev, thr = task_options(ray, device, threads)
+    task = ray.remote(max_retries=RETRIES, retry_exceptions=False, **res)(run_stage_task)
+    refs, of = {}, {}
+    for st in todo:   # in the plan's order: every stage after those it waits for
+        after = [refs[x.name] for x in waits_for(st, stages) if x.name in refs]
+        refs[st.name] = task.options(name=st.name).remote(st, stages, s, str(study_dir), settings_file, dev, thr, override, *after)
+        of[refs[st.name]] = st
+        pending.append(refs[st.name])
+    return of
+
+def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, work:dict):
+    "Run the study's stages that are not done as Ray tasks; a line as each ends, with the time left. Ctrl-C, or a stage that fails, stops the others at a checkpoint"
+    ray, pending = start_ray(address), []
+    try:
+        check_workers_see(ray, study_dir)
+        todo = [st for st in stages if not stage_finished(st, stages, s, study_dir, settings_file)]
+        for st in (x for x in stages if x not in todo): print(f"study {st.name}: done before, skipped", flush=True)
+        t0, of = time.time(), submit_stages(ray, todo, stages, s, study_dir, settings_file, device, threads, override, pending)
+        print(f"study: {len(todo)} stage{'s' * (len(todo) != 1)} on Ray ({_resources_text(ray)}); a line as each ends, "
+              f"its output in {study_dir/'ray-logs'}", flush=True)
+        while pending:
+            [ref], pending[:] = ray.wait(pending, num_returns=1)
+            try: ray.get(ref)
+            except ray.exceptions.RayTaskError as e: raise stage_error(of[ref].name, e.cause) from None
+            except ray.exceptions.RayError as e:
+                raise UserError(f"stage {of[ref].name}: its worker died {RETRIES + 1} times ({type(e).__name__}); its checkpoint is kept: "
+                                f"run the same command again to resume it") from None
+            print(f"study [{len(todo) - len(pending)}/{len(todo)}] {of[ref].name}: done ({progress_text(t0, [of[r] for r in pending], study_dir, work)})", flush=True)
+    except KeyboardInterrupt:
+        stop_stages(ray, pending)
+        print("rnn-darts: interrupted: the running stages stopped, each at a checkpoint it can resume from; run the same command again to resume the study",
+              file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    except BaseException:
+        stop_stages(ray, pending)
+        raise
+    finally:
+        for r in pending: ray.cancel(r, force=True)
+        ray.shutdown()
+
+def stop_stages(ray, refs:list, wait:float=STOP_WAIT):
+    "Stop the running stages as Ctrl-C stops a run (a mid-epoch checkpoint after the batch), then, after `wait` seconds, at once"
+    if not refs: return
+    for r in refs: ray.cancel(r)
+    with contextlib.suppress(KeyboardInterrupt): ray.wait(refs, num_returns=len(refs), timeout=wait)
+
+def _resources_text(ray) -> str:
+    r = ray.cluster_resources()
+    nodes = sum(n['Alive'] for n in ray.nodes())
+    return f"{nodes} node{'s' * (nodes != 1)}, {int(r.get('GPU', 0))} GPUs, {int(r.get('CPU', 0))} CPUs"
 
 # %% ../nbs/17_study.ipynb #10c2fd89
 def plot_study(df, path=None):

@@ -3,7 +3,7 @@ a first-order and a random search, their short trainings and DARTS_V2's, the win
 are the same runs as `rnn-darts search|train` with the same flags; a kill and a rerun give the same table; stages
 run alone (a scheduler's jobs) and then collected give the same table; bad settings get one line.
 Each search and training has about 19 batches (1,500 tokens), its validation 600 tokens."""
-import contextlib, io, json, math, os, shutil, signal, subprocess, sys, time
+import contextlib, importlib.util, io, json, math, os, shutil, signal, socket, subprocess, sys, time
 from pathlib import Path
 import pandas as pd, pytest
 from rnn_darts import cli
@@ -226,6 +226,14 @@ def test_bad_study_settings_get_one_line(tmp_path, capsys):
           '--references', 'stage folder short-cell')
     run = tmp_path/'run'; run.mkdir(); (run/'run.json').write_text(json.dumps(dict(command='search', settings={})))
     fails(capsys, study_args(tmp_path, run), f"--out {run} is the run folder of an rnn-darts search")
+    fails(capsys, study_args(tmp_path, tmp_path/'a', '--stage', 'final', '--ray'), '--stage runs one stage here, --ray runs them all')
+    with socket.socket() as sk: sk.bind(('127.0.0.1', 0)); port = sk.getsockname()[1]   # where nothing listens
+    if importlib.util.find_spec('ray') is not None:
+        fails(capsys, study_args(tmp_path, tmp_path/'a', '--ray', f'127.0.0.1:{port}'), f'--ray 127.0.0.1:{port}: no Ray cluster answers there', code=1)
+        fails(capsys, study_args(tmp_path, tmp_path/'a', '--ray', 'head-node'), '--ray head-node: give a Ray cluster\'s address as HOST:PORT', code=1)
+    with pytest.MonkeyPatch.context() as mp:                          # Ray is an optional extra
+        mp.setitem(sys.modules, 'ray', None)
+        fails(capsys, study_args(tmp_path, tmp_path/'a', '--ray'), "--ray needs Ray", "pip install 'rnn-darts[ray]'", code=1)
     assert not (tmp_path/'a').exists() and not (run/'study.json').exists()   # nothing was written
 
 def test_packaged_presets_plan_the_protocol():
@@ -248,3 +256,115 @@ def test_a_study_of_the_darts_family_plans_a_search_of_each_method(tmp_path):
     names = [x.name for x in plan_stages(check_study(s, src))]
     assert len(family) >= 9
     assert names == [f'search-{m}-1' for m in family] + [f'short-search-{m}-1' for m in family] + ['short-DARTS_V2', 'final']
+
+
+# --- on Ray (issue 56): a local Ray with this machine's 2 CPUs, started by the command; a cluster of our own for the mount test
+needs_ray = pytest.mark.skipif(importlib.util.find_spec('ray') is None, reason="ray is not installed (pip install -e '.[dev]' installs it)")
+NO_TOKEN = {'RAY_AUTH_MODE': 'disabled'}   # the test's own cluster, started and joined without Ray's token files
+
+def launch_job(argv, env=None):
+    "The command in a process group of its own, as a job scheduler starts it: killing the group kills the command and the Ray it started"
+    return subprocess.Popen([sys.executable, '-m', 'rnn_darts.cli', *argv], cwd=ROOT, start_new_session=True, text=True,
+                            env={**os.environ, 'PYTHONPATH': str(ROOT), 'PYTHONUNBUFFERED': '1', **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+def lock_holder(folder, timeout=120.) -> int:
+    "The pid of the process that holds the run folder's lock (it is running the stage), once one does"
+    import fcntl
+    t = time.time()
+    while time.time() - t < timeout:
+        p = Path(folder)/'.lock'
+        if p.is_file():
+            with open(p) as f:
+                try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB); fcntl.flock(f, fcntl.LOCK_UN)
+                except BlockingIOError:
+                    said = f.read().split()
+                    if said[:1] == ['pid']: return int(said[1])
+        time.sleep(0.05)
+    raise TimeoutError(f"no process took {folder}'s lock in {timeout} s")
+
+def starts(out, stage) -> int:
+    "How many times a Ray worker started the stage (its log has a line as each starts)"
+    return sum(l.startswith('== ') for l in (Path(out)/'ray-logs'/f'{stage}.log').read_text().splitlines())
+
+def finished(folder) -> bool:
+    p = Path(folder)/'run.json'
+    return p.is_file() and bool(json.loads(p.read_text()).get('finished'))
+
+@pytest.mark.slow
+@needs_ray
+def test_on_ray_a_killed_worker_and_a_killed_driver_give_the_same_table(done, tmp_path):
+    """--ray on a local Ray with 2 CPUs. A worker SIGKILLed inside search-first-1 is run again by Ray; then the driver is
+    SIGKILLed with its Ray (its process group) after three stages; the same command again runs the rest, nothing twice,
+    and study.csv is the study run without Ray, bit for bit at one thread a stage"""
+    d, s, _ = done
+    out = tmp_path/'s'
+    p = launch_job(study_args(d, out, '--ray'))
+    os.kill(lock_holder(out/'search-first-1'), signal.SIGKILL)
+    said = []
+    for line in p.stdout:
+        said.append(line)
+        if '[3/6]' in line: break
+    with contextlib.suppress(ProcessLookupError): os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=60)
+    assert starts(out, 'search-first-1') == 2, ''.join(said)          # Ray ran it again after its worker died
+    ended = {st: (out/st/'run.json').read_text() for st in STAGES if finished(out/st)}
+    assert len(ended) >= 3
+    again = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', *study_args(d, out, '--ray')], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, 'PYTHONPATH': str(ROOT)}, timeout=600)
+    assert again.returncode == 0, again.stderr
+    skipped = {st for st in STAGES if f"study {st}: done before, skipped" in again.stdout}
+    ran = {st for st in STAGES if f"] {st}: done (" in again.stdout}
+    assert set(ended) <= skipped and not skipped & ran and skipped | ran == set(STAGES), again.stdout   # a stage the killed Ray's workers ended meanwhile is kept too
+    assert all((out/st/'run.json').read_text() == rec for st, rec in ended.items())   # not run twice
+    pd.testing.assert_frame_equal(table(out), table(s))
+
+@pytest.mark.slow
+@needs_ray
+def test_on_ray_a_stage_failing_for_the_user_is_not_run_again(done, tmp_path):
+    "The final training finds the selection changed (the user's reason): one line naming the stage, exit 1, and Ray does not run it again"
+    from rnn_darts.genotypes import DARTS_V1, genotype_to_dict
+    d, s, _ = done
+    s2 = tmp_path/'s'; shutil.copytree(s, s2)
+    rec = json.loads((s2/'final'/'run.json').read_text()); rec['settings']['genotype'] = json.dumps(genotype_to_dict(DARTS_V1))
+    (s2/'final'/'run.json').write_text(json.dumps(rec))
+    r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', *study_args(d, s2, '--ray')], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, 'PYTHONPATH': str(ROOT)}, timeout=300)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith('rnn-darts: error: stage final: ') and 'trained another cell than the selected one' in lines[0]
+    assert starts(s2, 'final') == 1 and r.stdout.count('done before, skipped') == len(STAGES) - 1
+
+def _can_unshare() -> bool:
+    try: return subprocess.run(['unshare', '-m', 'true'], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired): return False
+
+@pytest.mark.slow
+@needs_ray
+@pytest.mark.skipif(not _can_unshare(), reason="unshare -m is not permitted here: no mount namespace for a worker's own view of the folder")
+def test_on_ray_a_worker_that_cannot_write_the_study_folder_gets_one_line(tmp_path):
+    """A cluster whose workers see the study folder read-only (a read-only bind mount in their own mount namespace), as a
+    node without the shared filesystem would: one line, exit 1, before any stage runs"""
+    ini(tmp_path); out = tmp_path/'s'; out.mkdir()
+    with socket.socket() as sk: sk.bind(('127.0.0.1', 0)); port = sk.getsockname()[1]
+    ray_cli = Path(sys.executable).parent/'ray'
+    head = subprocess.Popen(['unshare', '-m', '--propagation', 'private', 'sh', '-c',
+                             f"mount --bind {out} {out} && mount -o remount,bind,ro {out} && exec {ray_cli} start --head --port {port} "
+                             f"--num-cpus 1 --include-dashboard false --disable-usage-stats --block"],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **NO_TOKEN})
+    try:
+        t = time.time()
+        while time.time() - t < 90:
+            with contextlib.suppress(OSError): socket.create_connection(('127.0.0.1', port), timeout=1).close(); break
+            time.sleep(0.5)
+        r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', *study_args(tmp_path, out, '--ray', f'127.0.0.1:{port}')], cwd=ROOT,
+                           capture_output=True, text=True, env={**os.environ, 'PYTHONPATH': str(ROOT), **NO_TOKEN}, timeout=300)
+    finally:
+        head.terminate()
+        try: head.wait(timeout=30)
+        except subprocess.TimeoutExpired: pass
+        with contextlib.suppress(ProcessLookupError): os.killpg(head.pid, signal.SIGKILL)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0] == f"rnn-darts: error: a Ray worker on {socket.gethostname()} cannot write in the study folder --out {out}: Read-only file system"
+    assert not any(p.name.startswith('search-') for p in out.iterdir())   # no stage ran
