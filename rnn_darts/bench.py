@@ -24,8 +24,8 @@ from rnn_darts.callbacks.perturb import Perturbation
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'FAMILY', 'STEP_NAMES', 'mem_kind',
            'time_fn', 'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'bound_updater',
            'arch_hypergrad', 'random_step', 'method_model', 'method_updater', 'method_step', 'search_step', 'in_bf16',
-           'kernel_profile', 'profiler_log_off', 'launch_count', 'bf16_agreement', 'cpu_kernels', 'write_json',
-           'run_bench', 'print_table']
+           'kernel_profile', 'profiler_log_off', 'launch_count', 'step_profile', 'profile_lines', 'bf16_agreement',
+           'cpu_kernels', 'write_json', 'run_bench', 'profile_text', 'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 _S, _T = SearchConfig(), TrainConfig()   # the paper's search and training settings
@@ -244,6 +244,43 @@ def launch_count(fn) -> dict:
     lib = sum(1 for e in ev if _library_kernel(e.name) and not _nested(e))
     return dict(generated=gen, library=lib, total=gen + lib)
 
+# %% ../nbs/10_bench.ipynb #485b85b9
+def _kernel_events(prof, cuda:bool) -> list:
+    "The profiled kernels as `launch_count` counts them: the device's kernels on a GPU; on a CPU the generated kernels and the library calls outside them"
+    ev = prof.events()
+    if cuda: return [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [e for e in ev if '_cpp_fused' in e.name or (_library_kernel(e.name) and not _nested(e))]
+
+def _busy_us(events) -> float:
+    "Microseconds in which at least one of `events` ran (the union of their time ranges)"
+    spans, busy, end = sorted((e.time_range.start, e.time_range.end) for e in events), 0., float('-inf')
+    for a, b in spans:
+        if b > end: busy += b - max(a, end); end = b
+    return busy
+
+def step_profile(fn, device='cpu', top:int=15) -> dict:
+    """One profiled call of `fn` (warm it up first): its kernels, the `top` kernels by device time (count, total µs), the
+    fraction of the call's wall time in which a kernel ran, the wall time and the peak memory"""
+    cuda = torch.device(device).type == 'cuda'
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    _reset_peak(device)
+    with profiler_log_off(), torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter(); fn(); _sync(device); wall = time.perf_counter() - t0
+    ev = _kernel_events(prof, cuda)
+    by = {}
+    for e in ev:
+        n_us = by.setdefault(e.name, [0, 0.])
+        n_us[0] += 1; n_us[1] += e.device_time if cuda else e.cpu_time_total
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
+    return dict(kernels=len(ev), top=[dict(name=k, count=n, us=us) for k, (n, us) in ranked],
+                busy=min(1., _busy_us(ev) / (wall * 1e6)), wall_ms=wall * 1e3, peak_mb=_peak_mb(device))
+
+def profile_lines(name:str, p:dict) -> list:
+    "`step_profile`'s summary as lines of text"
+    out = [f"{name}: {p['kernels']} kernels, busy {p['busy']:.0%} of {p['wall_ms']:.1f} ms, peak {p['peak_mb']:.0f} MiB; "
+           f"the {len(p['top'])} kernels with the most device time:"]
+    return out + [f"  {x['us'] / 1e3:9.3f} ms {x['count']:6d}x  {x['name'][:110]}" for x in p['top']]
+
 # %% ../nbs/10_bench.ipynb #28830e70
 def bf16_agreement(model, batches, modes=('first', 'second', 'exact')) -> dict:
     "Per mode: cosine between the all-bf16 and all-fp32 hypergradients at `model`'s state, mean and min over `batches` ((trn, val) pairs)"
@@ -290,7 +327,8 @@ def _device_name(device):
 def _row(name, impl, shape, t):
     tok = shape['bs'] * shape['bptt']
     return dict(name=name, impl=impl, **{k: shape[k] for k in ('bs', 'bptt', 'nhid', 'ntoken')},
-                ms=t['ms'], ms_min=t['ms_min'], first_ms=t['first_ms'], tok_s=tok / (t['ms'] / 1e3), mem_mb=t['mem_mb'], ops=t['ops'])
+                ms=t['ms'], ms_min=t['ms_min'], first_ms=t['first_ms'], tok_s=tok / (t['ms'] / 1e3), mem_mb=t['mem_mb'], ops=t['ops'],
+                **({'profile': t['profile']} if 'profile' in t else {}))
 
 def write_json(results: dict, path):
     "Write `results` (from `run_bench`) to `path` as JSON"
@@ -305,8 +343,8 @@ STEP_NAMES = dict(second='search step, 2nd order (fd)', first='search step, 1st 
 def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, iters:int|None=None,
               warmup:int|None=None, modes=('second', 'first', 'exact', 'random'), methods=FAMILY, baseline=None, train:bool=True,
               evaluate:bool=True, shape:dict|None=None, train_shape:dict|None=None, eval_bs:int|None=None,
-              seed:int=0, threads:int|None=None, compile:bool=False, bf16:bool=False, graphs:bool=False, verbose:bool=False) -> dict:
-    "Time the search steps, the derived model's training step and evaluation (`graphs`: as captured CUDA graphs); `baseline(model, mode)`: another step to time beside ours"
+              seed:int=0, threads:int|None=None, compile:bool=False, bf16:bool=False, graphs:bool=False, profile:bool=False, verbose:bool=False) -> dict:
+    "Time the search steps, the derived model's training step and evaluation (`graphs`: as captured CUDA graphs; `profile`: and `step_profile` one more call of each); `baseline(model, mode)`: another step to time beside ours"
     if compile and not _kernels_recorded():   # compile with recorded kernels, so `launch_count` counts the rows' launches
         with kernel_profile(): return run_bench(**locals())
     if threads: torch.set_num_threads(threads)
@@ -334,7 +372,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
         return m
     amp = (lambda f: in_bf16(f, dev)) if bf16 else (lambda f: f)
     count = (lambda fn: launch_count(fn)['total']) if compile else op_count   # a dispatch mode cannot see into compiled graphs
-    def measure(fn): return dict(time_fn(fn, iters, warmup, dev), ops=count(fn))
+    def measure(fn): return dict(time_fn(fn, iters, warmup, dev), ops=count(fn), **(dict(profile=step_profile(fn, dev)) if profile else {}))
     def log(r):
         res['rows'].append(r)
         if verbose: print(f"{r['name']:<34} {r['impl']:<6} {r['ms']:10.1f} ms")
@@ -418,6 +456,14 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     return res
 
 # %% ../nbs/10_bench.ipynb #c0747087
+def profile_text(results: dict) -> str:
+    "The profiles of `run_bench(profile=True)`'s rows as text: a header naming the device, then each row's `profile_lines`"
+    r = results
+    out = [f"device: {r['device']} ({r['device_name']}), torch {r['torch']}; graphs: {r['graphs']}, compiled: {r['compile']}; "
+           f"one profiled call per row, after its timed ones"]
+    for x in (x for x in r['rows'] if x.get('profile')): out += ['', *profile_lines(f"{x['name']} ({x['impl']})", x['profile'])]
+    return '\n'.join(out) + '\n'
+
 def print_table(results: dict, file=None):
     "Print `results` (from `run_bench`) as a table"
     r = results

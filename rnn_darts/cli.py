@@ -10,7 +10,7 @@ from pathlib import Path
 from fastcore.script import bool_arg
 from fastcore.docments import docments
 from fastcore.imports import in_notebook
-from rnn_darts.core import UserError, UsageError, get_device, check_number, check_choice, foreign_warnings_off
+from rnn_darts.core import UserError, UsageError, get_device, check_number, check_choice, foreign_warnings_off, write_text_atomic
 from rnn_darts.options import CHOICES, FLAGS, SWITCHES, code_defaults, command_flags, flag_default
 from rnn_darts.config import CONFIGS
 from rnn_darts import runs
@@ -58,20 +58,26 @@ def bench(
     graphs:bool=False,    # time the steps replayed as captured CUDA graphs (needs a GPU)
     threads:int=None,
     methods:str=None,     # methods of the DARTS family to time beside first-order DARTS, comma-separated (default: all; none: none)
+    profile:str=None,     # also profile one more call of each row and write the summaries to this text file: kernels per step, the 15 kernels with the most device time, the fraction of the step the device is busy, peak memory
 ):
     "Time search steps (second, first, exact), derived-cell training steps and evaluation"
     if iters is not None: check_number('--iters', iters, 1, integer=True)
     if threads is not None: check_number('--threads', threads, 1, integer=True)
-    if json_path is not None and Path(json_path).is_dir(): raise UsageError(f"--json-path {json_path} is a folder; give a file name")
+    for k, p in (('--json-path', json_path), ('--profile', profile)):
+        if p is not None and Path(p).is_dir(): raise UsageError(f"{k} {p} is a folder; give a file name")
     dev = get_device(device)
     if graphs and dev.type != 'cuda': raise UsageError(f"--graphs times captured CUDA graphs and needs a GPU; the device is {dev}")
     if graphs and bf16: raise UsageError("--graphs with --bf16: bf16 autocast's cache of cast weights cannot be captured; time them apart")
     set_threads(threads, dev)
-    from rnn_darts.bench import run_bench, print_table, FAMILY
+    from rnn_darts.bench import run_bench, print_table, profile_text, FAMILY
     family = FAMILY if methods is None else () if methods.strip() == 'none' else tuple(x.strip() for x in methods.split(',') if x.strip())
     for m in family: check_choice('--methods', m, FAMILY)
-    res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile, bf16=bf16, graphs=graphs, methods=family, verbose=True)
+    res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile, bf16=bf16, graphs=graphs, methods=family,
+                    profile=profile is not None, verbose=True)
     print_table(res)
+    if profile is not None:
+        write_text_atomic(profile_text(res), profile)
+        print(f"profiles written to {profile}")
     return res
 
 def report(

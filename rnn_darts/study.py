@@ -13,13 +13,13 @@ from rnn_darts.config import StudyConfig, METHODS, with_method, check_fields
 
 # %% auto #0
 __all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'INSTALL', 'RETRIES', 'PROBE', 'STOP_WAIT', 'LOCK_WAIT',
-           'COMPARISON_COLUMNS', 'study_settings', 'Stage', 'plan_stages', 'check_study', 'stage_command',
-           'stage_record', 'stage_settings', 'stage_done', 'stage_seconds', 'select_winner', 'study_rows', 'run_passes',
-           'planned_work', 'check_stages', 'waits_for', 'stage_finished', 'check_final', 'run_stage', 'run_study',
-           'progress_text', 'collect_study', 'import_ray', 'check_ray', 'start_ray', 'check_answers', 'probe_folder',
-           'check_workers_see', 'run_stage_task', 'wait_unlocked', 'stage_error', 'task_options', 'submit_stages',
-           'run_on_ray', 'stop_stages', 'plot_study', 'write_study_report', 'search_comparison',
-           'plot_search_comparison', 'write_search_comparison']
+           'OBJECT_STORE', 'COMPARISON_COLUMNS', 'study_settings', 'Stage', 'plan_stages', 'check_study',
+           'stage_command', 'stage_record', 'stage_settings', 'stage_done', 'stage_seconds', 'select_winner',
+           'study_rows', 'run_passes', 'planned_work', 'check_stages', 'waits_for', 'stage_finished', 'check_final',
+           'run_stage', 'run_study', 'progress_text', 'collect_study', 'import_ray', 'check_ray', 'start_ray',
+           'check_answers', 'probe_folder', 'check_workers_see', 'run_stage_task', 'wait_unlocked', 'stage_error',
+           'task_options', 'parallel_slots', 'submit_stages', 'run_on_ray', 'stop_stages', 'plot_study',
+           'write_study_report', 'search_comparison', 'plot_search_comparison', 'write_search_comparison']
 
 # %% ../nbs/17_study.ipynb #160dffce
 STUDY_OPTIONS = {f.name: (option_type(f.default, f.type), f.default) for f in fields(StudyConfig)}   # name -> (type, default): `StudyConfig`'s, the paper's protocol
@@ -279,10 +279,11 @@ def run_study(
     out=None,                # study folder (default: runs/study)
     stage:str|None=None,     # run only this stage, e.g. search-second-1 (a scheduler's job)
     device:str|None=None, threads:int|None=None, override:bool=False,
-    ray:str|None=None,       # run the stages as Ray tasks: `local` (a Ray on this machine, all its GPUs or cores), or a cluster's address
+    ray:str|bool|None=None,  # run the stages as Ray tasks: True or `local` (a Ray on this machine, all its GPUs or cores), or a cluster's address
     **flags                  # study settings (`STUDY_OPTIONS`) over the preset's
 ):
     "Run (or continue) the study; returns its table (`study.csv`), or None when `stage` ran one stage"
+    if isinstance(ray, bool): ray = 'local' if ray else None
     s, src = study_settings(preset, settings, **flags)
     stages = plan_stages(check_study(s, src))
     study_dir = Path(out or 'runs/study')
@@ -316,9 +317,10 @@ def run_study(
         return df
 
 # %% ../nbs/17_study.ipynb #288fc733
-def progress_text(t0:float, left:list, study_dir:Path, work:dict) -> str:
-    "Time since `t0`, and the time the stages `left` take at the rate of the finished ones (`12s so far; about 1m 05s left`)"
+def progress_text(t0:float, left:list, study_dir:Path, work:dict, at_once:int=1) -> str:
+    "Time since `t0`, and the time the stages `left` take at the rate of the finished ones, `at_once` of them side by side (`12s so far; about 1m 05s left`)"
     est = _estimate(left, study_dir, work) if left else 0.
+    if est: est /= min(at_once, len(left))
     return f"{_fmt_time(time.time() - t0)} so far; " + (f"about {_fmt_time(est)} left" if est is not None else "the time left is known once a stage has finished")
 
 def _run_in_turn(todo:list, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, work:dict, one=False):
@@ -364,6 +366,7 @@ RETRIES = 3       # a stage whose worker dies (a killed process, a lost node) ru
 PROBE = '.ray-probe'
 STOP_WAIT = 60.   # seconds the running stages have to write their checkpoint after Ctrl-C
 LOCK_WAIT = 60.   # seconds a stage waits for its run folder, held by a worker of a Ray that is gone
+OBJECT_STORE = 256 * 2**20   # bytes of a local Ray's shared memory: the stages pass it their names only (Ray's default takes 30% of RAM)
 
 def import_ray():
     "Ray, or one line saying how to install it"
@@ -382,7 +385,7 @@ def start_ray(address:str|None=None):
     if not sys.stdout.isatty(): os.environ.setdefault('RAY_COLOR_PREFIX', '0')   # Ray's own lines (a worker died, ...) without colour codes in a file
     quiet = dict(log_to_driver=False, logging_level='ERROR')   # each stage's output goes to its log; Ray's notices stay off
     try:
-        if address in (None, 'local'): ray.init(address='local', include_dashboard=False, **quiet)
+        if address in (None, 'local'): ray.init(address='local', include_dashboard=False, object_store_memory=OBJECT_STORE, **quiet)
         else: ray.init(address=address, **quiet)
     except ConnectionError as e:
         raise UserError(f"--ray {address}: no Ray cluster answers there ({' '.join(str(e).split())[:160]}); start one with: ray start --head") from None
@@ -460,10 +463,15 @@ def task_options(ray, device:str|None, threads:int|None) -> tuple:
     if device not in (None, 'cpu'): raise UsageError(f"--device {device}: the Ray cluster has no GPU; leave --device out to run the stages on its CPUs")
     return dict(num_cpus=threads or 1), 'cpu', threads or 1
 
+def parallel_slots(ray, res:dict) -> int:
+    "How many stages the cluster runs at once, each asking for the resources `res`"
+    have = ray.cluster_resources()
+    return max(1, min(int(have.get(k, 0) // v) for k, v in (('GPU', res.get('num_gpus', 0)), ('CPU', res.get('num_cpus', 0))) if v))
+
 # %% ../nbs/17_study.ipynb #78af0280
-def submit_stages(ray, todo:list, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, pending:list) -> dict:
-    "Submit the stages `todo` as Ray tasks, each with the results of the stages it waits for as arguments (Ray starts it when they are done); appends each to `pending`, returns task -> stage"
-    res, dev, thr = task_options(ray, device, threads)
+def submit_stages(ray, todo:list, stages:list, s:dict, study_dir:Path, settings_file, opts:tuple, override, pending:list) -> dict:
+    "Submit the stages `todo` as Ray tasks (`opts`: `task_options`), each with the results of the stages it waits for as arguments (Ray starts it when they are done); appends each to `pending`, returns task -> stage"
+    res, dev, thr = opts
     task = ray.remote(max_retries=RETRIES, retry_exceptions=False, **res)(run_stage_task)
     refs, of = {}, {}
     for st in todo:   # in the plan's order: every stage after those it waits for
@@ -480,7 +488,9 @@ def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, devi
         check_workers_see(ray, study_dir)
         todo = [st for st in stages if not stage_finished(st, stages, s, study_dir, settings_file)]
         for st in (x for x in stages if x not in todo): print(f"study {st.name}: done before, skipped", flush=True)
-        t0, of = time.time(), submit_stages(ray, todo, stages, s, study_dir, settings_file, device, threads, override, pending)
+        opts = task_options(ray, device, threads)
+        t0, of = time.time(), submit_stages(ray, todo, stages, s, study_dir, settings_file, opts, override, pending)
+        slots = parallel_slots(ray, opts[0])
         print(f"study: {len(todo)} stage{'s' * (len(todo) != 1)} on Ray ({_resources_text(ray)}); a line as each ends, "
               f"its output in {study_dir/'ray-logs'}", flush=True)
         while pending:
@@ -490,7 +500,7 @@ def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, devi
             except ray.exceptions.RayError as e:
                 raise UserError(f"stage {of[ref].name}: its worker died {RETRIES + 1} times ({type(e).__name__}); its checkpoint is kept: "
                                 f"run the same command again to resume it") from None
-            print(f"study [{len(todo) - len(pending)}/{len(todo)}] {of[ref].name}: done ({progress_text(t0, [of[r] for r in pending], study_dir, work)})", flush=True)
+            print(f"study [{len(todo) - len(pending)}/{len(todo)}] {of[ref].name}: done ({progress_text(t0, [of[r] for r in pending], study_dir, work, slots)})", flush=True)
     except KeyboardInterrupt:
         stop_stages(ray, pending)
         print("rnn-darts: interrupted: the running stages stopped, each at a checkpoint it can resume from; run the same command again to resume the study",

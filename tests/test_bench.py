@@ -95,6 +95,11 @@ def test_run_bench_options():
     tiny = dict(bs=2, bptt=3, nhid=4, ntoken=20)
     res = run_bench(small=True, iters=1, warmup=0, shape=tiny, modes=('first',), methods=(), train=False, evaluate=False)
     assert [r['impl'] for r in res['rows']] == ['ours'] and res['ratios'] == {} and res['method_ratios'] == {}
+    res = run_bench(small=True, iters=1, warmup=1, shape=tiny, modes=('first',), methods=(), train=False, evaluate=True, profile=True)
+    from rnn_darts.bench import profile_text
+    assert all(r['profile']['kernels'] > 0 and r['profile']['top'] for r in res['rows'])   # each row: one more call, profiled
+    text = profile_text(res)
+    assert all(f"{r['name']} (ours): {r['profile']['kernels']} kernels, busy " in text for r in res['rows']), text
     with pytest.raises(ValueError, match='unknown modes'): run_bench(modes=('fourth',))
     with pytest.raises(ValueError, match='unknown methods'): run_bench(methods=('darts-pt',))
 

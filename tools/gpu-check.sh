@@ -6,7 +6,8 @@
 #
 # Stages: the GPU and the versions; the GPU tier of the tests (pytest --gpu); `rnn-darts bench` at the paper's
 # shapes (search bs 256, bptt 35, nhid 300, 10,000 words; derived DARTS_V2 nhid 850, bs 64), eager, compiled and as
-# captured CUDA graphs; one epoch of the quick search with the defaults (compiled, graphed; epoch times in
+# captured CUDA graphs, each row also profiled (OUT/profile-*.txt: kernels per step, the 15 kernels with the most GPU
+# time, how much of the step the GPU is busy, peak memory); one epoch of the quick search with the defaults (compiled, graphed; epoch times in
 # OUT/quick/run.json). The limits are what these stages took on an H100 (2026-11-26), with room. `rnn-darts bench
 # --compile` is not a stage: at the paper's shapes Inductor compiles for over 90 s before its first row; run it apart. Where fastai is not installed and the
 # checkout holds wheels in .whl/ (see the README's development section), they are installed into /tmp/site first.
@@ -40,8 +41,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 # workers are started (each would import torch and collect every module)
 workers=4; grep -q 'no CUDA device visible' "$out/versions.log" && workers=0
 stage gpu-tier 200 $py -m pytest -q --gpu -n $workers -rs --durations=10 -p no:cacheprovider tests
-stage bench-graphed 110 $py -m rnn_darts.cli bench --device cuda --graphs --iters 3 --methods none --json-path "$out/bench-graphed.json"
-stage bench-eager 60 $py -m rnn_darts.cli bench --device cuda --iters 3 --methods none --json-path "$out/bench-eager.json"
+stage bench-graphed 110 $py -m rnn_darts.cli bench --device cuda --graphs --iters 3 --methods none --json-path "$out/bench-graphed.json" --profile "$out/profile-graphed.txt"
+stage bench-eager 60 $py -m rnn_darts.cli bench --device cuda --iters 3 --methods none --json-path "$out/bench-eager.json" --profile "$out/profile-eager.txt"
 stage quick-search 80 $py -m rnn_darts.cli search --preset quick --epochs 1 --device cuda --out "$out/quick" --overwrite
 $py -c "import json, sys; r = json.load(open(sys.argv[1])); print('quick search epoch times (s):', r.get('epoch_times'))" \
   "$out/quick/run.json" 2>/dev/null || echo "quick search: no run.json"
