@@ -483,8 +483,9 @@ def submit_stages(ray, todo:list, stages:list, s:dict, study_dir:Path, settings_
 
 def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, work:dict):
     "Run the study's stages that are not done as Ray tasks; a line as each ends, with the time left. Ctrl-C, or a stage that fails, stops the others at a checkpoint"
-    ray, pending = start_ray(address), []
+    ray, pending = import_ray(), []
     try:
+        start_ray(address)
         check_workers_see(ray, study_dir)
         todo = [st for st in stages if not stage_finished(st, stages, s, study_dir, settings_file)]
         for st in (x for x in stages if x not in todo): print(f"study {st.name}: done before, skipped", flush=True)

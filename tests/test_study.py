@@ -321,6 +321,28 @@ def test_on_ray_a_killed_worker_and_a_killed_driver_give_the_same_table(done, tm
 
 @pytest.mark.slow
 @needs_ray
+def test_on_ray_ctrl_c_stops_the_stages_and_says_how_to_resume(done, tmp_path):
+    """Ctrl-C in the terminal (SIGINT to the command's process group, its Ray included) once the stages run: the stages
+    stop, one line says to run the same command again, exit 130; that command ends with the study's table"""
+    d, s, _ = done
+    out = tmp_path/'s'
+    p = launch_job(study_args(d, out, '--ray'))
+    for line in p.stdout:
+        if ' stages on Ray (' in line: break
+    lock_holder(out/'search-first-1')                                 # a stage is running
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert p.returncode == 130 and lines == ["rnn-darts: interrupted: the running stages stopped, each at a checkpoint it can resume "
+                                             "from; run the same command again to resume the study"], err
+    assert not finished(out/'final')
+    again = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', *study_args(d, out, '--ray')], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, 'PYTHONPATH': str(ROOT)}, timeout=600)
+    assert again.returncode == 0, again.stderr
+    pd.testing.assert_frame_equal(table(out), table(s))
+
+@pytest.mark.slow
+@needs_ray
 def test_on_ray_a_stage_failing_for_the_user_is_not_run_again(done, tmp_path):
     "The final training finds the selection changed (the user's reason): one line naming the stage, exit 1, and Ray does not run it again"
     from rnn_darts.genotypes import DARTS_V1, genotype_to_dict
