@@ -168,7 +168,7 @@ def _arguments(cmd:str):
     meta = {f.name: f.metadata.get('help') for f in fields(CONFIGS[cmd])} if cmd in CONFIGS else {}   # the study's settings: `StudyConfig`'s
     for k, d in docments(COMMANDS[cmd], full=True, returns=False, eval_str=True).items(): yield k, d.anno, d.default, d.docment or meta.get(k) or FLAGS.get(k, '')
 
-OPTIONAL_VALUE = dict(ray='local')   # flags whose value may be left out, and what they mean then
+OPTIONAL_VALUE = dict(ray=('local', 'ADDRESS'))   # flags whose value may be left out: what they mean then, and the value's name in -h
 
 def command_parser(cmd:str) -> argparse.ArgumentParser:
     "The argument parser of `rnn-darts CMD`"
@@ -182,7 +182,7 @@ def command_parser(cmd:str) -> argparse.ArgumentParser:
         elif anno is bool_arg: kw.update(type=bool_arg, metavar='true|false')
         else: kw.update(type=anno if anno in (int, float) else str, metavar=k.upper())
         if k in CHOICES: kw['metavar'] = '|'.join(CHOICES[k])
-        if k in OPTIONAL_VALUE: kw.update(nargs='?', const=OPTIONAL_VALUE[k], metavar='ADDRESS')
+        if k in OPTIONAL_VALUE: kw.update(nargs='?', const=OPTIONAL_VALUE[k][0], metavar=OPTIONAL_VALUE[k][1])
         p.add_argument('--' + k.replace('_', '-'), help=help + ('' if kw.get('action') else _default_text(k, default, defaults)), **kw)
     p.add_argument('--debug', action='store_true', help="show the traceback of an error")
     return p

@@ -5,7 +5,7 @@
 # %% ../nbs/17_study.ipynb #410a7d43
 from __future__ import annotations
 import contextlib, json, math, os, re, socket, sys, time, uuid
-from contextlib import nullcontext
+
 from dataclasses import dataclass, fields
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_choice, write_text_atomic, option_type, foreign_warnings_off
@@ -300,7 +300,7 @@ def run_study(
     check_stages(stages, s, study_dir, settings)
     _check_folder(study_dir)
     from rnn_darts.runs import RunLock
-    with RunLock(study_dir) if stage is None else nullcontext():   # stage jobs run side by side: each locks its own run folder
+    with RunLock(study_dir) if stage is None else contextlib.nullcontext():   # stage jobs run side by side: each locks its own run folder
         if stage is not None:
             st = stages[names.index(stage)]
             wait = _needs(st, stages, study_dir, s, settings)
