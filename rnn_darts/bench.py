@@ -15,7 +15,8 @@ from rnn_darts.core import cpu_name, naming
 from rnn_darts.genotypes import DARTS_V2, load_genotype, sample_genotype
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.callbacks.arch import ArchParamUpdate, ARCH_BETAS, arch_grad, hypergrad
-from rnn_darts.config import SearchConfig, TrainConfig, METHODS, FAMILY as METHOD_FAMILY
+from rnn_darts.config import SearchConfig, TrainConfig, METHODS, PRECISIONS, FAMILY as METHOD_FAMILY
+from rnn_darts.callbacks.speed import tf32_products
 from rnn_darts.learner import search_parts
 from rnn_darts.callbacks.graphs import StepGraphs
 from rnn_darts.callbacks.perturb import Perturbation
@@ -23,9 +24,10 @@ from rnn_darts.callbacks.perturb import Perturbation
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'FAMILY', 'STEP_NAMES', 'mem_kind',
            'time_fn', 'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'bound_updater',
-           'arch_hypergrad', 'random_step', 'method_model', 'method_updater', 'method_step', 'search_step', 'in_bf16',
-           'kernel_profile', 'profiler_log_off', 'launch_count', 'step_profile', 'profile_lines', 'bf16_agreement',
-           'cpu_kernels', 'write_json', 'run_bench', 'profile_text', 'print_table']
+           'arch_hypergrad', 'random_step', 'method_model', 'method_updater', 'method_step', 'search_step',
+           'precision_context', 'in_precision', 'kernel_profile', 'profiler_log_off', 'launch_count', 'step_profile',
+           'profile_lines', 'precision_agreement', 'cpu_kernels', 'write_json', 'run_bench', 'profile_text',
+           'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 _S, _T = SearchConfig(), TrainConfig()   # the paper's search and training settings
@@ -174,10 +176,15 @@ def search_step(model, cb, trn, val, mode=_S.mode, lr=STEP['lr'], wd=STEP['wd'],
     cb.arch_step(trn, val)
     return weight_step(model, *trn, lr=lr, clip=clip, graphs=cb.learn.cuda_graphs.graphs)
 
-def in_bf16(fn, device):
-    "`fn` run inside a bf16 autocast on `device`"
+def precision_context(precision:str, device, cache:bool=True):
+    "What `precision` runs a step inside on `device`: a bf16 autocast (`cache`: its cache of cast weights), TF32 products, or fp32 products (TF32 off)"
+    if precision == 'bf16': return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, cache_enabled=cache)
+    return tf32_products(precision == 'tf32')
+
+def in_precision(fn, device, precision:str):
+    "`fn` run inside `precision_context(precision, device)`"
     def run():
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16): return fn()
+        with precision_context(precision, device): return fn()
     return run
 
 # %% ../nbs/10_bench.ipynb #8a84594c
@@ -194,8 +201,10 @@ def _kernels_recorded():
 
 @lru_cache(None)
 def _is_view(name):
+    "Whether every overload of `aten::name` that returns tensors returns views (`slice`'s overloads on lists and strings do not count)"
     pk = getattr(torch.ops.aten, name, None)
     ovs = [getattr(pk, o) for o in pk.overloads()] if pk is not None else []
+    ovs = [o for o in ovs if any('Tensor' in str(r.type) for r in o._schema.returns)]
     return bool(ovs) and all(o.is_view for o in ovs)
 
 def _library_kernel(name) -> bool:
@@ -203,10 +212,14 @@ def _library_kernel(name) -> bool:
     if name.startswith('mkldnn::'): return True
     return name.startswith('aten::') and name[6:] not in NO_KERNEL_OPS and not _is_view(name[6:])
 
+def _generated(name) -> bool:
+    "A kernel of ours or Inductor's on a CPU: Inductor's C++ kernels, or a Triton kernel's launch in the interpreter (`rnn_darts.fused`'s ranges)"
+    return '_cpp_fused' in name or name.startswith('triton_')
+
 def _nested(e):
     p = e.cpu_parent
     while p is not None:
-        if p.name.startswith('aten::') or '_cpp_fused' in p.name: return True
+        if p.name.startswith('aten::') or _generated(p.name): return True
         p = p.cpu_parent
     return False
 
@@ -227,7 +240,7 @@ def profiler_log_off():
             if rest: sys.stderr.write(''.join(rest)); sys.stderr.flush()
 
 def launch_count(fn) -> dict:
-    "Kernels one run of `fn` launches (run it once first, so compilation is done): `generated` (compiled kernels), `library` (aten/BLAS calls outside them), `total`"
+    "Kernels one run of `fn` launches (run it once first, so compilation is done): `generated` (compiled kernels; on a CPU also Triton's interpreted launches), `library` (aten/BLAS calls outside them), `total`"
     cuda = torch.cuda.is_available()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with profiler_log_off(), torch.profiler.profile(activities=acts) as prof: fn()
@@ -238,7 +251,7 @@ def launch_count(fn) -> dict:
         gen = sum(1 for e in dev if e.name.startswith('triton_'))
         return dict(generated=gen, library=len(dev) - gen, total=len(dev))
     graphs = sum(1 for e in ev if e.name.startswith('## Call CompiledFxGraph'))
-    gen = sum(1 for e in ev if '_cpp_fused' in e.name)
+    gen = sum(1 for e in ev if _generated(e.name))
     if graphs and not gen: raise ValueError("launch_count: compiled graphs ran but no kernel was recorded; compile them "
                                             "inside `with kernel_profile():` (run `fn` once there first)")
     lib = sum(1 for e in ev if _library_kernel(e.name) and not _nested(e))
@@ -249,7 +262,7 @@ def _kernel_events(prof, cuda:bool) -> list:
     "The profiled kernels as `launch_count` counts them: the device's kernels on a GPU; on a CPU the generated kernels and the library calls outside them"
     ev = prof.events()
     if cuda: return [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
-    return [e for e in ev if '_cpp_fused' in e.name or (_library_kernel(e.name) and not _nested(e))]
+    return [e for e in ev if _generated(e.name) or (_library_kernel(e.name) and not _nested(e))]
 
 def _busy_us(events) -> float:
     "Microseconds in which at least one of `events` ran (the union of their time ranges)"
@@ -282,18 +295,21 @@ def profile_lines(name:str, p:dict) -> list:
     return out + [f"  {x['us'] / 1e3:9.3f} ms {x['count']:6d}x  {x['name'][:110]}" for x in p['top']]
 
 # %% ../nbs/10_bench.ipynb #28830e70
-def bf16_agreement(model, batches, modes=('first', 'second', 'exact')) -> dict:
-    "Per mode: cosine between the all-bf16 and all-fp32 hypergradients at `model`'s state, mean and min over `batches` ((trn, val) pairs)"
-    def grad(trn, val, mode, dtype):
+def precision_agreement(model, batches, precision:str='bf16', modes=('first', 'second', 'exact')) -> dict:
+    """Per mode: how the hypergradient with every pass in `precision` (bf16 autocast, TF32 products) differs from the
+    all-fp32 one at `model`'s state, over `batches` ((trn, val) pairs): relative difference (`rel`, mean and max) and cosine (`mean`, `min`)"""
+    def grad(trn, val, mode, p):
         model.reset(); torch.manual_seed(0)   # same stream states and masks for both precisions
         # no cast cache: the passes move the weights in place inside one autocast region, and a cached bf16 copy of
         # a weight (the tied decoder is a leaf parameter) would go stale
-        with torch.autocast(model.alpha.device.type, dtype=torch.bfloat16, enabled=dtype == 'bf16', cache_enabled=False):
+        with precision_context(p, model.alpha.device, cache=False):
             return arch_hypergrad(model, trn, val, mode).float().flatten()
     res = {}
     for mode in modes:
-        cos = torch.stack([F.cosine_similarity(grad(t, v, mode, 'bf16'), grad(t, v, mode, 'fp32'), 0) for t, v in batches])
-        res[mode] = dict(mean=cos.mean().item(), min=cos.min().item())
+        pairs = [(grad(t, v, mode, precision), grad(t, v, mode, 'fp32')) for t, v in batches]
+        cos = torch.stack([F.cosine_similarity(g, ref, 0) for g, ref in pairs])
+        rel = torch.stack([(g - ref).norm() / ref.norm() for g, ref in pairs])
+        res[mode] = dict(mean=cos.mean().item(), min=cos.min().item(), rel_mean=rel.mean().item(), rel_max=rel.max().item())
     model.reset()
     return res
 
@@ -343,7 +359,7 @@ STEP_NAMES = dict(second='search step, 2nd order (fd)', first='search step, 1st 
 def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, iters:int|None=None,
               warmup:int|None=None, modes=('second', 'first', 'exact', 'random'), methods=FAMILY, baseline=None, train:bool=True,
               evaluate:bool=True, shape:dict|None=None, train_shape:dict|None=None, eval_bs:int|None=None,
-              seed:int=0, threads:int|None=None, compile:bool=False, bf16:bool=False, graphs:bool=False, profile:bool=False, verbose:bool=False) -> dict:
+              seed:int=0, threads:int|None=None, compile:bool=False, precision:str=_S.precision, graphs:bool=False, fuse:bool=False, profile:bool=False, verbose:bool=False) -> dict:
     "Time the search steps, the derived model's training step and evaluation (`graphs`: as captured CUDA graphs; `profile`: and `step_profile` one more call of each); `baseline(model, mode)`: another step to time beside ours"
     if compile and not _kernels_recorded():   # compile with recorded kernels, so `launch_count` counts the rows' launches
         with kernel_profile(): return run_bench(**locals())
@@ -354,7 +370,9 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     if bad: raise ValueError(f"unknown methods {sorted(bad)}; methods are {list(FAMILY)}")
     dev = _device(device)
     if graphs and torch.device(dev).type != 'cuda': raise ValueError(f"graphs=True times captured CUDA graphs: it needs a CUDA device, not {dev}")
-    if graphs and bf16: raise ValueError("graphs=True with bf16=True: bf16 autocast's cache of cast weights cannot be captured")
+    if precision not in PRECISIONS: raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if fuse and torch.device(dev).type != 'cuda': raise ValueError(f"fuse=True times the derived cell's Triton kernels: it needs a CUDA device, not {dev} (a CPU runs them in Triton's interpreter, for tests)")
+    if graphs and precision == 'bf16': raise ValueError("graphs=True with precision='bf16': bf16 autocast's cache of cast weights cannot be captured")
     base = SMALL_SHAPES if small else FULL_SHAPES
     S = {**base['search'], **(shape or {})}
     TS = {**base['train'], **(train_shape or {})}
@@ -363,14 +381,15 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     warmup = warmup if warmup is not None else (1 if small else 3)
     if graphs: warmup = max(warmup, 2)   # a graph's first call runs eager, its second captures it
     res = dict(device=dev, device_name=_device_name(dev), kernels=None, torch=torch.__version__, threads=torch.get_num_threads(),
-               small=small, iters=iters, warmup=warmup, compile=compile, bf16=bf16, graphs=graphs, mem_kind=mem_kind(dev),
+               small=small, iters=iters, warmup=warmup, compile=compile, precision=precision, graphs=graphs, fuse=fuse, mem_kind=mem_kind(dev),
                shapes=dict(search=S, train=dict(TS, genotype=_T.genotype), eval_bs=ebs), step=dict(STEP), rows=[],
                ratios={}, ratios_min={}, method_ratios={},
                ops_kind='kernel launches per step (launch_count)' if compile else 'operators per step (op_count)')
     def ours(m):
         if compile: m.cell.compile_step()
+        if fuse and isinstance(m, DartsRnn): m.cell.fuse_step()   # the derived cell's steps as Triton kernels
         return m
-    amp = (lambda f: in_bf16(f, dev)) if bf16 else (lambda f: f)
+    amp = lambda f: in_precision(f, dev, precision)
     count = (lambda fn: launch_count(fn)['total']) if compile else op_count   # a dispatch mode cannot see into compiled graphs
     def measure(fn): return dict(time_fn(fn, iters, warmup, dev), ops=count(fn), **(dict(profile=step_profile(fn, dev)) if profile else {}))
     def log(r):
@@ -448,9 +467,9 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
             log(_row(name, 'ours', es, measure(amp(fwd))))
             del m
     hyper = [k for k in modes if k != 'weight']
-    if bf16 and hyper:
-        res['bf16_agreement'] = bf16_agreement(search_model(), [_batches(S['ntoken'], S['bs'], S['bptt'], 2, dev, seed + 3 + i)
-                                                                for i in range(3)], hyper)
+    if precision != 'fp32' and hyper:
+        res['precision_agreement'] = precision_agreement(search_model(), [_batches(S['ntoken'], S['bs'], S['bptt'], 2, dev, seed + 3 + i)
+                                                                          for i in range(3)], precision, hyper)
     if torch.device(dev).type == 'cpu': res['kernels'] = cpu_kernels()   # after the rows: the choices their products made
     if json_path: write_json(res, json_path)
     return res
@@ -474,6 +493,7 @@ def print_table(results: dict, file=None):
            "first ms: the first (warm-up) call; with --compile it includes compiling that row's graphs not compiled before",
            *(["graphs: each row's steps replayed as captured CUDA graphs (StepGraphs; exact mode's architecture step eager); "
               "ops: the operators still sent from Python per step"] if r.get('graphs') else []),
+           *(["fused: the derived cell's time steps as Triton kernels, forward and backward (rnn_darts.fused)"] if r.get('fuse') else []),
            f"{'what':<34} {'impl':<6} {'bs':>4} {'bptt':>4} {'nhid':>5} {'ntoken':>6} {'ms/batch':>10} {'min ms':>9} {'first ms':>9} {'tok/s':>10} {'mem MiB':>9} {'ops':>8}"]
     for x in r['rows']:
         first = '-' if x.get('first_ms') is None else f"{x['first_ms']:.0f}"
@@ -483,7 +503,8 @@ def print_table(results: dict, file=None):
         out.append(f"baseline / ours, {STEP_NAMES[k]}: {v:.2f}x (mean), {r.get('ratios_min', {}).get(k, float('nan')):.2f}x (fastest)")
     for k, v in r.get('method_ratios', {}).items():
         out.append(f"{k} / first-order DARTS, a search step: {v:.2f}x")
-    for k, v in r.get('bf16_agreement', {}).items():
-        out.append(f"bf16 vs fp32 hypergradient, {STEP_NAMES[k]}: cosine {v['mean']:.3f} (mean), {v['min']:.3f} (worst of 3, at initialisation)")
+    for k, v in r.get('precision_agreement', {}).items():
+        out.append(f"{r['precision']} vs fp32 hypergradient, {STEP_NAMES[k]}: relative difference {v['rel_mean']:.2e} (mean), "
+                   f"{v['rel_max']:.2e} (worst of 3); cosine {v['mean']:.4f} (mean), {v['min']:.4f} (worst; at initialisation)")
     out += _kernel_lines(r['kernels']) if r.get('kernels') else []
     print('\n'.join(out), file=file)

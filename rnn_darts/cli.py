@@ -12,7 +12,7 @@ from fastcore.docments import docments
 from fastcore.imports import in_notebook
 from rnn_darts.core import UserError, UsageError, get_device, check_number, check_choice, foreign_warnings_off, write_text_atomic
 from rnn_darts.options import CHOICES, FLAGS, SWITCHES, code_defaults, command_flags, flag_default
-from rnn_darts.config import CONFIGS
+from rnn_darts.config import CONFIGS, PRECISIONS
 from rnn_darts import runs
 from rnn_darts.runs import search, train, evaluate_run, set_threads, read_run_json
 
@@ -54,9 +54,11 @@ def bench(
     json_path:str=None,   # also write the results as JSON here
     iters:int=None,       # timed iterations per measurement (default: the benchmark's own)
     compile:bool=False,   # time the steps with the torch.compile'd recurrent step
-    bf16:bool=False,      # time our steps in bf16 autocast, and measure bf16's effect on the hypergradient
+    precision:str=CONFIGS['search'].precision,   # fp32 | tf32 | bf16: time our steps with TF32 products or in bf16 autocast, and measure its effect on the hypergradient
     graphs:bool=False,    # time the steps replayed as captured CUDA graphs (needs a GPU)
+    fuse:bool=False,      # time the derived cell's training and evaluation with each time step as Triton kernels (rnn_darts.fused; needs a GPU)
     threads:int=None,
+    modes:str=None,       # search steps to time, comma-separated: second, first, exact, random (default: all; none: none)
     methods:str=None,     # methods of the DARTS family to time beside first-order DARTS, comma-separated (default: all; none: none)
     profile:str=None,     # also profile one more call of each row and write the summaries to this text file: kernels per step, the 15 kernels with the most device time, the fraction of the step the device is busy, peak memory
 ):
@@ -67,12 +69,17 @@ def bench(
         if p is not None and Path(p).is_dir(): raise UsageError(f"{k} {p} is a folder; give a file name")
     dev = get_device(device)
     if graphs and dev.type != 'cuda': raise UsageError(f"--graphs times captured CUDA graphs and needs a GPU; the device is {dev}")
-    if graphs and bf16: raise UsageError("--graphs with --bf16: bf16 autocast's cache of cast weights cannot be captured; time them apart")
+    if fuse and dev.type != 'cuda': raise UsageError(f"--fuse times Triton kernels and needs a GPU; the device is {dev}")
+    check_choice('--precision', precision, PRECISIONS)
+    if graphs and precision == 'bf16': raise UsageError("--graphs with --precision bf16: bf16 autocast's cache of cast weights cannot be captured; time them apart")
     set_threads(threads, dev)
     from rnn_darts.bench import run_bench, print_table, profile_text, FAMILY
-    family = FAMILY if methods is None else () if methods.strip() == 'none' else tuple(x.strip() for x in methods.split(',') if x.strip())
-    for m in family: check_choice('--methods', m, FAMILY)
-    res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile, bf16=bf16, graphs=graphs, methods=family,
+    def listed(flag, text, choices):
+        items = choices if text is None else () if text.strip() == 'none' else tuple(x.strip() for x in text.split(',') if x.strip())
+        for x in items: check_choice(flag, x, choices)
+        return items
+    family, steps = listed('--methods', methods, FAMILY), listed('--modes', modes, ('second', 'first', 'exact', 'random'))
+    res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile, precision=precision, graphs=graphs, fuse=fuse, methods=family, modes=steps,
                     profile=profile is not None, verbose=True)
     print_table(res)
     if profile is not None:

@@ -9,6 +9,7 @@ from functools import partial
 from rnn_darts.core import UsageError, check_number, check_choice
 
 RELAXATIONS = ('softmax', 'sigmoid', 'gdas', 'snas', 'drnas')   # `rnn_darts.relax`
+PRECISIONS = ('fp32', 'tf32', 'bf16')   # of the matrix products: `rnn_darts.callbacks.speed`
 MODES = ('second', 'first', 'exact', 'mixed', 'single', 'random')   # α's step (`rnn_darts.callbacks.arch`), then random search's
 ARCH_MODES = MODES[:-1]                                             # the modes with α
 TEMPERED, DRAWN = ('gdas', 'snas'), ('gdas', 'snas', 'drnas')  # the relaxations with a temperature; those that draw their weights
@@ -31,9 +32,9 @@ METHODS = {   # name -> the settings of its parts (on the defaults of `SearchCon
 FAMILY = tuple(m for m in METHODS if m not in MODES + ('darts',))   # the methods beyond the bare modes
 
 # %% auto #0
-__all__ = ['RELAXATIONS', 'MODES', 'ARCH_MODES', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS', 'FAMILY', 'CONFIGS',
-           'setting', 'redefault', 'RunConfig', 'SearchConfig', 'TrainConfig', 'StudyConfig', 'configured',
-           'check_value', 'check_fields', 'with_method', 'check_rules', 'has_all', 'check_random']
+__all__ = ['RELAXATIONS', 'PRECISIONS', 'MODES', 'ARCH_MODES', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS',
+           'FAMILY', 'CONFIGS', 'setting', 'redefault', 'RunConfig', 'SearchConfig', 'TrainConfig', 'StudyConfig',
+           'configured', 'check_value', 'check_fields', 'with_method', 'check_rules', 'has_all', 'check_random']
 
 # %% ../nbs/00a_config.ipynb #fed0f08a
 def setting(default, help:str|None=None, check=None):
@@ -77,11 +78,12 @@ class RunConfig:
     checkpoint: bool = setting(True)
     keep: int = setting(2, check='pos_int')                                    # epoch checkpoints kept
     compile: bool|None = setting(None, 'fuse the recurrent step with torch.compile (default: on for CUDA, off on a CPU, where it saves little)')
-    bf16: bool = setting(False, 'bf16 autocast (fp32 weights)')
+    precision: str = setting('fp32', 'of the matrix products: fp32 | tf32 (TF32 tensor cores on Ampere and newer GPUs) | bf16 (bf16 autocast, '
+                             'fp32 weights)', PRECISIONS)
     fused_loss: bool = setting(True)
     checkpoint_every: float|None = setting(None, 'minutes between mid-epoch checkpoints, for long epochs (default: off; Ctrl-C and SIGTERM always write one)', 'pos_float')
     graphs: bool|None = setting(None, 'run each batch shape as captured CUDA graphs: the training step and evaluation (default: on for CUDA, '
-                                "except with --bf16; a step that cannot be captured falls back to eager, saying why)")
+                                "except with --precision bf16; a step that cannot be captured falls back to eager, saying why)")
 
     def __post_init__(self):   # a config checks itself as it is made: each value its field's check, then the rules between settings
         check_fields(type(self), vars(self))
@@ -114,9 +116,10 @@ class SearchConfig(RunConfig):
     clip: float = setting(RunConfig.clip, 'gradient norm clipping of the weights, >= 0', 'nonneg_float')
     compile: bool|None = setting(None, 'fuse the recurrent step with torch.compile (default: on for CUDA; on a CPU for runs of 150 training '
                                  'batches or more, where its 40–60 s warm-up pays)')
-    bf16: bool = setting(False, 'bf16 autocast (fp32 weights and α)')
+    precision: str = setting('fp32', 'of the matrix products: fp32 | tf32 (TF32 tensor cores on Ampere and newer GPUs) | bf16 (bf16 autocast, '
+                             'fp32 weights and α)', PRECISIONS)
     graphs: bool|None = setting(None, 'run each batch shape as captured CUDA graphs: the weight step, the architecture step (first and second '
-                                "order) and evaluation (default: on for CUDA, except with --bf16; a step that cannot be captured falls back to eager, saying why)")
+                                "order) and evaluation (default: on for CUDA, except with --precision bf16; a step that cannot be captured falls back to eager, saying why)")
     mode: str = setting('second', "architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product) | "
                         "mixed (MiLeNAS: training and validation) | single (SNAS: the training loss); or random: random search with "
                         "weight sharing, no α", MODES)
@@ -143,7 +146,7 @@ class SearchConfig(RunConfig):
     same_masks: bool = setting(True)                                           # the architecture passes share the weight step's dropout masks
     zero_one: float = setting(0., check='nonneg_float')                       # Fair DARTS's zero-one loss weight
     op_decay: float = setting(0., "α decay per weight: each op's α decays by op_decay × its weight count (`none` has none); default: off", 'nonneg_float')
-    arch_bf16: bool = setting(False, 'with --bf16, run the architecture passes in bf16 too (loses the hypergradient: see README)')
+    arch_bf16: bool = setting(False, 'with --precision bf16, run the architecture passes in bf16 too (loses the hypergradient: see README)')
     candidates: int|None = setting(None, '--mode random: cells to score with the shared weights after training (default: 1,000 per 10,000 '
                                    'training batches, at least 100)', 'pos_int')
     top: int = setting(10, '--mode random: the best cells of the screening pass scored again on the full valid split', 'pos_int')

@@ -4,7 +4,7 @@
 
 # %% ../nbs/03a_kernels.ipynb #156345de
 from __future__ import annotations
-import ctypes, json, math, os, time, warnings, weakref
+import ctypes, itertools, json, math, os, time, warnings, weakref
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -14,8 +14,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 # %% auto #0
 __all__ = ['ONEDNN', 'KERNEL', 'MEASURE_S', 'KEEP_FREED_MEMORY', 'TAP_MIN_NUMEL', 'kernel_table', 'machine_key', 'product_key',
-           'time_kernels', 'onednn_faster', 'kernel_choices', 'fastest', 'mm_t', 'onednn_mm_t', 'product', 'WeightTap',
-           'DeferredWeight', 'linear', 'tanh']
+           'time_kernels', 'onednn_faster', 'kernel_choices', 'fastest', 'mm_t', 'onednn_mm_t', 'product',
+           'DeferredWeight', 'Deferred', 'StepWeight', 'WeightGroup', 'linear', 'tanh']
 
 # %% ../nbs/03a_kernels.ipynb #68cc1122
 def _onednn_fp32() -> bool:
@@ -209,29 +209,6 @@ class _StashedLinear(torch.autograd.Function):
         ga = mm_t(g, W.t()) if ctx.needs_input_grad[0] else None
         return ga, None, g.new_zeros(()), None
 
-class _Tap(torch.autograd.Function):
-    "A zero that a compiled step adds to the product of time step `t`: its backward receives that product's output gradient and stashes it"
-    @staticmethod
-    def forward(ctx, token, dw, t, shape):
-        ctx.dw, ctx.t = dw, t
-        return token.new_zeros(()).expand(shape)
-    @staticmethod
-    def backward(ctx, g):
-        ctx.dw.add(ctx.dw.inputs[ctx.t], g)
-        return g.new_zeros(()), None, None, None
-
-class WeightTap(NamedTuple):
-    "What a compiled step gets for a `DeferredWeight`: the detached weight and time step `t`'s tap"
-    W: torch.Tensor
-    tap: torch.Tensor
-
-class _Tapped:
-    "Inside a compiled step: `a Wᵀ + tap` with `W` detached (no per-step ∂W), keeping `a` for the summed one"
-    def __init__(self, wt): self.W, self.tap, self.a = wt.W, wt.tap, None
-    def __call__(self, a):
-        self.a = a.detach()
-        return linear(a, self.W) + self.tap
-
 class DeferredWeight:
     "A weight every time step multiplies by, whose gradient is a few products over many time steps (once differentiable)"
     steps_per_product = 8   # time steps stashed per product: inner dimension 8·bs, while the stash stays small
@@ -239,9 +216,6 @@ class DeferredWeight:
         self.W, self.stash, self.grad, self.inputs = W.detach(), [], None, []
         self.token = _SummedGrad.apply(W, self)
     def __call__(self, a): return _StashedLinear.apply(a, self.W, self.token, self)
-    def tap(self, t, bs):
-        "Time step `t`'s `WeightTap` for a compiled step (which hands back the product's input `a`, kept in `inputs[t]`)"
-        return WeightTap(self.W, _Tap.apply(self.token, self, t, (bs, self.W.shape[0])))
     def add(self, a, g):
         self.stash.append((a, g))
         if len(self.stash) == self.steps_per_product: self.flush()
@@ -253,6 +227,79 @@ class DeferredWeight:
             gW = mm_t(GT, A.t())
             self.grad = gW if self.grad is None else self.grad.add_(gW)
         return self.grad
+
+class Deferred(NamedTuple):
+    "A weight whose gradient a cell's forward defers: each eager time step through a `DeferredWeight`, compiled or fused ones through one `WeightGroup`"
+    W: torch.Tensor
+
+class _GroupGrad(torch.autograd.Function):
+    "A token that depends on a `WeightGroup`'s weights; its backward (after every time step's) returns their gradients, summed from the stash (weakly referred to, as `_SummedGrad`)"
+    @staticmethod
+    def forward(ctx, group, *Ws):
+        ctx.group = weakref.ref(group)
+        return Ws[0].new_zeros(())
+    @staticmethod
+    def backward(ctx, _):
+        group = ctx.group()
+        grads, group.grads = group.flush(), None   # a second backward (retain_graph) sums afresh
+        return (None, *grads)
+
+class _GroupTap(torch.autograd.Function):
+    "A zero `(bs, Σ out)` that compiled time step `t` adds to its products' outputs: its backward receives all their output gradients as one tensor and stashes it"
+    @staticmethod
+    def forward(ctx, token, group, t, shape):
+        ctx.group, ctx.t = group, t
+        return token.new_zeros(()).expand(shape)
+    @staticmethod
+    def backward(ctx, g):
+        ctx.group.add(ctx.group.inputs[ctx.t], g)
+        return None, None, None, None   # the token's backward still runs, after every tap's
+
+class StepWeight(NamedTuple):
+    "What a compiled time step gets for a weight of a `WeightGroup`: the weight detached, the step's tap, and the tap's columns of this weight's product"
+    W: torch.Tensor
+    tap: torch.Tensor
+    start: int
+    stop: int
+
+class _Tapped:
+    "Inside a compiled step: `a Wᵀ + tap[:, start:stop]` with `W` detached (no per-step ∂W), keeping `a` for the summed gradient"
+    def __init__(self, sw): self.sw, self.a = sw, None
+    def __call__(self, a):
+        self.a = a.detach()
+        return linear(a, self.sw.W) + self.sw.tap[..., self.sw.start:self.sw.stop]
+
+class WeightGroup:
+    """The weights (out_k × in) a compiled forward's time steps multiply by, their gradients deferred together: each time
+    step gets one tap for all its products (`taps`) and hands back their inputs stacked (`inputs[t]`: weights × bs × in);
+    every `steps_per_product` time steps, one product per weight `G_kᵀ A_k` over them is added to its gradient"""
+    steps_per_product = 8
+    def __init__(self, Ws):
+        self.Ws = [W.detach() for W in Ws]
+        ends = [0] + list(itertools.accumulate(W.shape[0] for W in Ws))
+        self.cols = list(zip(ends[:-1], ends[1:]))
+        self.stash, self.inputs, self.grads = [], [], None
+        self.token = _GroupGrad.apply(self, *Ws)
+    def tap(self, t, bs):
+        "Time step `t`'s tap: a zero (bs × Σ out) whose gradient, the products' output gradients side by side, is stashed with `inputs[t]`"
+        return _GroupTap.apply(self.token, self, t, (bs, self.cols[-1][1]))
+    def taps(self, t, bs):
+        "Time step `t`'s `StepWeight`s, in the order of the weights, sharing one tap"
+        tap = self.tap(t, bs)
+        return [StepWeight(W, tap, a, b) for W, (a, b) in zip(self.Ws, self.cols)]
+    def add(self, a, g):
+        self.stash.append((a, g))
+        if len(self.stash) == self.steps_per_product: self.flush()
+    def flush(self):
+        "Add each weight's `Σ_t g_tᵀ a_t` over the stash to its gradient; returns the gradients so far"
+        if self.stash:
+            A = torch.cat([a for a, _ in self.stash], 1)                 # weights × (steps·bs) × in
+            GT = torch.cat([g.t() for _, g in self.stash], 1)            # Σ out × (steps·bs), contiguous: see `_mm_t_backward`
+            self.stash = []
+            gWs = [mm_t(GT[a:b], A[k].t()) for k, (a, b) in enumerate(self.cols)]
+            self.grads = gWs if self.grads is None else [g.add_(d) for g, d in zip(self.grads, gWs)]
+        return self.grads
+
 
 def linear(a, W):
     "`a @ W.T` with autograd, `a` of any leading shape; float32 CPU products (forward and backward) through the kernels measured faster here"
@@ -302,7 +349,8 @@ def tanh(x):
     "tanh; in a graph compiled for a CPU `_RationalTanh`: forward and backward 3× faster than Inductor's CPU tanh (0.77 vs 2.4 ns per float)"
     return _RationalTanh.apply(x) if torch.compiler.is_compiling() and x.device.type == 'cpu' else torch.tanh(x)
 
-TAP_MIN_NUMEL = 2**17   # compiled steps tap weights this big: a second-order step at nhid 300 took 7% less, at nhid 64 nothing
+TAP_MIN_NUMEL = 2**17   # compiled steps tap their weights (one `WeightGroup`) if the largest has this many elements: at nhid 64 taps cost 5–15% on a CPU
+
 
 def _map(ctx, cls, f):
     "`ctx` (nested plain tuples) with each `cls` instance `x` replaced by `f(x)`"

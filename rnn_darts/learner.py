@@ -34,7 +34,7 @@ from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer,
 from rnn_darts.callbacks.asgd import ASGDSwitch
 from rnn_darts.callbacks.logs import GenotypeLogger, TableColumns, write_json_atomic
 from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker
-from rnn_darts.callbacks.speed import BF16Autocast, AutoCompile, CompileNotice
+from rnn_darts.callbacks.speed import BF16Autocast, AutoCompile, CompileNotice, precision_callbacks
 from rnn_darts.callbacks.checkpoint import Checkpoint
 from rnn_darts.callbacks.preemption import Preemption
 from rnn_darts.callbacks.divergence import DivergenceGuard, FiniteValidation
@@ -153,7 +153,7 @@ def _learner(dls, model, c:RunConfig, path, device, compile=None, auto_compile=F
     auto = ([AutoCompile()] if compile is None and auto_compile else []) + [CompileNotice()]
     auto += [CudaGraphs(emulate=graphs) if graphs in EMULATIONS else CudaGraphs(graphs), TableColumns()]
     learn = DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=c.lr, splitter=flat_splitter, wd=c.wd,
-                         wd_bn_bias=True, metrics=[Perplexity()], path=path, cbs=auto + ([BF16Autocast()] if c.bf16 else []))
+                         wd_bn_bias=True, metrics=[Perplexity()], path=path, cbs=auto + precision_callbacks(c.precision))
     learn.config = c
     return learn
 

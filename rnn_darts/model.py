@@ -6,11 +6,12 @@
 from __future__ import annotations
 import math, warnings
 from contextlib import contextmanager
+
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
 from rnn_darts import kernels
-from rnn_darts.kernels import mm_t, fastest, linear, tanh, DeferredWeight, WeightTap, _Tapped, _map, _collect
+from rnn_darts.kernels import mm_t, fastest, linear, tanh, Deferred, DeferredWeight, WeightGroup, StepWeight, _Tapped, _map, _collect
 from rnn_darts.config import SearchConfig, TrainConfig, check_rules
 from rnn_darts.flat import FlatModule
 from rnn_darts.loss import linear_cross_entropy
@@ -49,23 +50,24 @@ class PackedCell(nn.Module):
         # row-block position of each node's W_i inside WhT (derived cells order nodes by predecessor)
         self.col = list(order) if order is not None else list(range(n_nodes))
         self._compiled = self._compiled_tapped = None
+        self._fused = False   # a derived cell's time steps as Triton kernels (`DartsCell.fuse_step`)
         self._compile_watched = set()   # the phases whose first compiled batch `CompileNotice` watched
-        self.defer = True   # forwards with weight gradients: each weight's gradient over several time steps per product (`DeferredWeight`)
+        self.defer = True   # forwards with weight gradients: each weight's gradient over several time steps per product (`Deferred`)
 
     def compile_step(self, **kwargs):
         "Fuse the time step with `torch.compile` (fixed shapes); the learners call it by default on a GPU, `AutoCompile` for long CPU searches"
-        self._compiled = torch.compile(self.step, dynamic=False, **kwargs)
+        self._compiled = torch.compile(self._plain_step, dynamic=False, **kwargs)
         self._compile_watched = set()   # `CompileNotice` watches the new graphs' first batches
-        self._compiled_tapped = torch.compile(self._tapped_step, dynamic=False, **kwargs)   # with `DeferredWeight`s
+        self._compiled_tapped = torch.compile(self._tapped_step, dynamic=False, **kwargs)   # with a `WeightGroup`'s taps
         return self
 
     @contextmanager
     def eager(self):
-        "Run the step uncompiled, with autograd's own weight gradients, inside (double backward, `create_graph=True`, cannot go through a compiled graph or a stash)"
-        saved = self._compiled, self._compiled_tapped, self.defer
-        self._compiled, self._compiled_tapped, self.defer = None, None, False
+        "Run the step uncompiled and unfused, with autograd's own weight gradients, inside (double backward, `create_graph=True`, cannot go through a compiled graph, a kernel or a stash)"
+        saved = self._compiled, self._compiled_tapped, self._fused, self.defer
+        self._compiled, self._compiled_tapped, self._fused, self.defer = None, None, False, False
         try: yield self
-        finally: self._compiled, self._compiled_tapped, self.defer = saved
+        finally: self._compiled, self._compiled_tapped, self._fused, self.defer = saved
 
     def __getstate__(self):   # a compiled function does not pickle: copies run eager until compiled again
         return {**self.__dict__, '_compiled': None, '_compiled_tapped': None}
@@ -81,12 +83,15 @@ class PackedCell(nn.Module):
         k = self.col[i - 1]; n2 = 2 * self.nhid
         return self.WhT[k * n2:(k + 1) * n2].t()
     def step_weight(self, W):
-        "`W` (out × in) as the time steps of this forward multiply by it: a `DeferredWeight` in a forward with its gradient, outside autocast (compiled: if `TAP_MIN_NUMEL` big)"
+        "`W` (out × in) as the time steps of this forward multiply by it: `Deferred` in a forward with its gradient, outside autocast"
         defer = self.defer and torch.is_grad_enabled() and W.requires_grad and not torch.is_autocast_enabled(W.device.type)
-        return DeferredWeight(W) if defer and (self._compiled is None or W.numel() >= kernels.TAP_MIN_NUMEL) else W
+        return Deferred(W) if defer else W
     def per_sequence(self, block=None):
         "Tensors every time step uses, sliced once per sequence from `block` (default: the weights; slicing inside the loop costs a backward copy per step)"
         return (self.step_weight(self.W0_of(self.block if block is None else block)[self.ninp:].t()),)
+    def prepare(self, ctx):
+        "`per_sequence`'s tensors as `step` takes them: once per sequence in an eager forward, inside the graph in a compiled one (one tensor in, one gradient out per time step)"
+        return ctx
 
     def masks(self, bank, key, bs, like):
         if not self.training: return None, None
@@ -115,20 +120,29 @@ class PackedCell(nn.Module):
         return torch.stack(outs), h
 
     def runner(self, ctx):
-        "`step(t, xw_t, h, mh)`: eager, compiled, or compiled with taps (`_tapped_step`) where `ctx` holds `DeferredWeight`s"
-        if self._compiled is None: return lambda t, xw_t, h, mh: self.step(xw_t, h, mh, ctx)
-        dws = _collect(ctx, DeferredWeight)
-        if not dws: return lambda t, xw_t, h, mh: self._compiled(xw_t, h, mh, ctx)
+        "`step(t, xw_t, h, mh)`: eager (a `DeferredWeight` per `Deferred` weight), compiled, or compiled with one `WeightGroup`'s taps"
+        if self._compiled is None:
+            ctx = self.prepare(_map(ctx, Deferred, lambda d: DeferredWeight(d.W)))
+            return lambda t, xw_t, h, mh: self.step(xw_t, h, mh, ctx)
+        deferred = _collect(ctx, Deferred)
+        if deferred and max(d.W.numel() for d in deferred) < kernels.TAP_MIN_NUMEL: ctx, deferred = _map(ctx, Deferred, lambda d: d.W), []
+        if not deferred: return lambda t, xw_t, h, mh: self._compiled(xw_t, h, mh, ctx)
+        group = WeightGroup([d.W for d in deferred])
         def step(t, xw_t, h, mh):
-            h, inputs = self._compiled_tapped(xw_t, h, mh, _map(ctx, DeferredWeight, lambda w: w.tap(t, h.shape[0])))
-            for w, a in zip(dws, inputs): w.inputs.append(a)
+            taps = iter(group.taps(t, h.shape[0]))
+            h, inputs = self._compiled_tapped(xw_t, h, mh, _map(ctx, Deferred, lambda d: next(taps)))
+            group.inputs.append(inputs)
             return h
         return step
 
+    def _plain_step(self, xw_t, h, mh, ctx):
+        "`step` from `per_sequence`'s tensors (what `compile_step` compiles where no weight is `Deferred`)"
+        return self.step(xw_t, h, mh, self.prepare(ctx))
+
     def _tapped_step(self, xw_t, h, mh, ctx):
-        "`step` with each `WeightTap` in `ctx` as a `_Tapped`; returns the new state and the taps' product inputs"
-        ctx = _map(ctx, WeightTap, _Tapped)
-        return self.step(xw_t, h, mh, ctx), tuple(w.a for w in _collect(ctx, _Tapped))
+        "`step` with each `StepWeight` in `ctx` as a `_Tapped`; returns the new state and the taps' product inputs, stacked"
+        ctx = _map(ctx, StepWeight, _Tapped)
+        return self._plain_step(xw_t, h, mh, ctx), torch.stack([w.a for w in _collect(ctx, _Tapped)])
 
 # %% ../nbs/03_model.ipynb #811e19ff
 def _by_predecessor(g:Genotype) -> list:
@@ -156,6 +170,20 @@ class DartsCell(PackedCell):
         n2, cols, WhT = 2 * self.nhid, [self.col[i - 1] for i in kids], self.WhT_of(self.block if block is None else block)
         if cols == list(range(cols[0], cols[0] + len(cols))): return WhT[cols[0] * n2:(cols[-1] + 1) * n2]
         return torch.cat([WhT[c * n2:(c + 1) * n2] for c in cols])
+
+    def fuse_step(self):
+        "Run each time step as two Triton kernels, forward and backward (`rnn_darts.fused`): compiled on a GPU, interpreted on a CPU (slow: for tests)"
+        import importlib.util
+        if importlib.util.find_spec('triton') is None:
+            raise ModuleNotFoundError("fuse_step runs Triton kernels, and Triton is not installed: it comes with torch's CUDA wheels (pip install triton)")
+        self._fused = True
+        return self
+
+    def runner(self, ctx):
+        "`PackedCell.runner`, or the fused step (`fuse_step`) outside autocast"
+        if not self._fused or torch.is_autocast_enabled(self.block.device.type): return super().runner(ctx)
+        from rnn_darts.fused import fused_runner
+        return fused_runner(self, ctx)
 
     def per_sequence(self, block=None):
         "`W0[ninp:]` and, per predecessor with children, the rows of all its children's matrices"
@@ -216,25 +244,29 @@ class DartsCellSearch(PackedCell):
         self.bn = NodeNorm(steps + 1, nhid)   # s0 and every node: their own running statistics
         self.probs = None   # the mixing weights of a forward not given `probs` (a cell run on its own)
         offs = [s.start for s in edge_slices(steps)]
-        # rows of α for the edges leaving node j, towards nodes j+1..steps
-        for j in range(steps): self.register_buffer(f'rows{j}', torch.tensor([offs[i - 1] + j for i in range(j + 1, steps + 1)]), persistent=False)
+        # the rows of α by the node they leave: node 0's edges towards nodes 1..steps, then node 1's, ...
+        self.register_buffer('leaving', torch.tensor([offs[i - 1] + j for j in range(steps) for i in range(j + 1, steps + 1)]), persistent=False)
 
     def norm(self, s, i, update_stats=True):
         "Normalise node `i` (0 is s0); architecture passes (`update_stats=False`) leave the running statistics alone"
         return self.bn(s, i, update_stats)
 
     def per_sequence(self, block=None, probs=None, update_stats=True):
-        """Once per sequence: per node j, the rows of all downstream matrices, and the weights (tanh, relu, sigmoid,
-        identity; each (downstream, 1)) and non-`none` sum of the edges leaving j, from the mixing weights `probs` (edges, ops);
-        and whether the steps update the normalisation's running statistics (not in architecture passes)"""
+        """Once per sequence: per node j, the rows of all downstream matrices; the mixing weights `probs` (edges, ops) of
+        the edges by the node they leave (`leaving`); and whether the steps update the normalisation's running statistics
+        (not in architecture passes)"""
         n2, steps = 2 * self.nhid, self.n_nodes
         probs = self.probs if probs is None else probs
         if probs is None: raise ValueError("the search cell mixes its ops by `probs` (edges, ops): pass probs=... (the model passes softmax(α))")
         WhT = self.WhT_of(self.block if block is None else block)
         Wsuf = tuple(WhT[j * n2:] for j in range(steps))
-        w = [probs[getattr(self, f'rows{j}')].t()[1:, :, None] for j in range(steps)]
-        return (*super().per_sequence(block), tuple(self.step_weight(W) for W in Wsuf), tuple(tuple(p.unbind(0)) for p in w),
-                tuple(p.sum(0) for p in w), update_stats)
+        return (*super().per_sequence(block), tuple(self.step_weight(W) for W in Wsuf), probs[self.leaving], update_stats)
+
+    def prepare(self, ctx):
+        "Per node j, the weights (tanh, relu, sigmoid, identity; each (downstream, 1)) and non-`none` sum of the edges leaving j"
+        W0hT, Wsuf, leaving, update_stats = ctx
+        w = [p.t()[1:, :, None] for p in leaving.split(list(range(self.n_nodes, 0, -1)))]
+        return W0hT, Wsuf, tuple(tuple(p.unbind(0)) for p in w), tuple(p.sum(0) for p in w), update_stats
 
     def step(self, xw_t, h, mh, ctx):
         W0hT, Wsuf, edge_w, edge_sum, update_stats = ctx

@@ -224,7 +224,7 @@ def test_arch_passes_stay_fp32_under_bf16_autocast_unless_asked(mode):
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_learners_with_bf16_train_fp32_weights(kind):
     from rnn_darts.callbacks.speed import BF16Autocast
-    learn = small_of_kind(kind, bf16=True)
+    learn = small_of_kind(kind, precision='bf16')
     assert any(isinstance(cb, BF16Autocast) for cb in learn.cbs)
     w0 = learn.model.flat.data.clone()
     learn.fit(1)

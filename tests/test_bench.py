@@ -1,5 +1,5 @@
 "The tests' plain reference (`tests/_reference.py`) computes the same math as ours; run_bench returns well-formed results."
-import json
+import json, math
 import pytest, torch
 from rnn_darts.model import DartsRnnSearch
 from rnn_darts.bench import run_bench, print_table, search_step, arch_updater, _batches, STEP_NAMES, FAMILY
@@ -107,14 +107,14 @@ def test_run_bench_options():
 def test_run_bench_bf16_times_and_measures_agreement(capsys, device):
     tiny = dict(bs=3, bptt=4, nhid=6, ntoken=40)
     res = run_bench(small=True, device=device, iters=1, warmup=0, shape=tiny, modes=('first', 'second'), train=False,
-                    evaluate=False, bf16=True)
+                    evaluate=False, precision='bf16')
     assert res['device'] == device
-    assert res['bf16'] and set(res['bf16_agreement']) == {'first', 'second'}
-    ag = res['bf16_agreement']
-    for v in ag.values(): assert -1 - 1e-6 <= v['min'] <= v['mean'] <= 1 + 1e-6
+    assert res['precision'] == 'bf16' and set(res['precision_agreement']) == {'first', 'second'}
+    ag = res['precision_agreement']
+    for v in ag.values(): assert -1 - 1e-6 <= v['min'] <= v['mean'] <= 1 + 1e-6 and 0 < v['rel_mean'] <= v['rel_max']
     # the bf16 picture at initialisation, at this tiny shape: first order keeps its direction (measured 0.9995), so
     # does second order (measured mean 0.993, min 0.986). It read -0.08 while the autocast cast cache kept a stale bf16
-    # copy of the tied decoder weight across the in-place weight moves: bf16_agreement turns the cache off
+    # copy of the tied decoder weight across the in-place weight moves: precision_agreement turns the cache off
     if device == 'cuda':   # the GPU tier prints the agreement it measured, whatever it is
         with capsys.disabled(): print(f"\nbf16 vs fp32 hypergradient cosine on {torch.cuda.get_device_name()}: {ag}")
     assert ag['first']['min'] > 0.99 and ag['second']['mean'] > 0.95
@@ -129,7 +129,7 @@ def test_op_count_counts_what_reaches_the_device():
     assert op_count(lambda: (x * 2).sum().backward()) > 2                      # the backward pass counts too
 
 def test_bf16_agreement_is_one_when_both_sides_are_fp32(monkeypatch):
-    "With the bf16 autocast switched off both sides are the same fp32 computation: cosine 1 (same masks, same streams)"
+    "With the bf16 autocast switched off both sides are the same fp32 computation: cosine 1, difference 0 (same masks, same streams)"
     from rnn_darts import bench
     from rnn_darts.model import DartsRnnSearch
     torch.manual_seed(0)
@@ -137,8 +137,21 @@ def test_bf16_agreement_is_one_when_both_sides_are_fp32(monkeypatch):
     batches = [bench._batches(40, 3, 4, 2, 'cpu', i) for i in range(2)]
     real = torch.autocast
     monkeypatch.setattr(bench.torch, 'autocast', lambda *a, **k: real(*a, **{**k, 'enabled': False}))
-    for v in bench.bf16_agreement(m, batches, ('first', 'second')).values():
-        assert abs(v['min'] - 1) < 1e-6 and abs(v['mean'] - 1) < 1e-6
+    for v in bench.precision_agreement(m, batches, 'bf16', ('first', 'second')).values():
+        assert abs(v['min'] - 1) < 1e-6 and abs(v['mean'] - 1) < 1e-6 and v['rel_max'] == 0
+
+@pytest.mark.gpu
+def test_tf32_changes_the_products_on_a_gpu_and_says_by_how_much(capsys):
+    "On an Ampere or newer GPU, TF32 products move the hypergradient a little from fp32's (on a CPU it is the same computation: 10_bench)"
+    from rnn_darts import bench
+    from rnn_darts.callbacks.speed import tf32_missing
+    from rnn_darts.model import DartsRnnSearch
+    if not torch.cuda.is_available() or tf32_missing('cuda'): pytest.skip(tf32_missing('cuda') or 'no GPU here')
+    torch.manual_seed(0)
+    m = DartsRnnSearch(1000, 64, 64, **bench.SEARCH_DROPOUTS).cuda().train()
+    ag = bench.precision_agreement(m, [bench._batches(1000, 16, 20, 2, 'cuda', i) for i in range(3)], 'tf32', ('first', 'second'))
+    with capsys.disabled(): print(f"\ntf32 vs fp32 hypergradient on {torch.cuda.get_device_name()}: {ag}")
+    assert all(0 < v['rel_mean'] and math.isfinite(v['rel_max']) for v in ag.values())
 
 def test_launch_count_agrees_with_op_count_on_eager_code():
     "The profiler-based counter (the one that can see into compiled graphs) counts an eager step as op_count does"
@@ -212,10 +225,10 @@ def test_the_gpu_check_runs_every_stage_and_reports_on_a_machine_without_a_gpu(t
     r = subprocess.run(['bash', str(root/'tools'/'gpu-check.sh'), str(tmp_path/'out')], capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHON=sys.executable))
     assert r.returncode == 0, r.stderr
-    for stage in ('versions', 'gpu-tier', 'bench-graphed', 'bench-eager', 'quick-search'):
+    for stage in ('versions', 'gpu-tier', 'bench-graphed', 'bench-tf32', 'bench-family', 'bench-fused', 'quick-search', 'bench-compiled'):
         assert f'== {stage} (at most ' in r.stdout and f'== {stage}: exit ' in r.stdout, stage
         assert (tmp_path/'out'/f'{stage}.log').is_file()
     assert 'no CUDA device visible' in r.stdout and 'torch' in (tmp_path/'out'/'versions.log').read_text()
     assert ' skipped' in (tmp_path/'out'/'gpu-tier.log').read_text()
-    assert '--device cuda: CUDA was asked for' in (tmp_path/'out'/'bench-eager.log').read_text()
+    assert '--device cuda: CUDA was asked for' in (tmp_path/'out'/'bench-compiled.log').read_text()
     assert r.stdout.rstrip().splitlines()[-1].startswith('== GPU check done in ')

@@ -10,10 +10,10 @@ TINY = ['--data', 'numbers', '--n-train', '1000', '--epochs', '1', '--bs', '8', 
 
 @pytest.mark.slow
 def test_search_with_bf16_flags(tmp_path):
-    learn = cli.run_command(['search', *TINY, '--mode', 'first', '--bf16', 'true', '--curvature', 'false', '--out', str(tmp_path/'s')])
+    learn = cli.run_command(['search', *TINY, '--mode', 'first', '--precision', 'bf16', '--curvature', 'false', '--out', str(tmp_path/'s')])
     assert any(isinstance(cb, BF16Autocast) for cb in learn.cbs) and not learn.arch_param_update.arch_bf16
     assert any(isinstance(cb, FusedDecoderLoss) for cb in learn.cbs) and learn.model.fused_loss
-    assert json.loads((tmp_path/'s'/'run.json').read_text())['settings']['bf16'] is True
+    assert json.loads((tmp_path/'s'/'run.json').read_text())['settings']['precision'] == 'bf16'
     assert (tmp_path/'s'/'genotype.json').exists() and learn.model.flat.data.dtype == torch.float32
     settings = json.loads((tmp_path/'s'/'run.json').read_text())['settings']   # a search records its own settings only
     assert 'genotype' not in settings and 'test_bs' not in settings and settings['op_decay'] == 0

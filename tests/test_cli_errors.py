@@ -310,6 +310,10 @@ def test_commands(capsys):
     fails(capsys, ['report', 'x', '--fmt', 'pdf'], 2, "--fmt must be one of md, html; got 'pdf'")
     fails(capsys, ['bench', '--iters', '0'], 2, '--iters must be an integer >= 1')
     fails(capsys, ['bench', '--methods', 'gdas,foo'], 2, "--methods must be one of gdas, snas, drnas, milenas, beta-darts, sdarts-rs, sdarts-adv, fair-darts; got 'foo'")
+    fails(capsys, ['bench', '--modes', 'first,third'], 2, "--modes must be one of second, first, exact, random; got 'third'")
+    fails(capsys, ['bench', '--precision', 'fp16'], 2, "--precision must be one of fp32, tf32, bf16; got 'fp16'")
+    fails(capsys, ['bench', '--fuse', '--device', 'cpu'], 2, "--fuse times Triton kernels and needs a GPU; the device is cpu")
+    fails(capsys, ['search', '--precision', 'fp16'], 2, "--precision must be one of fp32, tf32, bf16; got 'fp16'")
 
 def test_one_line_by_subprocess(tmp_path):
     "As a user sees it: one line on stderr and exit 2; with --debug the traceback"

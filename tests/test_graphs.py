@@ -207,7 +207,7 @@ def test_graphs_say_why_they_are_off(small, tmp_path, capsys):
     "Asked for on a CPU, or with bf16, one line says why and the fit runs eager; by default on a CPU nothing is said; random search refuses them"
     for graphs, bf16, line in ((True, False, 'CUDA graphs off: they need a GPU, and the model is on the cpu; the steps run eager'),
                                ('emulate', True, 'CUDA graphs off: not with bf16 autocast'), (None, False, None)):
-        learn = make('train', small, tmp_path/str(graphs), graphs=graphs, bf16=bf16, checkpoint=False, **SMALL)
+        learn = make('train', small, tmp_path/str(graphs), graphs=graphs, precision='bf16' if bf16 else 'fp32', checkpoint=False, **SMALL)
         learn.fit(1)
         out = capsys.readouterr().out
         assert (line in out) if line else 'CUDA graphs' not in out

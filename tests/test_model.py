@@ -189,10 +189,8 @@ def tiny_search(steps=STEPS, **dropouts):
 def test_compiled_step_equals_eager(device, monkeypatch):
     """The torch.compile fast path gives the eager numbers (outputs and α/weight gradients). A 3-node cell: every operator
     kind and a node's sum over several edges, one cold Inductor compile (about 45 s here; the 8-node cell's took 70). On a
-    CPU with oneDNN the compiled step's products go through oneDNN and are checked against aten's eager ones, at nhid 160:
-    node 0's successors' weights (3·320 × 160) are tapped, the others not (TAP_MIN_NUMEL), so Inductor's code for both
-    kinds of weight is checked. Elsewhere (CUDA; a CPU without oneDNN's fp32 product) the step's own kernels, at nhid 8"""
-    from rnn_darts.model import DeferredWeight
+    CPU with oneDNN the compiled step's products go through oneDNN and are checked against aten's eager ones, at nhid 160,
+    every weight tapped (one `WeightGroup`). Elsewhere (CUDA; a CPU without oneDNN's fp32 product) the step's own kernels, at nhid 8"""
     onednn = device == 'cpu' and kernels.ONEDNN
     if onednn: m, (x, y), _ = onednn_search(nhid=160, T=4, steps=COMPILED_STEPS)
     else: m, x, y = tiny_search(COMPILED_STEPS, dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1)
@@ -209,9 +207,6 @@ def test_compiled_step_equals_eager(device, monkeypatch):
             torch._dynamo.reset()   # traced afresh: the graph takes the kernel choice as a constant
         m.cell.compile_step()
         compiled = grads()
-    if onednn:
-        W0hT, Wsuf = m.cell.per_sequence(**m.cell_inputs())[:2]
-        assert [isinstance(w, DeferredWeight) for w in (W0hT, *Wsuf)] == [False, True, False, False]   # tapped and plain weights
     tol = dict(rtol=1e-3, atol=1e-5) if onednn else dict(rtol=1e-4, atol=1e-6)   # oneDNN against aten: another rounding
     for a, b in zip(eager, compiled): torch.testing.assert_close(a, b, **tol)
     import pickle; assert pickle.loads(pickle.dumps(m)).cell._compiled is None
@@ -420,11 +415,11 @@ def test_onednn_products_give_aten_hypergradients(mode, monkeypatch):
 @pytest.mark.parametrize('derived', [False, True])
 @pytest.mark.parametrize('compiled', [False, True])
 def test_deferred_weight_gradients_equal_autograds_per_step_ones(kernel, derived, compiled, monkeypatch):
-    "Forwards with gradients stash the products and sum the weight gradient every 8 steps (compiled: through taps in AOT autograd's graph; Inductor's code for taps is test_compiled_step_equals_eager's, at nhid 160); it equals autograd's per-step sum"
-    from rnn_darts.model import DeferredWeight
+    "Forwards with gradients stash the products and sum the weight gradient every 8 steps (compiled: through one `WeightGroup`'s taps in AOT autograd's graph; Inductor's code for taps is test_compiled_step_equals_eager's, at nhid 160); it equals autograd's per-step sum"
+    from rnn_darts.model import Deferred
     if kernel == 'onednn' and not kernels.ONEDNN: pytest.skip("oneDNN's fp32 inner product is not available here")
     monkeypatch.setattr(kernels, 'KERNEL', kernel)
-    monkeypatch.setattr(kernels, 'TAP_MIN_NUMEL', 0)   # compiled: every weight tapped
+    monkeypatch.setattr(kernels, 'TAP_MIN_NUMEL', 0)   # compiled: taps at this size too
     if compiled: torch._dynamo.reset()
     nhid = 16
     torch.manual_seed(0)
@@ -442,12 +437,12 @@ def test_deferred_weight_gradients_equal_autograds_per_step_ones(kernel, derived
         return ctx, [loss.detach(), *torch.autograd.grad(loss, m.flat.params)]
     with m.frozen_masks():
         ctx, deferred = grads()
-        assert isinstance(ctx[0], DeferredWeight)
+        assert isinstance(ctx[0], Deferred)
         assert len(calls) == (19 if compiled else 0)   # every time step ran the compiled step with taps
         with m.cell.eager(): ctx, per_step = grads()
-        assert not isinstance(ctx[0], DeferredWeight) and len(calls) == (19 if compiled else 0)
+        assert not isinstance(ctx[0], Deferred) and len(calls) == (19 if compiled else 0)
     with torch.no_grad():
-        assert not isinstance(m.cell.per_sequence(**m.cell_inputs())[0], DeferredWeight)
+        assert not isinstance(m.cell.per_sequence(**m.cell_inputs())[0], Deferred)
     for a, b in zip(deferred, per_step): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 @pytest.mark.slow
@@ -471,18 +466,39 @@ def test_deferred_weight_gradients_again_with_retain_graph():
     first = torch.autograd.grad(loss, m.flat.params, retain_graph=True)
     for a, b in zip(first, torch.autograd.grad(loss, m.flat.params)): torch.testing.assert_close(a, b)
 
-def test_compiled_steps_tap_only_large_weights():
-    "Compiled forwards defer the gradients of weights of at least TAP_MIN_NUMEL elements only; eager ones of all"
-    from rnn_darts.model import DeferredWeight
-    from rnn_darts.kernels import TAP_MIN_NUMEL
-    m = DartsRnnSearch(50, 128, 128)   # W0ₕᵀ: 256 × 128; the successors of node j: (8 − j)·256 × 128
-    def deferred():
-        W0hT, Wsuf = m.cell.per_sequence(**m.cell_inputs())[:2]
-        return [isinstance(w, DeferredWeight) for w in (W0hT, *Wsuf)]
-    assert all(deferred())
-    m.cell.compile_step()
-    big = [w.numel() >= TAP_MIN_NUMEL for w in (m.cell.W0[128:].t(), *(m.cell.WhT[j * 256:] for j in range(8)))]
-    assert deferred() == big and any(big) and not all(big)
+@pytest.mark.parametrize('derived', [False, True])
+def test_a_compiled_time_step_takes_one_tensor_with_a_gradient_per_kind(derived, monkeypatch):
+    """A compiled step with weight gradients takes, besides its state, one tap for all its weights' products (`WeightGroup`)
+    and, in the search cell, one tensor of mixing weights: so each time step's backward adds one gradient into each, not
+    one per weight, edge and op (which were about 50 additions per time step). The step runs eager behind the counter"""
+    monkeypatch.setattr(kernels, 'TAP_MIN_NUMEL', 0)   # taps at this size too
+    torch.manual_seed(0)
+    m = (DartsRnn(50, DARTS_V2, 8, 8) if derived else DartsRnnSearch(50, 8, 8)).train()
+    cell, seen = m.cell, []
+    def tapped(xw_t, h, mh, ctx):
+        grads = {id(t): t for t in torch.utils._pytree.tree_leaves(ctx) if isinstance(t, torch.Tensor) and t.requires_grad}
+        seen.append(grads)   # the tensors too: kept alive, their ids stay theirs
+        return cell._tapped_step(xw_t, h, mh, ctx)
+    cell._compiled, cell._compiled_tapped = cell._plain_step, tapped
+    x, y = torch.randint(0, 50, (4, 6)), torch.randint(0, 50, (4, 6))
+    with m.frozen_masks():
+        loss = m.loss(x, y, advance=False)
+        assert len(seen) == 6 and all(len(s) == (1 if derived else 2) for s in seen)
+        assert len(set.intersection(*map(set, seen))) == (0 if derived else 1)   # the mixing weights: one tensor for the sequence; the taps: one per step
+        with torch.no_grad(): ref = m.loss(x, y, advance=False)   # no weight gradient: the plain step
+    torch.testing.assert_close(loss.detach(), ref)
+    assert len(seen) == 6
+
+def test_compiled_forwards_tap_their_weights_only_if_the_largest_is_big():
+    "A compiled forward with weight gradients taps its weights (one `WeightGroup`) if the largest has TAP_MIN_NUMEL elements, else keeps per-step gradients; the steps run eager behind the counters"
+    def tapped_steps(nhid):
+        m, calls = DartsRnnSearch(50, nhid, nhid).train(), []
+        cell = m.cell
+        cell._compiled = lambda *a: calls.append('plain') or cell._plain_step(*a)
+        cell._compiled_tapped = lambda *a: calls.append('tapped') or cell._tapped_step(*a)
+        m.loss(torch.randint(0, 50, (2, 3)), torch.randint(0, 50, (2, 3)))
+        return set(calls), 8 * 2 * nhid * nhid >= kernels.TAP_MIN_NUMEL   # node 0's successors: the largest weight
+    assert tapped_steps(64) == ({'plain'}, False) and tapped_steps(128) == ({'tapped'}, True)
 
 def _mark_accumulators(loss):
     "Tag every gradient accumulator `loss` reaches (a node's metadata lives as long as the node)"

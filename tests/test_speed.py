@@ -34,7 +34,7 @@ def test_auto_compile_compiles_a_long_search_fit_only(tmp_path):
     cell, calls = learn.model.cell, []
     def counted(step): return lambda *a: calls.append(1) or step(*a)
     def compile_step():
-        cell._compiled, cell._compiled_tapped = counted(cell.step), counted(cell._tapped_step)
+        cell._compiled, cell._compiled_tapped = counted(cell._plain_step), counted(cell._tapped_step)
         return cell
     cell.compile_step = compile_step
     n = len(dls.train)

@@ -4,13 +4,17 @@
 #
 #   bash tools/gpu-check.sh [OUT]      OUT: the folder for the logs and the bench JSON (default: gpu-check)
 #
-# Stages: the GPU and the versions; the GPU tier of the tests (pytest --gpu); `rnn-darts bench` at the paper's
-# shapes (search bs 256, bptt 35, nhid 300, 10,000 words; derived DARTS_V2 nhid 850, bs 64), eager, compiled and as
-# captured CUDA graphs, each row also profiled (OUT/profile-*.txt: kernels per step, the 15 kernels with the most GPU
-# time, how much of the step the GPU is busy, peak memory); one epoch of the quick search with the defaults (compiled, graphed; epoch times in
-# OUT/quick/run.json). The limits are what these stages took on an H100 (2026-11-26), with room. `rnn-darts bench
-# --compile` is not a stage: at the paper's shapes Inductor compiles for over 90 s before its first row; run it apart. Where fastai is not installed and the
-# checkout holds wheels in .whl/ (see the README's development section), they are installed into /tmp/site first.
+# Stages: the GPU and the versions; the GPU tier of the tests (pytest --gpu, the DARTS family's captured steps among
+# them); `rnn-darts bench` at the paper's shapes (search bs 256, bptt 35, nhid 300, 10,000 words; derived DARTS_V2
+# nhid 850, bs 64) as captured CUDA graphs, each row also profiled (OUT/profile-*.txt: kernels per step, the 15
+# kernels with the most GPU time, how much of the step the GPU is busy, peak memory): in fp32, with TF32 products (and
+# TF32's effect on the hypergradient), the family's steps, the derived cell's fused Triton step (rnn_darts.fused);
+# one epoch of the quick search with the defaults (compiled, graphed; epoch times in OUT/quick/run.json); last, the
+# bench compiled and graphed, in the time that is left (Inductor compiles for over 90 s before its first row). The
+# limits are what these stages took on an H200 (2026-11-27: tier 132 s, graphed and eager bench 110 s together, quick
+# search 61 s), with room; the TF32, family, fused and compiled stages have not run on a GPU yet. Where fastai is not
+# installed and the checkout holds wheels in .whl/ (see the README's development section), they are installed into
+# /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check}; mkdir -p "$out"
@@ -40,10 +44,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 # four workers, so the tier's 19 tests fit its limit: each runs tiny models; without a GPU the tier only skips, so no
 # workers are started (each would import torch and collect every module)
 workers=4; grep -q 'no CUDA device visible' "$out/versions.log" && workers=0
-stage gpu-tier 200 $py -m pytest -q --gpu -n $workers -rs --durations=10 -p no:cacheprovider tests
-stage bench-graphed 110 $py -m rnn_darts.cli bench --device cuda --graphs --iters 3 --methods none --json-path "$out/bench-graphed.json" --profile "$out/profile-graphed.txt"
-stage bench-eager 60 $py -m rnn_darts.cli bench --device cuda --iters 3 --methods none --json-path "$out/bench-eager.json" --profile "$out/profile-eager.txt"
+stage gpu-tier 160 $py -m pytest -q --gpu -n $workers -rs --durations=10 -p no:cacheprovider tests
+bench() { local name=$1 limit=$2; shift 2; stage "$name" "$limit" $py -m rnn_darts.cli bench --device cuda --graphs --iters 3 \
+  --json-path "$out/$name.json" --profile "$out/profile-${name#bench-}.txt" "$@"; }
+bench bench-graphed 90 --methods none
+bench bench-tf32 50 --precision tf32 --modes second,first --methods none
+bench bench-family 45 --modes first
+bench bench-fused 30 --fuse --modes none --methods none
 stage quick-search 80 $py -m rnn_darts.cli search --preset quick --epochs 1 --device cuda --out "$out/quick" --overwrite
 $py -c "import json, sys; r = json.load(open(sys.argv[1])); print('quick search epoch times (s):', r.get('epoch_times'))" \
   "$out/quick/run.json" 2>/dev/null || echo "quick search: no run.json"
+left=$((470 - (SECONDS - start)))   # the compiled stage takes what is left of the 8 minutes
+if [ "$left" -ge 30 ]; then bench bench-compiled "$left" --compile --modes first --methods none
+else echo "== bench-compiled: skipped, $left s left of the 8 minutes"; fi
 echo "== GPU check done in $((SECONDS - start)) s; logs in $out"
