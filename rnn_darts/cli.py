@@ -10,7 +10,7 @@ from pathlib import Path
 from fastcore.script import bool_arg
 from fastcore.docments import docments
 from fastcore.imports import in_notebook
-from rnn_darts.core import UserError, UsageError, get_device, check_number, check_choice, foreign_warnings_off, write_text_atomic
+from rnn_darts.core import UserError, UsageError, get_device, check_number, check_choice, foreign_warnings_off, write_text_atomic, renamed_hint
 from rnn_darts.options import CHOICES, FLAGS, SWITCHES, code_defaults, command_flags, flag_default
 from rnn_darts.config import CONFIGS, PRECISIONS
 from rnn_darts import runs
@@ -156,6 +156,7 @@ class _Parser(argparse.ArgumentParser):
         if not message.startswith('unrecognized arguments: '): return ''
         flags = [o for o in self._option_string_actions if o.startswith('--')]
         bad = [a.split('=')[0] for a in message.split(': ', 1)[1].split() if a.startswith('--')]
+        if any(renamed_hint(a) for a in bad): return ''.join(renamed_hint(a) for a in bad)
         near = [(a, m[0]) for a in bad for m in [difflib.get_close_matches(a, flags, n=1)] if m]
         if not near: return ''
         if len(near) == 1: return f" (did you mean {near[0][1]}?)"

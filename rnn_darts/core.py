@@ -9,10 +9,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['UserError', 'UsageError', 'foreign_warnings_off', 'get_device', 'cpu_name', 'set_seed', 'rng_states',
+__all__ = ['RENAMED', 'UserError', 'UsageError', 'foreign_warnings_off', 'get_device', 'cpu_name', 'set_seed', 'rng_states',
            'set_rng_states', 'check_positive', 'check_prob', 'check_bptt', 'check_number', 'check_choice', 'naming',
-           'write_text_atomic', 'packaged_settings', 'read_ini', 'settings_candidates', 'find_settings', 'read_preset',
-           'option_type', 'options_of']
+           'write_text_atomic', 'packaged_settings', 'read_ini', 'settings_candidates', 'find_settings', 'renamed_hint',
+           'read_preset', 'option_type', 'options_of']
 
 # %% ../nbs/00_core.ipynb #c0e11a02
 class UserError(ValueError):
@@ -215,6 +215,15 @@ def _convert(v:str, typ, where:str):
     try: return typ(v)
     except ValueError: raise UsageError(f"{where}: expected {typ.__name__}, got {v!r}") from None
 
+RENAMED = dict(bf16=('precision', 'bf16'))   # settings that took a new name (old: new, the value that means the old one's true)
+
+def renamed_hint(key:str) -> str:
+    "' (--bf16 is now --precision bf16)' for a renamed flag, ' (bf16 is now precision = bf16)' for a preset key; else ''"
+    old = key.lstrip('-').replace('-', '_')
+    if old not in RENAMED: return ''
+    new, value = RENAMED[old]
+    return f" ({key} is now --{new.replace('_', '-')} {value})" if key.startswith('--') else f" ({key} is now {new} = {value})"
+
 def read_preset(name:str, known:dict, path=None) -> dict:
     "Preset `name` from `settings.ini`, with each value converted to the type in `known` (option -> type)"
     p = find_settings(path, name)
@@ -228,7 +237,8 @@ def read_preset(name:str, known:dict, path=None) -> dict:
     for k, v in cp[name].items():
         if k not in known:
             near = difflib.get_close_matches(k, known, n=1)
-            raise UsageError(f"{p}: preset [{name}] has key {k!r}{f' (did you mean {near[0]}?)' if near else ''}, which no option knows; known: {', '.join(sorted(known))}")
+            hint = renamed_hint(k) or (f' (did you mean {near[0]}?)' if near else '')
+            raise UsageError(f"{p}: preset [{name}] has key {k!r}{hint}, which no option knows; known: {', '.join(sorted(known))}")
         res[k] = _convert(v, known[k], f"{p}: [{name}] {k}")
     return res
 
