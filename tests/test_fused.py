@@ -56,9 +56,9 @@ def test_a_model_through_the_fused_step_gives_the_eager_loss_and_gradients(share
 @pytest.mark.slow
 def test_a_fused_time_step_is_two_kernels():
     """A training step of the fused derived model launches one kernel per time step forward and one backward, and about
-    four more per time step (the tap's zero, the weights' products every 8 steps, the state's gradient): counted as
-    `launch_count` counts, the interpreter's launches being profiled ranges, from 6 to 12 time steps. 25 s: the profiler
-    records every operation of the interpreted kernels"""
+    four more per time step (the tap's zero, the state's gradient, their sums): counted as `launch_count` counts, the
+    interpreter's launches being profiled ranges, from 3 to 6 time steps. 12 s: the profiler records every operation of
+    the interpreted kernels"""
     from rnn_darts.bench import launch_count, weight_step
     torch.manual_seed(0)
     m = DartsRnn(30, DARTS_V2, 8, 8).train()
@@ -67,6 +67,6 @@ def test_a_fused_time_step_is_two_kernels():
         x, y = torch.randint(0, 30, (4, T)), torch.randint(0, 30, (4, T))
         weight_step(m, x, y)
         return launch_count(lambda: weight_step(m, x, y))
-    c6, c12 = count(6), count(12)
-    assert (c6['generated'], c12['generated']) == (12, 24), (c6, c12)
-    assert (c12['total'] - c6['total']) / 6 <= 7, (c6, c12)   # Inductor's compiled step: 34 per time step (10a_measurements)
+    c3, c6 = count(3), count(6)
+    assert (c3['generated'], c6['generated']) == (6, 12), (c3, c6)
+    assert (c6['total'] - c3['total']) / 3 <= 7, (c3, c6)   # Inductor's compiled step: 34 to 42 per time step (10a_measurements)
