@@ -31,7 +31,8 @@ def test_the_fused_step_equals_the_eager_step(n, bs, dtype, genotype):
     for a, b, what in zip(*fused_and_eager(n, bs, dtype, genotype), ('output', 'input', 'state', 'weights')):
         torch.testing.assert_close(a, b, **tol, msg=what)
 
-@pytest.mark.parametrize('shared', [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize('shared', [False, True])
 def test_a_model_through_the_fused_step_gives_the_eager_loss_and_gradients(shared):
     """A derived model (and random search's shared one, whose node matrices are copied together) with dropout: the loss,
     every weight's gradient (summed from the taps every 8 time steps; 10 time steps: a full stash and a rest) and an
