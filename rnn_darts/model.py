@@ -7,7 +7,6 @@ from __future__ import annotations
 import math, types, warnings
 from contextlib import contextmanager
 from functools import lru_cache
-
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
