@@ -247,8 +247,8 @@ def launch_count(fn) -> dict:
     _sync('cuda' if cuda else 'cpu')
     ev = prof.events()
     dev = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
-    if dev:   # on a GPU the device kernels are the launches; Triton's are the generated ones
-        gen = sum(1 for e in dev if e.name.startswith('triton_'))
+    if dev:   # on a GPU the device kernels are the launches; Triton's are the generated ones (Inductor's `triton_*`, `rnn_darts.fused`'s `_fused_*`)
+        gen = sum(1 for e in dev if e.name.startswith(('triton_', '_fused_')))
         return dict(generated=gen, library=len(dev) - gen, total=len(dev))
     graphs = sum(1 for e in ev if e.name.startswith('## Call CompiledFxGraph'))
     gen = sum(1 for e in ev if _generated(e.name))
@@ -371,7 +371,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     dev = _device(device)
     if graphs and torch.device(dev).type != 'cuda': raise ValueError(f"graphs=True times captured CUDA graphs: it needs a CUDA device, not {dev}")
     if precision not in PRECISIONS: raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if fuse and torch.device(dev).type != 'cuda': raise ValueError(f"fuse=True times the derived cell's Triton kernels: it needs a CUDA device, not {dev} (a CPU runs them in Triton's interpreter, for tests)")
+    if fuse and torch.device(dev).type != 'cuda': raise ValueError(f"fuse=True times the cells' Triton kernels: it needs a CUDA device, not {dev} (a CPU runs them in Triton's interpreter, for tests)")
     if graphs and precision == 'bf16': raise ValueError("graphs=True with precision='bf16': bf16 autocast's cache of cast weights cannot be captured")
     base = SMALL_SHAPES if small else FULL_SHAPES
     S = {**base['search'], **(shape or {})}
@@ -387,7 +387,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
                ops_kind='kernel launches per step (launch_count)' if compile else 'operators per step (op_count)')
     def ours(m):
         if compile: m.cell.compile_step()
-        if fuse and isinstance(m, DartsRnn): m.cell.fuse_step()   # the derived cell's steps as Triton kernels
+        if fuse: m.cell.fuse_step()   # training time steps as Triton kernels (the search cell's evaluation stays compiled)
         return m
     amp = lambda f: in_precision(f, dev, precision)
     count = (lambda fn: launch_count(fn)['total']) if compile else op_count   # a dispatch mode cannot see into compiled graphs
@@ -493,7 +493,7 @@ def print_table(results: dict, file=None):
            "first ms: the first (warm-up) call; with --compile it includes compiling that row's graphs not compiled before",
            *(["graphs: each row's steps replayed as captured CUDA graphs (StepGraphs; exact mode's architecture step eager); "
               "ops: the operators still sent from Python per step"] if r.get('graphs') else []),
-           *(["fused: the derived cell's time steps as Triton kernels, forward and backward (rnn_darts.fused)"] if r.get('fuse') else []),
+           *(["fused: training time steps as Triton kernels, forward and backward (rnn_darts.fused)"] if r.get('fuse') else []),
            f"{'what':<34} {'impl':<6} {'bs':>4} {'bptt':>4} {'nhid':>5} {'ntoken':>6} {'ms/batch':>10} {'min ms':>9} {'first ms':>9} {'tok/s':>10} {'mem MiB':>9} {'ops':>8}"]
     for x in r['rows']:
         first = '-' if x.get('first_ms') is None else f"{x['first_ms']:.0f}"

@@ -56,7 +56,7 @@ def bench(
     compile:bool=False,   # time the steps with the torch.compile'd recurrent step
     precision:str=CONFIGS['search'].precision,   # fp32 | tf32 | bf16: time our steps with TF32 products or in bf16 autocast, and measure its effect on the hypergradient
     graphs:bool=False,    # time the steps replayed as captured CUDA graphs (needs a GPU)
-    fuse:bool=False,      # time the derived cell's training and evaluation with each time step as Triton kernels (rnn_darts.fused; needs a GPU)
+    fuse:bool=False,      # time each time step as Triton kernels (rnn_darts.fused: the derived cell's, the search cell's in training; needs a GPU)
     threads:int=None,
     modes:str=None,       # search steps to time, comma-separated: second, first, exact, random (default: all; none: none)
     methods:str=None,     # methods of the DARTS family to time beside first-order DARTS, comma-separated (default: all; none: none)

@@ -60,7 +60,7 @@ class PackedCell(nn.Module):
         # row-block position of each node's W_i inside WhT (derived cells order nodes by predecessor)
         self.col = list(order) if order is not None else list(range(n_nodes))
         self._compiled = self._compiled_tapped = None
-        self._fused = False   # a derived cell's time steps as Triton kernels (`DartsCell.fuse_step`)
+        self._fused = False   # time steps as Triton kernels (`fuse_step`)
         self._compile_watched = set()   # the phases whose first compiled batch `CompileNotice` watched
         self.defer = True   # forwards with weight gradients: each weight's gradient over several time steps per product (`Deferred`)
 
@@ -130,8 +130,23 @@ class PackedCell(nn.Module):
             outs.append(h)
         return torch.stack(outs), h
 
+    def fuse_step(self):
+        "Run training time steps as Triton kernels, forward and backward (`rnn_darts.fused`): compiled on a GPU, interpreted on a CPU (slow: for tests)"
+        import importlib.util
+        if importlib.util.find_spec('triton') is None:
+            raise ModuleNotFoundError("fuse_step runs Triton kernels, and Triton is not installed: it comes with torch's CUDA wheels (pip install triton)")
+        self._fused = True
+        return self
+
+    def fused_runner(self, ctx):
+        "The fused step's `step(t, xw_t, h, mh)` for `per_sequence`'s `ctx`, or None where it cannot run this forward"
+        return None
+
     def runner(self, ctx):
-        "`step(t, xw_t, h, mh)`: eager (a `DeferredWeight` per `Deferred` weight), compiled, or compiled with one `WeightGroup`'s taps"
+        "`step(t, xw_t, h, mh)`: fused (`fuse_step`, outside autocast), eager (a `DeferredWeight` per `Deferred` weight), compiled, or compiled with one `WeightGroup`'s taps"
+        if self._fused and not torch.is_autocast_enabled(self.block.device.type):
+            step = self.fused_runner(ctx)
+            if step is not None: return step
         if self._compiled is None:
             ctx = self.prepare(_map(ctx, Deferred, lambda d: DeferredWeight(d.W)))
             return lambda t, xw_t, h, mh: self.step(xw_t, h, mh, ctx)
@@ -182,19 +197,10 @@ class DartsCell(PackedCell):
         if cols == list(range(cols[0], cols[0] + len(cols))): return WhT[cols[0] * n2:(cols[-1] + 1) * n2]
         return torch.cat([WhT[c * n2:(c + 1) * n2] for c in cols])
 
-    def fuse_step(self):
-        "Run each time step as two Triton kernels, forward and backward (`rnn_darts.fused`): compiled on a GPU, interpreted on a CPU (slow: for tests)"
-        import importlib.util
-        if importlib.util.find_spec('triton') is None:
-            raise ModuleNotFoundError("fuse_step runs Triton kernels, and Triton is not installed: it comes with torch's CUDA wheels (pip install triton)")
-        self._fused = True
-        return self
-
-    def runner(self, ctx):
-        "`PackedCell.runner`, or the fused step (`fuse_step`) outside autocast"
-        if not self._fused or torch.is_autocast_enabled(self.block.device.type): return super().runner(ctx)
-        from rnn_darts.fused import fused_runner
-        return fused_runner(self, ctx)
+    def fused_runner(self, ctx):
+        "Each time step as two Triton kernels (`rnn_darts.fused.derived_runner`)"
+        from rnn_darts.fused import derived_runner
+        return derived_runner(self, ctx)
 
     def per_sequence(self, block=None):
         "`W0[ninp:]` and, per predecessor with children, the rows of all its children's matrices"
@@ -272,6 +278,11 @@ class DartsCellSearch(PackedCell):
         WhT = self.WhT_of(self.block if block is None else block)
         Wsuf = tuple(WhT[j * n2:] for j in range(steps))
         return (*super().per_sequence(block), tuple(self.step_weight(W) for W in Wsuf), probs[self.leaving], update_stats)
+
+    def fused_runner(self, ctx):
+        "In training, s0 and each node a Triton kernel forward and backward (`rnn_darts.fused.search_runner`); evaluation's bounded normalisation is not fused"
+        from rnn_darts.fused import search_runner
+        return search_runner(self, ctx)
 
     def prepare(self, ctx):
         "Per node j, the weights (tanh, relu, sigmoid, identity; each (downstream, 1)) and non-`none` sum of the edges leaving j"

@@ -8,7 +8,7 @@
 # them); `rnn-darts bench` at the paper's shapes (search bs 256, bptt 35, nhid 300, 10,000 words; derived DARTS_V2
 # nhid 850, bs 64) as captured CUDA graphs, each row also profiled (OUT/profile-*.txt: kernels per step, the 15
 # kernels with the most GPU time, how much of the step the GPU is busy, peak memory): in fp32, with TF32 products (and
-# TF32's effect on the hypergradient), the family's steps, the derived cell's fused Triton step (rnn_darts.fused);
+# TF32's effect on the hypergradient), the family's steps, the fused Triton steps (rnn_darts.fused: derived, first order);
 # one epoch of the quick search with the defaults (compiled, graphed; epoch times in OUT/quick/run.json); last, the
 # bench compiled and graphed, in the time that is left (Inductor compiles for over 90 s before its first row). The
 # limits are what these stages took on an H200 (2026-11-27: tier 132 s, graphed and eager bench 110 s together, quick
@@ -50,7 +50,7 @@ bench() { local name=$1 limit=$2; shift 2; stage "$name" "$limit" $py -m rnn_dar
 bench bench-graphed 90 --methods none
 bench bench-tf32 50 --precision tf32 --modes second,first --methods none
 bench bench-family 45 --modes first
-bench bench-fused 30 --fuse --modes none --methods none
+bench bench-fused 50 --fuse --modes first --methods none
 stage quick-search 80 $py -m rnn_darts.cli search --preset quick --epochs 1 --device cuda --out "$out/quick" --overwrite
 $py -c "import json, sys; r = json.load(open(sys.argv[1])); print('quick search epoch times (s):', r.get('epoch_times'))" \
   "$out/quick/run.json" 2>/dev/null || echo "quick search: no run.json"
