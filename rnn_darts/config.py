@@ -34,7 +34,8 @@ FAMILY = tuple(m for m in METHODS if m not in MODES + ('darts',))   # the method
 # %% auto #0
 __all__ = ['RELAXATIONS', 'PRECISIONS', 'MODES', 'ARCH_MODES', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS',
            'FAMILY', 'CONFIGS', 'setting', 'redefault', 'RunConfig', 'SearchConfig', 'TrainConfig', 'StudyConfig',
-           'configured', 'check_value', 'check_fields', 'with_method', 'check_rules', 'has_all', 'check_random']
+           'configured', 'check_value', 'check_fields', 'with_method', 'check_rules', 'check_device_rules', 'has_all',
+           'check_random']
 
 # %% ../nbs/00a_config.ipynb #fed0f08a
 def setting(default, help:str|None=None, check=None):
@@ -81,6 +82,8 @@ class RunConfig:
     precision: str = setting('fp32', 'of the matrix products: fp32 | tf32 (TF32 tensor cores on Ampere and newer GPUs) | bf16 (bf16 autocast, '
                              'fp32 weights)', PRECISIONS)
     fused_loss: bool = setting(True)
+    fuse: bool = setting(False, 'each training time step as Triton kernels, forward and backward (rnn_darts.fused; CUDA only; not yet '
+                         'timed on a GPU, so off by default)')
     checkpoint_every: float|None = setting(None, 'minutes between mid-epoch checkpoints, for long epochs (default: off; Ctrl-C and SIGTERM always write one)', 'pos_float')
     graphs: bool|None = setting(None, 'run each batch shape as captured CUDA graphs: the training step and evaluation (default: on for CUDA, '
                                 "except with --precision bf16; a step that cannot be captured falls back to eager, saying why)")
@@ -233,9 +236,16 @@ def check_rules(s:dict, name=str):
         raise UsageError(f"{name('emsize')} ({s['emsize']}) must equal {name('nhid')} ({s['nhid']}): the decoder is tied to the embedding")
     if has('top', 'candidates') and s['top'] > s['candidates']:
         raise UsageError(f"{name('top')} ({s['top']}) cannot exceed {name('candidates')} ({s['candidates']})")
+    if s.get('fuse') and s.get('precision') == 'bf16':
+        raise UsageError(f"{name('fuse')} true runs its kernels in fp32 or tf32; {name('precision')} bf16 autocasts the products, which they do not")
     if s.get('early_stop') and s.get('curvature') is False:
         raise UsageError(f"{name('early_stop')} true needs {name('curvature')} true: DARTS-ES stops on λ_max")
     _check_family(with_method(s) if s.get('method') else s, name)
+
+def check_device_rules(s:dict, dev, name=str):
+    "The rules between settings and the device `dev` (a `torch.device`), as `check_rules`"
+    if s.get('fuse') and dev.type != 'cuda':
+        raise UsageError(f"{name('fuse')} true runs Triton kernels on a GPU; the device is {dev} (a CPU runs them in Triton's interpreter, for tests only)")
 
 def _check_family(s:dict, name):
     "The rules between the parts of the DARTS family (`METHODS`): the method's own, and the combinations that have no meaning"

@@ -22,7 +22,7 @@ from fastai.optimizer import SGD
 import fastai.callback.schedule  # adds Learner.lr_find and fit_one_cycle
 from fastai.callback.progress import CSVLogger
 from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name, naming
-from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, check_random, TEMPERED
+from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, check_random, check_device_rules, TEMPERED
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
 from rnn_darts.callbacks.arch import ArchParamUpdate, Temperature
@@ -150,6 +150,8 @@ def _learner(dls, model, c:RunConfig, path, device, compile=None, auto_compile=F
     model.fused_loss = c.fused_loss
     if compile is None and dev.type == 'cuda': compile = True
     if compile: model.cell.compile_step()
+    check_device_rules(c.asdict(), dev)
+    if c.fuse: model.cell.fuse_step()
     auto = ([AutoCompile()] if compile is None and auto_compile else []) + [CompileNotice()]
     auto += [CudaGraphs(emulate=graphs) if graphs in EMULATIONS else CudaGraphs(graphs), TableColumns()]
     learn = DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=c.lr, splitter=flat_splitter, wd=c.wd,

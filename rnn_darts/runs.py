@@ -8,9 +8,9 @@ import json, os, socket, sys, time
 from contextlib import suppress
 from pathlib import Path
 from rnn_darts.core import UserError, UsageError, get_device, set_seed, check_number, check_choice, naming
-from rnn_darts.config import RunConfig, SearchConfig, TrainConfig
+from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, check_device_rules
 from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources,
-                               check_settings, check_fits, check_memory, command_flags, flag_default, flags_signature)
+                               check_settings, check_fits, check_memory, command_flags, flag_default, flags_signature, setting_name)
 
 # %% auto #0
 __all__ = ['RUN_FILES', 'RESUME_FREE', 'ARGV', 'load_corpus', 'corpus_key', 'run_files', 'RunLock', 'read_run_json',
@@ -192,6 +192,7 @@ def _prepare(command, flags:dict) -> _Run:
     if r.s['data'] not in ('numbers', 'ptb') and not os.path.lexists(r.s['data']):   # said before the seconds of importing torch and fastai
         raise FileNotFoundError(f"corpus folder {Path(r.s['data'])} does not exist")
     dev = get_device(c['device'])
+    check_device_rules(r.s, dev, lambda k: setting_name(k, r.src))
     if command == 'train':
         from rnn_darts.genotypes import load_genotype
         r.genotype = load_genotype(r.s['genotype'])

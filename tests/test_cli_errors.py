@@ -85,6 +85,8 @@ uses_run_dir = pytest.mark.xdist_group('cli-errors-run')
     (['--method', 'random', '--beta-decay', '5'], ["--beta-decay applies to the architecture weights α, which random search (mode random) does not have"]),
     (['--epsilon', '0'], ["--epsilon must be a finite number > 0, got 0.0"]),
     (['--device', 'gpu'], ['--device gpu: not a device name; use cpu, cuda or cuda:N']),
+    (['--fuse', 'true'], ["--fuse true runs Triton kernels on a GPU; the device is cpu (a CPU runs them in Triton's interpreter, for tests only)"]),
+    (['--fuse', 'true', '--precision', 'bf16'], ['--fuse true runs its kernels in fp32 or tf32; --precision bf16 autocasts the products']),
     (['--epochs', 'abc'], ['search: argument --epochs: invalid int value', '(see rnn-darts search -h)']),
     (['--compile', 'maybe'], ['argument --compile']),
     (['--nhidd', '8'], ['unrecognized arguments: --nhidd 8 (did you mean --nhid?) (see rnn-darts search -h)']),

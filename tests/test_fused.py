@@ -6,6 +6,7 @@ from rnn_darts.model import DartsCell, DartsCellSearch, DartsRnn, DartsRnnSearch
 from rnn_darts import fused
 from rnn_darts.fused import FusedDerivedStep, FusedPlan, FusedSearchStep
 
+
 def fused_and_eager(n, bs, dtype, genotype):
     "The fused step and the eager one (`DartsCell.step`) from the same input, state, mask and weights: outputs and gradients of a random loss (the weights' from the tap, as `WeightGroup` sums them)"
     torch.manual_seed(0)
@@ -16,7 +17,7 @@ def fused_and_eager(n, bs, dtype, genotype):
     xw, h = torch.randn(bs, 2 * n, dtype=dtype, requires_grad=True), torch.randn(bs, n, dtype=dtype, requires_grad=True)
     mh = torch.bernoulli(torch.full((bs, n), 0.75, dtype=dtype)) / 0.75
     tap = torch.zeros(bs, W.shape[0], dtype=dtype, requires_grad=True)
-    out, A = FusedDerivedStep.apply(xw, h, tap, W.detach(), mh, FusedPlan(c, 'cpu'))
+    out, A = FusedDerivedStep.apply(xw, h, tap, W.detach(), mh, FusedPlan(c, h.device))
     ref = c.step(xw, h, mh, (views[0], views[1:]))
     g = torch.randn_like(out)
     gx, gh, gtap = torch.autograd.grad(out, [xw, h, tap], g)
@@ -24,12 +25,14 @@ def fused_and_eager(n, bs, dtype, genotype):
     gW = torch.cat([gtap[:, a:b].t() @ A[k] for k, (a, b) in enumerate(zip(ends[:-1], ends[1:]))])
     return (out, gx, gh, gW), (ref, *torch.autograd.grad(ref, [xw, h, W], g))
 
-@pytest.mark.parametrize('n, bs, dtype, genotype', [(8, 5, torch.float64, DARTS_V2), (40, 19, torch.float32, ENAS)])
-def test_the_fused_step_equals_the_eager_step(n, bs, dtype, genotype):
+@pytest.mark.parametrize('n, bs, dtype, genotype, device', [(8, 5, torch.float64, DARTS_V2, 'cpu'), (40, 19, torch.float32, ENAS, 'cpu'),
+                                                            pytest.param(40, 19, torch.float32, ENAS, 'cuda', marks=pytest.mark.gpu)])
+def test_the_fused_step_equals_the_eager_step(n, bs, dtype, genotype, device):
     """Output, ∂/∂input, ∂/∂state and the weights' gradient (through the tap) against autograd on the eager step. nhid 40 and
     bs 19 take two tiles of columns and two programs, both with masked edges; ENAS's cell has every activation"""
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
-    for a, b, what in zip(*fused_and_eager(n, bs, dtype, genotype), ('output', 'input', 'state', 'weights')):
+    with torch.device(device): res = fused_and_eager(n, bs, dtype, genotype)
+    for a, b, what in zip(*res, ('output', 'input', 'state', 'weights')):
         torch.testing.assert_close(a, b, **tol, msg=what)
 
 def search_fused_and_eager(n, bs, dtype, steps, update):
@@ -57,13 +60,15 @@ def search_fused_and_eager(n, bs, dtype, steps, update):
     stats = lambda cell: [cell.bn.running_mean, cell.bn.running_var, cell.bn.num_batches_tracked]
     return (out, gx, gh, gW, gl, *stats(c)), (ref, *torch.autograd.grad(ref, [xw, h, W, leaving], g), *stats(ref_cell))
 
-@pytest.mark.parametrize('n, bs, dtype, steps, update', [(8, 5, torch.float64, 4, True), (40, 19, torch.float32, 2, False)])
-def test_the_fused_search_step_equals_the_eager_step(n, bs, dtype, steps, update):
+@pytest.mark.parametrize('n, bs, dtype, steps, update, device', [(8, 5, torch.float64, 4, True, 'cpu'), (40, 19, torch.float32, 2, False, 'cpu'),
+                                                                 pytest.param(40, 19, torch.float32, 3, True, 'cuda', marks=pytest.mark.gpu)])
+def test_the_fused_search_step_equals_the_eager_step(n, bs, dtype, steps, update, device):
     """The search cell's output, ∂/∂input, ∂/∂state, the weights' gradient (through the tap), the mixing weights' and the
     normalisation's running statistics (updated, or left alone in an architecture pass) against the eager step. nhid 40
     and bs 19: two tiles of columns with masked edges, and the batch statistics over two blocks of rows"""
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=2e-6)
-    for a, b, what in zip(*search_fused_and_eager(n, bs, dtype, steps, update),
+    with torch.device(device): res = search_fused_and_eager(n, bs, dtype, steps, update)
+    for a, b, what in zip(*res,
                           ('output', 'input', 'state', 'weights', 'mixing weights', 'running mean', 'running var', 'batches')):
         torch.testing.assert_close(a, b, **tol, msg=what)
 

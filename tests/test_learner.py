@@ -41,6 +41,20 @@ def assert_same(a, b):
     assert a.keys() == b.keys()
     for k in a: assert torch.equal(a[k], b[k]), k
 
+@pytest.mark.gpu
+@pytest.mark.parametrize('kind', ['search', 'train'])
+def test_fused_steps_fit_like_the_unfused_ones(kind, corpus, tmp_path):
+    """`fuse=True` on CUDA: the training time steps run as Triton kernels (`rnn_darts.fused`), inside the captured graphs,
+    and an epoch's batch losses are the unfused epoch's (float32, cuBLAS against `tl.dot`: within 1e-3)"""
+    pytest.importorskip('triton')
+    losses = []
+    for fuse in (False, True):
+        learn = make(kind, corpus, tmp_path/str(fuse), device='cuda', compile=False, fuse=fuse)
+        learn.fit(1)
+        assert learn.model.cell._fused == fuse
+        losses.append(torch.stack([torch.as_tensor(l) for l in learn.recorder.losses]))
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-3, atol=1e-3)
+
 @pytest.mark.slow
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_lr_find_suggests_steps_aside_and_leaves_the_run_as_before(kind, corpus, tmp_path):
