@@ -48,10 +48,10 @@ stage gpu-tier 160 $py -m pytest -q --gpu -n $workers -rs --durations=10 -p no:c
 bench() { local name=$1 limit=$2; shift 2; stage "$name" "$limit" $py -m rnn_darts.cli bench --device cuda --graphs --iters 3 \
   --json-path "$out/$name.json" --profile "$out/profile-${name#bench-}.txt" "$@"; }
 bench bench-graphed 90 --methods none
-bench bench-tf32 50 --precision tf32 --modes second,first --methods none
-bench bench-family 45 --modes first
-bench bench-fused 50 --fuse --modes first --methods none
-stage quick-search 80 $py -m rnn_darts.cli search --preset quick --epochs 1 --device cuda --out "$out/quick" --overwrite
+bench bench-tf32 45 --precision tf32 --modes second,first --methods none
+bench bench-family 40 --modes first
+bench bench-fused 40 --fuse --modes first --methods none
+stage quick-search 75 $py -m rnn_darts.cli search --preset quick --epochs 1 --device cuda --out "$out/quick" --overwrite
 $py -c "import json, sys; r = json.load(open(sys.argv[1])); print('quick search epoch times (s):', r.get('epoch_times'))" \
   "$out/quick/run.json" 2>/dev/null || echo "quick search: no run.json"
 left=$((470 - (SECONDS - start)))   # the compiled stage takes what is left of the 8 minutes
