@@ -1,6 +1,6 @@
 "The fused time steps (`rnn_darts.fused`): Triton's kernels, run by its interpreter on a CPU, equal the eager step; a model trains through them as through the eager one"
 import copy, pytest, torch
-pytest.importorskip("triton", reason="the fused step is Triton kernels; Triton comes with torch's CUDA wheels")
+triton = pytest.importorskip("triton", reason="the fused step is Triton kernels; Triton comes with torch's CUDA wheels")
 from rnn_darts.genotypes import DARTS_V1, DARTS_V2, ENAS
 from rnn_darts.model import DartsCell, DartsCellSearch, DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts import fused
@@ -71,6 +71,39 @@ def test_the_fused_search_step_equals_the_eager_step(n, bs, dtype, steps, update
     for a, b, what in zip(*res,
                           ('output', 'input', 'state', 'weights', 'mixing weights', 'running mean', 'running var', 'batches')):
         torch.testing.assert_close(a, b, **tol, msg=what)
+
+TRITON_TYPES = {torch.float32: 'fp32', torch.float64: 'fp64', torch.int32: 'i32', torch.int64: 'i64'}
+
+def launches(monkeypatch, run):
+    "The kernel launches `run()` makes, recorded and not run: (kernel name, positional arguments, constexprs)"
+    calls = []
+    class Recorder:
+        def __init__(self, name): self.name = name
+        def __getitem__(self, grid): return lambda *args, **consts: calls.append((self.name, args, consts))
+    monkeypatch.setattr(fused, '_kernel', lambda name, interpret: Recorder(name))
+    run()
+    return calls
+
+@pytest.mark.parametrize('cell', ['derived', 'search'])
+def test_every_launch_compiles_for_a_gpu(cell, monkeypatch):
+    """Each kind of kernel launch of a fused time step, forward and backward, compiled by Triton for an H100 (sm_90)
+    from the argument types and constexprs the step passes, without a GPU: the interpreter runs the kernels' Python,
+    this their types and control flow as the GPU compiler takes them (0.7 s a kernel)"""
+    backends = pytest.importorskip('triton.backends')
+    if 'nvidia' not in backends.backends: pytest.skip("this Triton has no CUDA backend")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    run = (lambda: fused_and_eager(40, 19, torch.float32, ENAS)) if cell == 'derived' else (lambda: search_fused_and_eager(40, 19, torch.float32, 3, True))
+    calls = launches(monkeypatch, run)
+    kinds = {(name, tuple(sorted(consts.items()))): args for name, args, consts in calls}
+    assert len(kinds) == (2 if cell == 'derived' else 4), sorted(kinds)   # search: s0's and the nodes' forward, h's and the nodes' backward
+    for (name, consts), args in kinds.items():
+        fn, consts = getattr(fused, name), dict(consts)
+        sig = {n: f'*{TRITON_TYPES[a.dtype]}' if isinstance(a, torch.Tensor) else 'i32' if isinstance(a, int) else 'fp32'
+               for n, a in zip(fn.arg_names, args)}
+        sig.update({k: 'constexpr' for k in consts})
+        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        assert 'ptx' in triton.compile(src, target=GPUTarget('cuda', 90, 32)).asm, name
 
 MODELS = dict(derived=lambda **d: DartsRnn(30, DARTS_V2, 8, 8, **d), shared=lambda **d: DartsRnnShared(30, 8, 8, **d).use(DARTS_V1),
               search=lambda **d: DartsRnnSearch(30, 8, 8, steps=3, **d))
