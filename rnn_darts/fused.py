@@ -401,6 +401,7 @@ class FusedSearchStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xw_t, h, tap, W, leaving, mh, norm, update):
         (bs, n), steps, n_edges = h.shape, norm.n - 1, leaving.shape[0]
+        if bs < 2: raise ValueError(f"the search cell normalises each node over the batch, which needs 2 rows or more; got a batch of {bs}")
         h, xw_t = h.contiguous(), xw_t.contiguous()
         S, R = h.new_empty(steps + 2, bs, n), h.new_empty(steps + 1, bs, n)
         SIG, HH = h.new_empty(1 + n_edges, bs, n), h.new_empty(1 + n_edges, bs, n)
@@ -428,7 +429,7 @@ class FusedSearchStep(torch.autograd.Function):
         for u in range(steps + 1, -1, -1):   # nodes from the last, then h
             with torch.profiler.record_function('triton_fused_search_backward'):
                 kernel[(nc,)](*args, u, bs, n, steps, width, n_edges, IS_H=u == 0, HAS_MH=bool(mh), PREC=_precision(S), BM=BM, BN=BN, BK=BK)
-        return G[:, :2 * n], GS[0], G, None, PP.sum(0), None, None, None
+        return G[:, :2 * n], GS[0], G if ctx.needs_input_grad[2] else None, None, PP.sum(0), None, None, None
 
 
 # %% ../nbs/03e_fused.ipynb #50c12aa7

@@ -106,11 +106,11 @@ class StepGraphs:
         if all(o is not opt for o in self.opts): self.opts.append(opt)
 
     def state_sig(self) -> tuple:
-        "What a captured graph reads outside its inputs: the addresses of the weights, gradients, buffers and watched optimizer state, the compiled step"
+        "What a captured graph reads outside its inputs: the addresses of the weights, gradients, buffers and watched optimizer state, the compiled or fused step"
         m = self.model
         opt_state = [t for o in self.opts for st in o.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
         return (_ptrs([m.flat.data, m.flat.grad, *m.arch_parameters(), *m.buffers(), *opt_state]),
-                id(m.cell._compiled), m.cell.defer, m.fused_loss)
+                id(m.cell._compiled), m.cell._fused, m.cell.defer, m.fused_loss)
 
     @property
     def n_captured(self) -> int: return sum(e.run.captured for e in self.graphs.values())
