@@ -440,15 +440,16 @@ def plan_of(cell, device) -> FusedPlan:
     if key not in plans: plans[key] = FusedPlan(cell, device)
     return plans[key]
 
-def _stacked(ws, W):
-    """A fused step's weights `ws`: `W` (their rows stacked) detached, and one `WeightGroup` for their gradients (None in
-    a forward without weight gradients); `(None, None)` where a weight wants autograd's own gradient (`defer` off), which
-    the kernels do not make"""
-    deferred = [w for w in ws if isinstance(w, Deferred)]
-    if len(deferred) not in (0, len(ws)) or (not deferred and any(w.requires_grad for w in ws)): return None, None
-    return W.detach(), WeightGroup([w.W for w in ws]) if deferred else None
+def _runnable(ws) -> bool:
+    "Whether the kernels can run with the weights `ws`: all `Deferred` (their gradients through one `WeightGroup`), or none wanting a gradient (not autograd's own, with `defer` off)"
+    deferred = sum(isinstance(w, Deferred) for w in ws)
+    return deferred == len(ws) or (deferred == 0 and not any(w.requires_grad for w in ws))
 
-def _plain(w): return w.W if isinstance(w, Deferred) else w
+def _group(ws):
+    "One `WeightGroup` for the gradients of the `Deferred` weights `ws`; None in a forward without weight gradients"
+    return WeightGroup([w.W for w in ws]) if isinstance(ws[0], Deferred) else None
+
+def _plain(w): return (w.W if isinstance(w, Deferred) else w).detach()
 
 def _taps(run, group):
     "`step(t, xw_t, h, mh)` through `run(xw_t, h, tap, mh) -> (state, products' inputs)`, with `group`'s tap of time step `t`"
@@ -461,21 +462,20 @@ def _taps(run, group):
 def derived_runner(cell, ctx):
     """`step(t, xw_t, h, mh)` of a derived cell through `FusedDerivedStep`: its weights stacked once per sequence, their
     gradients (in a forward with weight gradients) through one `WeightGroup`'s taps, as a compiled step's; None where
-    the kernels cannot run it (`_stacked`)"""
+    the kernels cannot run it (`_runnable`)"""
     W0hT, blocks = ctx
     ws = [W0hT, *blocks]
-    W, group = _stacked(ws, torch.cat([_plain(w) for w in ws]))
-    if W is None: return None
+    if not _runnable(ws): return None
+    W = torch.cat([_plain(w) for w in ws])
     plan = plan_of(cell, W.device)
-    return _taps(lambda xw_t, h, tap, mh: FusedDerivedStep.apply(xw_t, h, tap, W, mh, plan), group)
+    return _taps(lambda xw_t, h, tap, mh: FusedDerivedStep.apply(xw_t, h, tap, W, mh, plan), _group(ws))
 
 def search_runner(cell, ctx):
     """`step(t, xw_t, h, mh)` of the search cell through `FusedSearchStep` (in training: batch statistics), its weights
     as `derived_runner`'s; None where the kernels cannot run it"""
     W0hT, Wsuf, leaving, update_stats = ctx
     ws = [W0hT, *Wsuf]
-    W, group = _stacked(ws, torch.cat([_plain(W0hT), _plain(Wsuf[0])]))   # Wsuf[0] is all of WhT
-    if W is None or not cell.bn.training: return None
-    leaving = leaving.contiguous()
-    return _taps(lambda xw_t, h, tap, mh: FusedSearchStep.apply(xw_t, h, tap, W, leaving, mh, cell.bn, update_stats), group)
+    if not cell.bn.training or not _runnable(ws): return None
+    W, leaving = torch.cat([_plain(W0hT), _plain(Wsuf[0])]), leaving.contiguous()   # Wsuf[0] is all of WhT
+    return _taps(lambda xw_t, h, tap, mh: FusedSearchStep.apply(xw_t, h, tap, W, leaving, mh, cell.bn, update_stats), _group(ws))
 

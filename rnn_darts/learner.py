@@ -149,8 +149,8 @@ def _learner(dls, model, c:RunConfig, path, device, compile=None, auto_compile=F
     model.to(dev)
     model.fused_loss = c.fused_loss
     if compile is None and dev.type == 'cuda': compile = True
-    if compile: model.cell.compile_step()
     check_device_rules(c.asdict(), dev)
+    if compile: model.cell.compile_step()
     if c.fuse: model.cell.fuse_step()
     auto = ([AutoCompile()] if compile is None and auto_compile else []) + [CompileNotice()]
     auto += [CudaGraphs(emulate=graphs) if graphs in EMULATIONS else CudaGraphs(graphs), TableColumns()]

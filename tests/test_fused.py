@@ -119,8 +119,9 @@ def test_a_model_through_the_fused_step_gives_the_eager_loss_and_gradients(kind,
     """A derived model, random search's shared one (whose node matrices are copied together) and the search model, with
     dropout: the loss, every weight's gradient (summed from the taps every 8 time steps; 10 time steps: a full stash and
     a rest) and α's, α's gradient alone in an architecture pass (no weight gradient, no tap; statistics untouched), the
-    running statistics after, and an evaluation loss without gradients (the search cell's: not fused), fused against eager, in float64 (in float32 the search cell's batch statistics over 4 rows make the sums'
-    order show: relative differences up to 1e-4)"""
+    running statistics after, and an evaluation loss without gradients (the search cell's: not fused), fused against
+    eager, in float64 (in float32 the search cell's batch statistics over 4 rows make the sums' order show: relative
+    differences up to 1e-4)"""
     torch.manual_seed(0)
     m = MODELS[kind](dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1).to(torch.float64).train()
     params, start = m.flat.params + (m.arch_parameters() if kind == 'search' else []), copy.deepcopy(m.state_dict())
