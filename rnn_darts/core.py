@@ -4,15 +4,15 @@
 
 # %% ../nbs/00_core.ipynb #853d301f
 from __future__ import annotations
-import configparser, difflib, math, os, random, re, sys, inspect
+import configparser, difflib, math, os, random, re, sys, inspect, time
 from contextlib import contextmanager
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['RENAMED', 'UserError', 'UsageError', 'foreign_warnings_off', 'get_device', 'cpu_name', 'set_seed', 'rng_states',
-           'set_rng_states', 'check_positive', 'check_prob', 'check_bptt', 'check_number', 'check_choice', 'naming',
-           'write_text_atomic', 'packaged_settings', 'read_ini', 'settings_candidates', 'find_settings', 'renamed_hint',
-           'read_preset', 'option_type', 'options_of']
+__all__ = ['HOLD_ENV', 'HOLD_LIMIT', 'RENAMED', 'UserError', 'UsageError', 'foreign_warnings_off', 'get_device', 'cpu_name',
+           'set_seed', 'rng_states', 'set_rng_states', 'check_positive', 'check_prob', 'check_bptt', 'check_number',
+           'check_choice', 'naming', 'write_text_atomic', 'hold_at', 'packaged_settings', 'read_ini',
+           'settings_candidates', 'find_settings', 'renamed_hint', 'read_preset', 'option_type', 'options_of']
 
 # %% ../nbs/00_core.ipynb #c0e11a02
 class UserError(ValueError):
@@ -157,6 +157,25 @@ def write_text_atomic(text:str, path):
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True); raise
+
+# %% ../nbs/00_core.ipynb #8a3fe467
+HOLD_ENV = 'RNN_DARTS_HOLD'
+HOLD_LIMIT = 600.   # seconds a hold waits for a signal that never comes (a test that forgot it): then the run goes on
+
+def hold_at(event:str, until=lambda: False, limit:float=HOLD_LIMIT) -> bool:
+    "For the tests of signals: hold at `event` when `RNN_DARTS_HOLD` is `EVENT@FILE` and `FILE` is not written yet, until `until()` or a signal ends the process; whether it held"
+    name, _, file = os.environ.get(HOLD_ENV, '').rpartition('@')
+    if name != event or not file: return False
+    tmp = Path(f"{file}.tmp{os.getpid()}")
+    tmp.write_text(str(os.getpid()))
+    try: os.link(tmp, file)   # atomic, and once: a process that finds FILE written goes on
+    except FileExistsError: return False
+    finally: tmp.unlink()
+    print(f"held at {event} ({HOLD_ENV}), pid {os.getpid()}", file=sys.stderr, flush=True)
+    t = time.monotonic()
+    while not until() and time.monotonic() - t < limit: time.sleep(0.01)   # a signal's handler runs between two sleeps
+    return True
+
 
 # %% ../nbs/00_core.ipynb #345c49c3
 def packaged_settings() -> Path:

@@ -12,7 +12,7 @@ from fastai.torch_core import rank_distrib
 from rnn_darts.genotypes import PRIMITIVES, sample_genotype, genotype_to_dict, save_genotype
 from rnn_darts.data import batchify
 from rnn_darts.callbacks.logs import write_json_atomic
-from rnn_darts.core import write_text_atomic
+from rnn_darts.core import write_text_atomic, hold_at
 from rnn_darts.config import SearchConfig
 
 # %% auto #0
@@ -110,7 +110,7 @@ def choose_cell(learn, candidates:int|None=None, top:int|None=None, show:bool=Tr
     scr, full = ({int(k): v for k, v in st[s].items()} for s in ('screen', 'full')) if st else ({}, {})
     if st and writer: print(f"{prog}: continuing the scoring ({len(scr)} of {n} cells screened, {len(full)} of {top} in full)")
     def save():
-        if writer: write_json_atomic(dict(key=key, screen=scr, full=full), prog)
+        if writer: write_json_atomic(dict(key=key, screen=scr, full=full), prog); hold_at(f"{path.name} scores saved")   # the kill tests' hold
     cells, training, t0 = draw_candidates(n, model.steps, rnd.seed + 2), model.training, time.time()
     show = show and writer
     if show: print(f"scoring {n} cells with the shared weights: all on the valid split in {screen.shape[0]} rows of "

@@ -4,7 +4,7 @@
 
 # %% ../nbs/17_study.ipynb #410a7d43
 from __future__ import annotations
-import contextlib, json, math, os, re, socket, sys, time, uuid
+import contextlib, json, math, os, re, signal, socket, sys, threading, time, uuid
 
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -18,7 +18,7 @@ __all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'INSTALL
            'study_rows', 'run_passes', 'planned_work', 'check_stages', 'waits_for', 'stage_finished', 'check_final',
            'run_stage', 'run_study', 'progress_text', 'collect_study', 'import_ray', 'check_ray', 'start_ray',
            'check_answers', 'probe_folder', 'check_workers_see', 'run_stage_task', 'wait_unlocked', 'stage_error',
-           'task_options', 'parallel_slots', 'submit_stages', 'run_on_ray', 'stop_stages', 'plot_study',
+           'task_options', 'parallel_slots', 'submit_stages', 'run_on_ray', 'take_sigterm', 'stop_stages', 'plot_study',
            'write_study_report', 'search_comparison', 'plot_search_comparison', 'write_search_comparison']
 
 # %% ../nbs/17_study.ipynb #160dffce
@@ -483,9 +483,10 @@ def submit_stages(ray, todo:list, stages:list, s:dict, study_dir:Path, settings_
 
 def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, work:dict):
     "Run the study's stages that are not done as Ray tasks; a line as each ends, with the time left. Ctrl-C, or a stage that fails, stops the others at a checkpoint"
-    ray, pending = import_ray(), []
+    ray, pending, stopped, before = import_ray(), [], {}, signal.getsignal(signal.SIGTERM)
     try:
         start_ray(address)
+        take_sigterm(stopped)
         check_workers_see(ray, study_dir)
         todo = [st for st in stages if not stage_finished(st, stages, s, study_dir, settings_file)]
         for st in (x for x in stages if x not in todo): print(f"study {st.name}: done before, skipped", flush=True)
@@ -504,20 +505,30 @@ def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, devi
             print(f"study [{len(todo) - len(pending)}/{len(todo)}] {of[ref].name}: done ({progress_text(t0, [of[r] for r in pending], study_dir, work, slots)})", flush=True)
     except KeyboardInterrupt:
         stop_stages(ray, pending)
-        print("rnn-darts: interrupted: the running stages stopped, each at a checkpoint it can resume from; run the same command again to resume the study",
-              file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+        sig = stopped.get('signal', signal.SIGINT)
+        print(f"rnn-darts: {'interrupted' if sig == signal.SIGINT else sig.name}: the running stages stopped, each at a checkpoint it can resume "
+              "from; run the same command again to resume the study", file=sys.stderr, flush=True)
+        raise SystemExit(128 + sig) from None
     except BaseException:
         stop_stages(ray, pending)
         raise
     finally:
-        for r in pending: ray.cancel(r, force=True)
-        ray.shutdown()
+        ray.shutdown()   # ends what still runs: a local Ray with its workers; on a cluster, Ray ends a job's tasks as its driver leaves
+        if stopped.get('took') and before is not None: signal.signal(signal.SIGTERM, before)
+
+def take_sigterm(stopped:dict):
+    "SIGTERM to the driver stops the study as Ctrl-C does, noted in `stopped` (`ray.init`'s own handler exits at once, with a stack dump); in the main thread only"
+    if threading.current_thread() is not threading.main_thread(): return
+    def on_sigterm(signum, frame):
+        stopped['signal'] = signal.Signals(signum)
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_sigterm)
+    stopped['took'] = True
 
 def stop_stages(ray, refs:list, wait:float=STOP_WAIT):
-    "Stop the running stages as Ctrl-C stops a run (a mid-epoch checkpoint after the batch), then, after `wait` seconds, at once"
+    "Stop the running stages as Ctrl-C stops a run (a mid-epoch checkpoint after the batch), waiting at most `wait` seconds for them"
     if not refs: return
-    for r in refs: ray.cancel(r)
+    for r in refs: ray.cancel(r)   # never force=True: a task force-cancelled as it ends crashes Ray's driver ('Tried to complete task that was not pending')
     with contextlib.suppress(KeyboardInterrupt): ray.wait(refs, num_returns=len(refs), timeout=wait)
 
 def _resources_text(ray) -> str:

@@ -5,12 +5,13 @@ whole files; changed data is refused; a failed write names its file.
 The corpora are small (20 training batches an epoch for the signals, 10 or fewer elsewhere): the in-process resumes are
 proved exact for every part by tests/test_resume.py; here what only the command line does: the signal handlers, the
 printed resume line, the exit statuses, the run folder's checks."""
-import errno, json, os, re, shlex, signal, subprocess, sys, time
+import errno, json, os, re, shlex, signal, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from rnn_darts import cli, runs
 from rnn_darts.callbacks.checkpoint import load_checkpoint, latest_checkpoint
 from rnn_darts.callbacks.preemption import Preemption
+from tests._signals import stop_at
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,20 +30,10 @@ def args(data, out, *more):
     return ['search', '--curvature', 'false', '--data', str(data), '--epochs', '2', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '16',
             '--nhid', '16', '--mode', 'first', '--device', 'cpu', '--threads', '1', '--compile', 'false', '--out', str(out), *more]
 
-def launch(argv, stdout=None):
-    "`rnn-darts ARGV` in a new process; its stdout to the file `stdout` (unbuffered: read while it runs), else a pipe"
-    env = {**os.environ, 'PYTHONPATH': str(ROOT), 'PYTHONUNBUFFERED': '1'}
-    f = subprocess.PIPE if stdout is None else open(stdout, 'w')
-    try: return subprocess.Popen([sys.executable, '-m', 'rnn_darts.cli', *argv], cwd=ROOT, env=env, stdout=f, stderr=subprocess.PIPE, text=True)
-    finally:
-        if stdout is not None: f.close()
-
-def wait_for(p, cond, what, limit=300):
-    t0 = time.time()
-    while not cond():
-        assert p.poll() is None, p.communicate()
-        assert time.time() - t0 < limit, f"no {what} after {limit} s"
-        time.sleep(0.01)
+def launch(argv):
+    "`rnn-darts ARGV` in a new process, its output piped"
+    env = {**os.environ, 'PYTHONPATH': str(ROOT)}
+    return subprocess.Popen([sys.executable, '-m', 'rnn_darts.cli', *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 def log_rows(run):
     return [l.rsplit(',', 1)[0] for l in (run/'log.csv').read_text().splitlines()]   # without the time column
@@ -75,31 +66,23 @@ def test_sigterm_then_sigint_mid_epoch_then_the_printed_resume_line_is_exact(tmp
     ref = launch(args(data, tmp_path/'ref'))                   # the uninterrupted run every interrupted one must end as
     run, mid_path = tmp_path/'run', tmp_path/'run'/'checkpoints'/'mid_epoch.pth'
     argv = args(data, run, '--overwrite')   # the resume line must leave --overwrite out
-    p = launch(argv)
-    wait_for(p, lambda: (run/'checkpoints'/'epoch_0000.pth').exists(), 'first checkpoint')
-    time.sleep(0.3)                                            # inside epoch 1
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 128 + signal.SIGTERM, err
+    code, out, err = stop_at(argv, 'run batch 25', signal.SIGTERM, tmp_path)   # ~20 batches an epoch: inside epoch 1
+    assert code == 128 + signal.SIGTERM, err
     m = stopped(err, 'SIGTERM')
-    assert Path(m[4]) == mid_path and mid_path.is_file()
+    assert Path(m[4]) == mid_path and mid_path.is_file() and m[1] == '1' and int(m[2]) == 25 - int(m[3])
     assert not (run/'genotype.json').exists()                  # the search did not end
     mid = load_checkpoint(mid_path)
     assert mid['epoch'] == int(m[1]) == 1 and mid['mid']['batches'] == int(m[2]) < int(m[3])
     before = mid['cbs']['RunInfo']['epoch_seconds']            # the epoch's time before the signal, carried into the resumed run
-    assert 0.2 < before < 300
+    assert 0 < before < 300
     line = shlex.split(m[5])                                   # the printed command, as a user would paste it
     assert line == ['rnn-darts', *[a for a in argv if a != '--overwrite'], '--resume'], line
 
-    log = tmp_path/'resumed.out'                               # the line, run: stopped by SIGINT once it has resumed
-    r = launch(line[1:], stdout=log)
-    wait_for(r, lambda: f"resumed from {mid_path} (epoch 1, after batch {m[2]} of {m[3]})" in log.read_text(), 'resume')
-    time.sleep(0.3)                                            # inside the fit: the handlers are in place
-    r.send_signal(signal.SIGINT)
-    _, err = r.communicate(timeout=300)
-    assert r.returncode == 130, err
+    code, out, err = stop_at(line[1:], 'run batch 3', signal.SIGINT, tmp_path)   # the line, run: stopped by SIGINT 3 batches on
+    assert code == 130, err
+    assert f"resumed from {mid_path} (epoch 1, after batch {m[2]} of {m[3]})" in out
     m2 = stopped(err, 'SIGINT')
-    assert (m2[1], m2[3], m2[4], m2[5]) == (m[1], m[3], m[4], m[5]) and int(m[2]) < int(m2[2]) < int(m2[3])
+    assert (m2[1], m2[3], m2[4], m2[5]) == (m[1], m[3], m[4], m[5]) and int(m2[2]) == int(m[2]) + 3
     later = load_checkpoint(mid_path)['cbs']['RunInfo']['epoch_seconds']
     assert later > before
 

@@ -1,7 +1,6 @@
 """Random search with weight sharing (`--mode random`): the shared model is the derived model, cells are drawn uniformly,
 the scores in candidates.csv are true, and a run killed in training or in the scoring resumes to the same result."""
-import json, math, os, signal, subprocess, sys, time
-from pathlib import Path
+import json, math, signal
 import pytest, torch
 import torch.nn.functional as F
 from fastai.callback.core import Callback
@@ -12,6 +11,7 @@ from rnn_darts.genotypes import PRIMITIVES, sample_genotype, load_genotype
 from rnn_darts.learner import search_learner
 from rnn_darts.model import DartsRnn, DartsRnnShared
 from rnn_darts.callbacks.checkpoint import load_checkpoint
+from tests._signals import stop_at
 
 DROP = dict(dropout=0.3, dropouth=0.2, dropoutx=0.2, dropouti=0.1, dropoute=0.1)   # every dropout on: the masks must agree too
 
@@ -150,20 +150,6 @@ def test_random_search_cli_end_to_end(tmp_path, capsys):
     res = cli.run_command(['evaluate', str(out), '--split', 'valid', '--checkpoint', 'last', '--threads', '1'])
     assert res['loss'] == pytest.approx(df.valid_loss[0], abs=0.05)   # fastai's validate weighs windows, not tokens: close, not equal
 
-ROOT = Path(__file__).resolve().parents[1]
-
-def _cli(args, **kw):
-    env = {**os.environ, 'PYTHONPATH': str(ROOT)}
-    return subprocess.Popen([sys.executable, '-m', 'rnn_darts.cli', *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
-
-def _wait(p, cond, what, limit=240):
-    t0 = time.time()
-    while not cond():
-        assert p.poll() is None, p.stdout.read()
-        assert time.time() - t0 < limit, f"no {what} after {limit} s"
-        time.sleep(0.02)
-
 def _same_result(ref, run):
     for f in ('candidates.csv', 'genotype.json'): assert (ref/f).read_text() == (run/f).read_text(), f
     strip = lambda d: [l.rsplit(',', 1)[0] for l in (d/'log.csv').read_text().splitlines()]   # without the time column
@@ -173,14 +159,12 @@ def _same_result(ref, run):
 def test_a_kill_while_scoring_resumes_exactly(tmp_path, capsys):
     """SIGKILL while the cells are scored (by subprocess: the kill is the point): --resume ends with the same log, candidates.csv and
     genotype.json as an uninterrupted run (both in this process). 30 cells screened, then the best 8 on the full split (~0.4 s
-    each): the kill, at the first scores saved, lands seconds before the end. (A kill in training: tests/test_resume.py's random
+    each): the kill lands where the first scores are saved (held there). (A kill in training: tests/test_resume.py's random
     case and test_reliability's SIGKILL)"""
     args = [*TINY, '--epochs', '1', '--candidates', '30', '--top', '8']
     run = tmp_path/'run'
-    p = _cli(['search', *args, '--out', str(run)])
-    prog = run/'checkpoints'/'candidates.json'
-    _wait(p, lambda: prog.exists() and len(json.loads(prog.read_text())['screen']) > 0, 'saved scores')
-    p.send_signal(signal.SIGKILL); p.wait()
+    code, out, err = stop_at(['search', *args, '--out', run], 'run scores saved', signal.SIGKILL, tmp_path)   # held at the first scores saved
+    assert code == -signal.SIGKILL, out + err
     assert not (run/'candidates.csv').exists()
     capsys.readouterr()
     cli.run_command(['search', *args, '--out', str(run), '--resume'])

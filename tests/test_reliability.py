@@ -10,7 +10,7 @@ shorter than one batch (test_batchify_errors, test_streamdl_bad_args, test_lm_dl
 and test_dl; zero sizes, dropout = 1 or < 0 and emsize != nhid in the search model (tests/test_model.py:
 test_bad_sizes); an unknown op in a genotype given to the plot (tests/test_plot.py).
 """
-import errno, json, os, random, signal, subprocess, sys, time
+import errno, json, os, random, signal, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from fastai.callback.core import Callback
@@ -25,6 +25,7 @@ from rnn_darts.callbacks.asgd import ASGDSwitch
 from rnn_darts.callbacks.training import RNNRegularizer
 from tests._resume_script import build, weights_hash, CORPUS
 from tests._devices import ON_DEVICES
+from tests._signals import Job
 
 HERE = Path(__file__).parent
 SCRIPT = HERE/'_resume_script.py'
@@ -57,32 +58,24 @@ def _run_script(run, n, device='cpu', **kw):
 @pytest.mark.slow
 @ON_DEVICES
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, device):
-    """SIGKILL inside the third epoch (half an epoch's time, as measured, after the second checkpoint: the last epoch is
-    left as margin, whatever the machine's speed), a stray half-written checkpoint, resume: bit-identical end. The one kill of a
-    process in training (the search's entry point); three processes of ~8 s start-up each (two of them alongside), 4
-    epochs of 10 batches each: ~25 s"""
-    n = 4 if device == 'cpu' else 12                 # a tiny epoch takes well under a second on a GPU (graphed, not compiled)
+    """SIGKILL inside the third epoch (held after its fifth batch), a stray half-written checkpoint, resume: bit-identical
+    end. The one kill of a process in training (the search's entry point); three processes of ~8 s start-up each (two of
+    them alongside), 4 epochs of 10 batches each: ~25 s"""
+    n = 4
     ref_dir, run_dir = tmp_path/'ref', tmp_path/'run'
     ref = _run_script(ref_dir, n, device)            # the uninterrupted run, alongside (one thread each)
-    p = _run_script(run_dir, n, device)
+    job = Job([run_dir, n, 0, device], hold='run batch 25', tmp=tmp_path, script=SCRIPT)
+    pid = job.held()
+    job.signal(signal.SIGKILL)
+    code, said, err = job.finish()
+    assert code == -signal.SIGKILL, said + err
     ck = run_dir/'checkpoints'
-    t0, seen = time.time(), []
-    for e in (0, 1):
-        while not (ck/f'epoch_{e:04d}.pth').exists():
-            assert p.poll() is None, p.stdout.read()
-            assert time.time() - t0 < 300, f"no checkpoint of epoch {e} after 300 s"
-            time.sleep(0.02)
-        seen.append(time.time())
-    time.sleep(0.5 * (seen[1] - seen[0]))           # half an epoch: the kill lands inside epoch 2
-    assert p.poll() is None, "the run ended before it could be killed"
-    p.send_signal(signal.SIGKILL); p.wait()
-    assert p.returncode == -signal.SIGKILL
     assert not (run_dir/'result.json').exists()
     killed_at = latest_checkpoint(ck)
-    assert killed_at is not None and killed_at.name != f'epoch_{n-1:04d}.pth'
+    assert killed_at.name == 'epoch_0001.pth'
     # a checkpoint that was being written when the process died: a temporary file, never a checkpoint
     k = int(killed_at.stem.split('_')[1])
-    junk = ck/f'.epoch_{k+1:04d}.pth.tmp{p.pid}'
+    junk = ck/f'.epoch_{k+1:04d}.pth.tmp{pid}'
     junk.write_bytes(b'PK\x03\x04 half a zip file')
     assert latest_checkpoint(ck) == killed_at and junk not in epoch_checkpoints(ck)
 

@@ -9,6 +9,8 @@ import pandas as pd, pytest
 from rnn_darts import cli
 from rnn_darts.study import STUDY_COLUMNS
 from rnn_darts.genotypes import load_genotype
+from rnn_darts.callbacks.checkpoint import load_checkpoint
+from tests._signals import Job, stop_at
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = """
@@ -134,33 +136,21 @@ def test_run_again_skips_and_changed_settings_are_refused(done, tmp_path, capsys
     new, old = table(s2), table(s)
     pd.testing.assert_frame_equal(new.drop(columns=['final_valid_ppl', 'final_test_ppl']), old.drop(columns=['final_valid_ppl', 'final_test_ppl']))
 
-def launch(argv):
-    "The command as a user runs it; unbuffered, so that what it said before a SIGKILL reaches the pipe"
-    return subprocess.Popen([sys.executable, '-m', 'rnn_darts.cli', *argv], cwd=ROOT, env={**os.environ, 'PYTHONPATH': str(ROOT), 'PYTHONUNBUFFERED': '1'},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
 @pytest.mark.slow
 def test_killed_study_resumes_to_the_same_table(done, tmp_path, capsys):
-    """SIGTERM inside the first cell's short training; running again goes on from its mid-epoch state, and is SIGKILLed inside
-    the reference's short training; --resume ends with the uninterrupted study's table. One study's work over three runs, the
-    two killed ones by subprocess (the signals are the point): over 20 s for that"""
+    """SIGTERM after the third batch of the first cell's short training; running again goes on from that batch, and is
+    SIGKILLed after the third batch of the reference's short training; --resume ends with the uninterrupted study's table.
+    One study's work over three runs, the two killed ones by subprocess (the signals are the point): over 20 s for that"""
     d, s, _ = done
     out = tmp_path/'s'
-    def kill_in(stage, sig):
-        p, said = launch(study_args(d, out)), []
-        for line in p.stdout:                                          # kill it inside the stage
-            said.append(line)
-            if f'{stage}: starts' in line: break
-        time.sleep(1.0)
-        p.send_signal(sig); rest, err = p.communicate(timeout=300)
-        return p.returncode, ''.join(said) + rest, err
-    code, _, err = kill_in('short-search-first-1', signal.SIGTERM)
-    assert code in (143, -15), err                                     # -15: between two stages, or in a test evaluation
-    if code == 143:                                                    # caught inside the fit: the resume line repeats the study command
-        assert 'resume with: rnn-darts study --preset tiny-study' in err and '--resume' not in err
-    again, said, err = kill_in('short-DARTS_V2', signal.SIGKILL)      # running again: what the resume line says to do
+    code, _, err = stop_at(study_args(d, out), 'short-search-first-1 batch 3', signal.SIGTERM, tmp_path)
+    assert code == 143, err                                            # caught inside the fit: the resume line repeats the study command
+    assert 'resume with: rnn-darts study --preset tiny-study' in err and '--resume' not in err
+    mid = load_checkpoint(out/'short-search-first-1'/'checkpoints'/'mid_epoch.pth')['mid']
+    assert mid['batches'] == 3 < mid['of']
+    again, said, err = stop_at(study_args(d, out), 'short-DARTS_V2 batch 3', signal.SIGKILL, tmp_path)   # running again: what the resume line says to do
     assert again == -9, err
-    if code == 143: assert 'resumed from' in said                      # the stopped stage went on from its mid-epoch state
+    assert f"resumed from {out/'short-search-first-1'/'checkpoints'/'mid_epoch.pth'} (epoch 0, after batch 3 of" in said   # the stopped stage went on from there
     capsys.readouterr()
     cli.run_command(study_args(d, out, '--resume'))                    # --resume: what running again does
     pd.testing.assert_frame_equal(table(out), table(s))
@@ -262,27 +252,6 @@ def test_a_study_of_the_darts_family_plans_a_search_of_each_method(tmp_path):
 needs_ray = pytest.mark.skipif(importlib.util.find_spec('ray') is None, reason="ray is not installed (pip install -e '.[dev]' installs it)")
 NO_TOKEN = {'RAY_AUTH_MODE': 'disabled'}   # the test's own cluster, started and joined without Ray's token files
 
-def launch_job(argv, env=None):
-    "The command in a process group of its own, as a job scheduler starts it: killing the group kills the command and the Ray it started"
-    return subprocess.Popen([sys.executable, '-m', 'rnn_darts.cli', *argv], cwd=ROOT, start_new_session=True, text=True,
-                            env={**os.environ, 'PYTHONPATH': str(ROOT), 'PYTHONUNBUFFERED': '1', **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-def lock_holder(folder, timeout=120.) -> int:
-    "The pid of the process that holds the run folder's lock (it is running the stage), once one does"
-    import fcntl
-    t = time.time()
-    while time.time() - t < timeout:
-        p = Path(folder)/'.lock'
-        if p.is_file():
-            with open(p) as f:
-                try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB); fcntl.flock(f, fcntl.LOCK_UN)
-                except BlockingIOError:
-                    said = f.read().split()
-                    if said[:1] == ['pid']: return int(said[1])
-        time.sleep(0.05)
-    raise TimeoutError(f"no process took {folder}'s lock in {timeout} s")
-
 def starts(out, stage) -> int:
     "How many times a Ray worker started the stage (its log has a line as each starts)"
     return sum(l.startswith('== ') for l in (Path(out)/'ray-logs'/f'{stage}.log').read_text().splitlines())
@@ -294,20 +263,17 @@ def finished(folder) -> bool:
 @pytest.mark.slow
 @needs_ray
 def test_on_ray_a_killed_worker_and_a_killed_driver_give_the_same_table(done, tmp_path):
-    """--ray on a local Ray with 2 CPUs. A worker SIGKILLed inside search-first-1 is run again by Ray; then the driver is
-    SIGKILLed with its Ray (its process group) after three stages; the same command again runs the rest, nothing twice,
-    and study.csv is the study run without Ray, bit for bit at one thread a stage"""
+    """--ray on a local Ray with 2 CPUs. A worker SIGKILLed after search-first-1's third batch is run again by Ray (and
+    does not hold again); then the driver is SIGKILLed with its Ray (its process group) after three stages; the same
+    command again runs the rest, nothing twice, and study.csv is the study run without Ray, bit for bit at one thread a stage"""
     d, s, _ = done
     out = tmp_path/'s'
-    p = launch_job(study_args(d, out, '--ray'))
-    os.kill(lock_holder(out/'search-first-1'), signal.SIGKILL)
-    said = []
-    for line in p.stdout:
-        said.append(line)
-        if '[3/6]' in line: break
-    with contextlib.suppress(ProcessLookupError): os.killpg(p.pid, signal.SIGKILL)
-    p.wait(timeout=60)
-    assert starts(out, 'search-first-1') == 2, ''.join(said)          # Ray ran it again after its worker died
+    job = Job(study_args(d, out, '--ray'), hold='search-first-1 batch 3', tmp=tmp_path, group=True)
+    job.signal(signal.SIGKILL, to=job.held())                         # the worker, inside the stage
+    job.wait_line('[3/6]')
+    with contextlib.suppress(ProcessLookupError): job.signal(signal.SIGKILL, to='group')
+    job.finish(60)
+    assert starts(out, 'search-first-1') == 2, job.said                # Ray ran it again after its worker died
     ended = {st: (out/st/'run.json').read_text() for st in STAGES if finished(out/st)}
     assert len(ended) >= 3
     again = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', *study_args(d, out, '--ray')], cwd=ROOT, capture_output=True, text=True,
@@ -319,23 +285,26 @@ def test_on_ray_a_killed_worker_and_a_killed_driver_give_the_same_table(done, tm
     assert all((out/st/'run.json').read_text() == rec for st, rec in ended.items())   # not run twice
     pd.testing.assert_frame_equal(table(out), table(s))
 
+STOPPED = "the running stages stopped, each at a checkpoint it can resume from; run the same command again to resume the study"
+
 @pytest.mark.slow
 @needs_ray
-def test_on_ray_ctrl_c_stops_the_stages_and_says_how_to_resume(done, tmp_path):
-    """Ctrl-C in the terminal (SIGINT to the command's process group, its Ray included) once the stages run: the stages
-    stop, one line says to run the same command again, exit 130; that command ends with the study's table"""
+@pytest.mark.parametrize('sig, to', [(signal.SIGINT, 'group'), (signal.SIGTERM, None)], ids=['ctrl-c', 'sigterm'])
+def test_on_ray_ctrl_c_stops_the_stages_and_says_how_to_resume(done, tmp_path, sig, to):
+    """Ctrl-C in the terminal (SIGINT to the command's process group, its Ray included), or SIGTERM to the driver, while
+    search-first-1 is held after its third batch: that stage stops there, at a mid-epoch checkpoint, one line says to run
+    the same command again, exit 130 (143); that command ends with the study's table (run after Ctrl-C only: both stop the stages alike)"""
     d, s, _ = done
     out = tmp_path/'s'
-    p = launch_job(study_args(d, out, '--ray'))
-    for line in p.stdout:
-        if ' stages on Ray (' in line: break
-    lock_holder(out/'search-first-1')                                 # a stage is running
-    os.killpg(p.pid, signal.SIGINT)
-    _, err = p.communicate(timeout=120)
+    job = Job(study_args(d, out, '--ray'), hold='search-first-1 batch 3', tmp=tmp_path, group=True)
+    job.held()
+    job.signal(sig, to=to)
+    code, _, err = job.finish(120)
     lines = [l for l in err.splitlines() if l.strip()]
-    assert p.returncode == 130 and lines == ["rnn-darts: interrupted: the running stages stopped, each at a checkpoint it can resume "
-                                             "from; run the same command again to resume the study"], err
+    assert code == 128 + sig and lines == [f"rnn-darts: {'interrupted' if sig == signal.SIGINT else 'SIGTERM'}: {STOPPED}"], err
+    assert load_checkpoint(out/'search-first-1'/'checkpoints'/'mid_epoch.pth')['mid']['batches'] == 3
     assert not finished(out/'final')
+    if sig == signal.SIGTERM: return
     again = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', *study_args(d, out, '--ray')], cwd=ROOT, capture_output=True, text=True,
                            env={**os.environ, 'PYTHONPATH': str(ROOT)}, timeout=600)
     assert again.returncode == 0, again.stderr

@@ -4,11 +4,12 @@
 
 # %% ../../nbs/06a_preemption.ipynb #afa07f01
 from __future__ import annotations
-import signal, sys, threading, time
+import os, signal, sys, threading, time
 from pathlib import Path
 import torch
 from fastai.callback.core import Callback, CancelFitException
 from fastai.torch_core import rank_distrib
+from rnn_darts.core import HOLD_ENV, hold_at
 from rnn_darts.callbacks.epochs import in_lr_find
 from rnn_darts.callbacks.checkpoint import Checkpoint, MID_EPOCH, mid_epoch_state, save_atomic, kept_nonfinite, short_list
 
@@ -24,7 +25,9 @@ class Preemption(Callback):
         if every is not None and not every > 0: raise ValueError(f"every must be > 0 (seconds), got {every!r}")
         self.every, self.dirname, self.old = every, dirname, {}
 
-    def before_fit(self): self.signum, self.last, self.learn.interrupted = None, time.monotonic(), None
+    def before_fit(self):
+        self.signum, self.last, self.learn.interrupted = None, time.monotonic(), None
+        self.batches, self.hold = 0, HOLD_ENV in os.environ   # the tests' hold: `RUN batch N`, the fit's Nth training batch in this process
 
     def before_train(self):
         "Take the signals when the fit first trains: `learn.validate()` fires `before_fit` too, and a signal there acts at once"
@@ -59,6 +62,8 @@ class Preemption(Callback):
 
     def after_batch(self):
         if not self.training or in_lr_find(self.learn): return
+        self.batches += 1
+        if self.hold: hold_at(f"{Path(self.path).name} batch {self.batches}", until=lambda: self.signum is not None)
         if self.signum is None and not (self.every and time.monotonic() - self.last >= self.every): return
         self.last, p = time.monotonic(), Path(self.path)/self.dirname/MID_EPOCH
         state = mid_epoch_state(self.learn)
