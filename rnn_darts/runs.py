@@ -304,6 +304,13 @@ def train(**flags):
 
 search.__signature__, train.__signature__ = flags_signature('search'), flags_signature('train')   # help(), IDEs and the notebooks see every flag
 
+def _what_ran(info:dict, learn, run) -> str:
+    "What a search run's evaluation tested: its supernet, or the shared weights running the chosen cell; neither is the cell trained alone"
+    if info['command'] != 'search': return ''
+    what = ("the random search's shared weights, running its chosen cell" if getattr(learn, 'random_arch', None) is not None
+            else "the search's supernet, each edge mixing every operation by α")
+    return f" ({what}; the cell trained alone: rnn-darts train --genotype {run})"
+
 def evaluate_run(
     run:str,              # run folder (written by search or train)
     checkpoint:str='best',# best | last | a checkpoint file
@@ -356,7 +363,7 @@ def evaluate_run(
     dl = test_dl(corpus, s['bptt'], bs=s.get('test_bs', 1), device=dev) if split == 'test' else dls.valid
     plain_output(learn)   # into a file or a pipe: no bar frames
     res = evaluate(learn, dl)
-    print(f"{p} on {split}: loss {res['loss']:.4f}, perplexity {res['ppl']:.2f}")
+    print(f"{p} on {split}: loss {res['loss']:.4f}, perplexity {res['ppl']:.2f}{_what_ran(info, learn, run)}")
     return res
 
 

@@ -395,7 +395,7 @@ def check_answers(address:str, timeout:float=10.):
     "One line if nothing listens at a cluster's `HOST:PORT` (Ray itself would wait there for ever); `auto` and `ray://` addresses are Ray's to check"
     host, sep, port = address.rpartition(':')
     if address == 'auto' or '://' in address: return
-    if not sep or not port.isdigit(): raise UserError(f"--ray {address}: give a Ray cluster's address as HOST:PORT (ray start --head prints it), or --ray alone for a local Ray")
+    if not sep or not port.isdigit(): raise UsageError(f"--ray {address}: give a Ray cluster's address as HOST:PORT (ray start --head prints it), or --ray alone for a local Ray")
     try: socket.create_connection((host, int(port)), timeout=timeout).close()
     except OSError as e: raise UserError(f"--ray {address}: no Ray cluster answers there ({e.strerror or e}); start one with: ray start --head") from None
 
@@ -425,8 +425,10 @@ def check_workers_see(ray, study_dir:Path):
     if bad: raise UserError(bad)
 
 # %% ../nbs/17_study.ipynb #e354f0ae
-def run_stage_task(st, stages, s, study_dir, settings_file, device, threads, override, *after):
-    "On a worker: run stage `st` (`after`: the stages it waits for, done by now), its output in the study's `ray-logs/STAGE.log`"
+def run_stage_task(st, stages, s, study_dir, settings_file, device, threads, override, argv, *after):
+    "On a worker: run stage `st` (`after`: the stages it waits for, done by now), its output in the study's `ray-logs/STAGE.log`; `argv`: the study command's, which a stopped stage's log says to run again"
+    from rnn_darts import runs
+    runs.ARGV[:] = argv
     log = Path(study_dir)/'ray-logs'/f"{st.name}.log"
     log.parent.mkdir(exist_ok=True)
     with open(log, 'a') as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), foreign_warnings_off():
@@ -471,12 +473,13 @@ def parallel_slots(ray, res:dict) -> int:
 # %% ../nbs/17_study.ipynb #78af0280
 def submit_stages(ray, todo:list, stages:list, s:dict, study_dir:Path, settings_file, opts:tuple, override, pending:list) -> dict:
     "Submit the stages `todo` as Ray tasks (`opts`: `task_options`), each with the results of the stages it waits for as arguments (Ray starts it when they are done); appends each to `pending`, returns task -> stage"
+    from rnn_darts import runs
     res, dev, thr = opts
     task = ray.remote(max_retries=RETRIES, retry_exceptions=False, **res)(run_stage_task)
     refs, of = {}, {}
     for st in todo:   # in the plan's order: every stage after those it waits for
         after = [refs[x.name] for x in waits_for(st, stages) if x.name in refs]
-        refs[st.name] = task.options(name=st.name).remote(st, stages, s, str(study_dir), settings_file, dev, thr, override, *after)
+        refs[st.name] = task.options(name=st.name).remote(st, stages, s, str(study_dir), settings_file, dev, thr, override, list(runs.ARGV), *after)
         of[refs[st.name]] = st
         pending.append(refs[st.name])
     return of

@@ -126,6 +126,7 @@ def test_output_into_a_file_is_a_line_per_epoch_without_bar_frames(tmp_path, mod
         code, text, err = run_into_a_file(tmp_path, 'evaluate', str(tmp_path/'s'), '--split', 'valid', '--threads', '1')
         assert code == 0 and err == '', err
         assert '\r' not in text and '█' not in text and len(text.splitlines()) == 1 and ' on valid: loss ' in text, text[:400]
+        assert text.rstrip().endswith(f"(the search's supernet, each edge mixing every operation by α; the cell trained alone: rnn-darts train --genotype {tmp_path/'s'})"), text
 
 def test_train_names_its_cell_in_its_first_line(tmp_path, capsys):
     "No --genotype: the first line says DARTS_V2 is the default; a search's run folder is read as its genotype.json"

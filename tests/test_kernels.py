@@ -85,10 +85,10 @@ me, folder = int(sys.argv[1]), Path(sys.argv[2])
 torch.set_num_threads(int(sys.argv[3]))   # the test's machine key
 kernels.time_kernels = lambda *a, **k: dict(onednn=1.0, aten=2.0) if me == 0 else dict(onednn=2.0, aten=1.0)
 read = kernels._read_table
-def slow_read(path): tab = read(path); time.sleep(0.2); return tab   # a wide gap between reading the file and replacing it
+def slow_read(path): tab = read(path); time.sleep(0.2); return tab   # a wide gap between reading the file and replacing it: a missing lock loses a record; with the lock the outcome is the same at any speed
 kernels._read_table = slow_read
 (folder / f'ready{me}').touch()
-while not all((folder / f'ready{r}').exists() for r in (0, 1)): time.sleep(0.005)
+while not all((folder / f'ready{r}').exists() for r in (0, 1)): time.sleep(0.005)   # both processes started (their files): they measure at once
 print(json.dumps([kernels.onednn_faster(torch.randn(M, 7), torch.randn(3, 7)) for M in (11, 12, 13, 14)]))
 """
 

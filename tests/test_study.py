@@ -3,7 +3,7 @@ a first-order and a random search, their short trainings and DARTS_V2's, the win
 are the same runs as `rnn-darts search|train` with the same flags; a kill and a rerun give the same table; stages
 run alone (a scheduler's jobs) and then collected give the same table; bad settings get one line.
 Each search and training has about 19 batches (1,500 tokens), its validation 600 tokens."""
-import contextlib, importlib.util, io, json, math, os, shutil, signal, socket, subprocess, sys, time
+import contextlib, importlib.util, io, json, math, os, shlex, shutil, signal, socket, subprocess, sys, time
 from pathlib import Path
 import pandas as pd, pytest
 from rnn_darts import cli
@@ -220,7 +220,7 @@ def test_bad_study_settings_get_one_line(tmp_path, capsys):
     with socket.socket() as sk: sk.bind(('127.0.0.1', 0)); port = sk.getsockname()[1]   # where nothing listens
     if importlib.util.find_spec('ray') is not None:
         fails(capsys, study_args(tmp_path, tmp_path/'a', '--ray', f'127.0.0.1:{port}'), f'--ray 127.0.0.1:{port}: no Ray cluster answers there', code=1)
-        fails(capsys, study_args(tmp_path, tmp_path/'a', '--ray', 'head-node'), '--ray head-node: give a Ray cluster\'s address as HOST:PORT', code=1)
+        fails(capsys, study_args(tmp_path, tmp_path/'a', '--ray', 'head-node'), '--ray head-node: give a Ray cluster\'s address as HOST:PORT', code=2)
     with pytest.MonkeyPatch.context() as mp:                          # Ray is an optional extra
         mp.setitem(sys.modules, 'ray', None)
         fails(capsys, study_args(tmp_path, tmp_path/'a', '--ray'), "--ray needs Ray", "pip install 'rnn-darts[ray]'", code=1)
@@ -303,6 +303,8 @@ def test_on_ray_ctrl_c_stops_the_stages_and_says_how_to_resume(done, tmp_path, s
     lines = [l for l in err.splitlines() if l.strip()]
     assert code == 128 + sig and lines == [f"rnn-darts: {'interrupted' if sig == signal.SIGINT else 'SIGTERM'}: {STOPPED}"], err
     assert load_checkpoint(out/'search-first-1'/'checkpoints'/'mid_epoch.pth')['mid']['batches'] == 3
+    said = (out/'ray-logs'/'search-first-1.log').read_text().strip().splitlines()[-1]   # the stage's own line names the study command
+    assert said.startswith('rnn-darts: SIGINT at epoch 0, after batch 3 of ') and said.endswith(f"resume with: rnn-darts {shlex.join(study_args(d, out, '--ray'))}"), said
     assert not finished(out/'final')
     if sig == signal.SIGTERM: return
     again = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', *study_args(d, out, '--ray')], cwd=ROOT, capture_output=True, text=True,

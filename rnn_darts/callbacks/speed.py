@@ -4,7 +4,7 @@
 
 # %% ../../nbs/05b_speed.ipynb #adac8364
 from __future__ import annotations
-import threading, time
+import sys, threading, time
 from contextlib import contextmanager
 import torch
 from fastai.callback.core import Callback
@@ -86,8 +86,9 @@ class CompileNotice(Callback):
 
     def say(self, phase:str):
         where = ' on a CPU' if self.learn.model.flat.data.device.type == 'cpu' else ''
+        bar = "; the progress bar's estimate is too long until then" if sys.stdout.isatty() else ''   # a file or a pipe has no bar
         print(f"\ncompiling the recurrent step for {phase} (torch.compile): its first batch waits for it, about a minute{where} "
-              "with an empty Inductor cache; the progress bar's estimate is too long until then", flush=True)
+              f"with an empty Inductor cache{bar}", flush=True)
         self.said.append(phase)
 
     def before_train(self): self.watch('training')
