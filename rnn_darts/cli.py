@@ -41,6 +41,7 @@ def study(
     train_preset:str=None,
     short_epochs:int=None,
     final_epochs:int=None,
+    tensorboard:str=None,
 ):
     "The paper's protocol: searches over methods and seeds, a short training of each cell, the best one trained fully and tested"
     from rnn_darts.study import run_study, STUDY_OPTIONS

@@ -85,6 +85,8 @@ class RunConfig:
     fuse: bool = setting(False, 'each training time step as Triton kernels, forward and backward (rnn_darts.fused; CUDA only; not yet '
                          'timed on a GPU, so off by default)')
     checkpoint_every: float|None = setting(None, 'minutes between mid-epoch checkpoints, for long epochs (default: off; Ctrl-C and SIGTERM always write one)', 'pos_float')
+    tensorboard: str = setting('', "a folder for TensorBoard's event files, written as each epoch ends: its numbers, the learning rate, α "
+                               "and the cell (a search's), the settings (needs the tensorboard package; default: none)")
     graphs: bool|None = setting(None, 'run each batch shape as captured CUDA graphs: the training step and evaluation (default: on for CUDA, '
                                 "except with --precision bf16; a step that cannot be captured falls back to eager, saying why)")
 
@@ -191,6 +193,8 @@ class StudyConfig:
     train_preset: str = setting('train', 'settings.ini preset of the short trainings and the final one')
     short_epochs: int = setting(300, "epochs of each cell's short training (the paper: 300)", 'pos_int')
     final_epochs: int = setting(3600, "epochs of the selected cell's final training (the paper: 3600)", 'pos_int')
+    tensorboard: str = setting('', "a folder for TensorBoard's event files: each stage writes its own run, DIR/STAGE, as its epochs end "
+                               "(tensorboard --logdir DIR shows them side by side; default: none)")
 
     def __post_init__(self): check_fields(type(self), vars(self))
 

@@ -37,6 +37,7 @@ from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracke
 from rnn_darts.callbacks.speed import BF16Autocast, AutoCompile, CompileNotice, precision_callbacks
 from rnn_darts.callbacks.checkpoint import Checkpoint
 from rnn_darts.callbacks.preemption import Preemption
+from rnn_darts.callbacks.tensorboard import TensorBoardLog
 from rnn_darts.callbacks.divergence import DivergenceGuard, FiniteValidation
 from rnn_darts.callbacks.graphs import CudaGraphs, EMULATIONS
 
@@ -141,6 +142,7 @@ def _common_cbs(c:RunConfig, resume=None):
     if c.checkpoint: cbs += [Checkpoint(keep=c.keep, resume=resume), Preemption(None if c.checkpoint_every is None else 60 * c.checkpoint_every)]
     elif c.checkpoint_every: raise ValueError("checkpoint_every needs checkpoint=True")
     elif resume: raise ValueError("resume needs checkpoint=True")
+    if c.tensorboard: cbs.append(TensorBoardLog(c.tensorboard))
     return cbs
 
 def _learner(dls, model, c:RunConfig, path, device, compile=None, auto_compile=False, graphs=None):

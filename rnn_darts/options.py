@@ -72,7 +72,7 @@ FLAG_ORDER = ('genotype', 'preset', 'settings', 'data', 'files', 'unk', 'url', '
               'epochs', 'seed', 'bs', 'bptt', 'eval_bs', 'test_bs', 'n_train', 'n_eval', 'emsize', 'nhid', 'lr', 'wd', 'clip', 'dropout', 'dropouth',
               'dropoutx', 'dropouti', 'dropoute', 'nonmono', 'asgd', 'mode', 'candidates', 'top', 'curvature', 'curvature_windows',
               'early_stop', 'method', 'arch_lr', 'arch_wd', 'relax', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay',
-              'dirichlet_kl', 'perturb', 'epsilon', 'select', 'pt_tune', 'op_decay', 'on_nan', 'compile', 'graphs', 'fuse', 'checkpoint_every', 'precision', 'arch_bf16')
+              'dirichlet_kl', 'perturb', 'epsilon', 'select', 'pt_tune', 'op_decay', 'on_nan', 'compile', 'graphs', 'fuse', 'checkpoint_every', 'precision', 'arch_bf16', 'tensorboard')
 
 def _flag_help(k) -> str|dict|None:
     "Flag `k`'s help: one text, {command: text} where the commands differ or one has no such flag, or None (no flag)"

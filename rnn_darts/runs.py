@@ -42,7 +42,7 @@ def corpus_key(s:dict) -> tuple:
 
 # %% ../nbs/07b_runs.ipynb #c11c0005
 RUN_FILES = ('run.json', 'log.csv', 'history.json', 'genotype.json', 'candidates.csv', 'checkpoints')
-RESUME_FREE = ('epochs', 'out', 'device', 'threads', 'checkpoint_every')   # settings a resumed run may change without --override
+RESUME_FREE = ('epochs', 'out', 'device', 'threads', 'checkpoint_every', 'tensorboard')   # settings a resumed run may change without --override
 
 def run_files(out) -> list:
     "The files of a run that the folder `out` holds"
@@ -193,6 +193,9 @@ def _prepare(command, flags:dict) -> _Run:
         raise FileNotFoundError(f"corpus folder {Path(r.s['data'])} does not exist")
     dev = get_device(c['device'])
     check_device_rules(r.s, dev, lambda k: setting_name(k, r.src))
+    if r.s['tensorboard']:
+        from rnn_darts.callbacks.tensorboard import summary_writer_class
+        summary_writer_class()   # installed, before the run folder is made
     if command == 'train':
         from rnn_darts.genotypes import load_genotype
         r.genotype = load_genotype(r.s['genotype'])

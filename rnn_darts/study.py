@@ -90,7 +90,8 @@ def _genotype_arg(p:Path) -> str:
 def stage_command(st:Stage, s:dict, study_dir, settings_file=None, winner:str|None=None) -> tuple:
     "`('search' | 'train', flags)`: the command and flags that run stage `st` (`winner`: the search stage the final stage trains)"
     study_dir = Path(study_dir).absolute()
-    flags = dict(settings=settings_file, data=s['data'] or None, files=s['files'] or None, unk=s['unk'] or None, out=str(study_dir/st.name))
+    flags = dict(settings=settings_file, data=s['data'] or None, files=s['files'] or None, unk=s['unk'] or None, out=str(study_dir/st.name),
+                 tensorboard=str(Path(s['tensorboard']).absolute()/st.name) if s.get('tensorboard') else None)   # each stage a run of its own
     if st.kind == 'search': return 'search', dict(preset=s['search_preset'], seed=st.seed, method=st.method, **flags)
     src = winner if st.kind == 'final' else st.source
     genotype = st.source if st.method == 'reference' else _genotype_arg(study_dir/src/'genotype.json')
@@ -293,6 +294,9 @@ def run_study(
     if stage is not None and ray is not None: raise UsageError("--stage runs one stage here, --ray runs them all as Ray tasks: give one of them")
     if ray is not None:
         check_ray(ray)   # installed, and the cluster answers, before anything is written
+    if s['tensorboard']:
+        from rnn_darts.callbacks.tensorboard import summary_writer_class
+        summary_writer_class()   # installed, before anything is written
     for k in ('search_preset', 'train_preset'):   # both presets exist, before anything runs
         from rnn_darts.options import known_options, setting_name
         try: read_preset(s[k], known_options(), find_settings(settings, s[k]))

@@ -70,8 +70,16 @@ def done(tmp_path_factory):
     "An uninterrupted tiny study, and its stdout (run in this process: the kill test runs the command as a user does, by subprocess)"
     d = tmp_path_factory.mktemp('study'); ini(d)
     said = io.StringIO()
-    with contextlib.redirect_stdout(said): cli.run_command(study_args(d, d/'s'))
+    with contextlib.redirect_stdout(said): cli.run_command(study_args(d, d/'s', *BOARD(d)))
     return d, d/'s', said.getvalue()
+
+HAS_TB = importlib.util.find_spec('tensorboard') is not None
+BOARD = lambda d: ['--tensorboard', str(Path(d)/'tb')] if HAS_TB else []   # a study writes its stages' runs there; a resume may drop it
+
+def board_epochs(folder) -> list:
+    "The epochs of the validation loss in the TensorBoard run `folder`, as TensorBoard reads them"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    return [x.step for x in EventAccumulator(str(folder)).Reload().Scalars('valid_loss')]
 
 @pytest.mark.slow
 def test_study_runs_every_stage_and_tells_the_truth(done):
@@ -84,6 +92,8 @@ def test_study_runs_every_stage_and_tells_the_truth(done):
     assert all(' left)' in l for l in lines[2::2])                     # every later stage: its planned work at the finished stages' rate
     df = pd.read_csv(s/'study.csv')
     assert list(df.columns) == list(STUDY_COLUMNS)
+    for st in STAGES if HAS_TB else []:                                # --tensorboard: each stage its own run, each epoch once
+        assert board_epochs(d/'tb'/st) == list(range(len(json.loads((s/st/'run.json').read_text())['epoch_times']))), st
     assert list(df.stage) == STAGES[2:5] and list(df.method) == ['first', 'random', 'reference']
     for _, r in df.iterrows():                                         # each number is its stage's own record
         rec = json.loads((s/r.stage/'run.json').read_text())
@@ -307,10 +317,11 @@ def test_on_ray_ctrl_c_stops_the_stages_and_says_how_to_resume(done, tmp_path, s
     assert said.startswith('rnn-darts: SIGINT at epoch 0, after batch 3 of ') and said.endswith(f"resume with: rnn-darts {shlex.join(study_args(d, out, '--ray'))}"), said
     assert not finished(out/'final')
     if sig == signal.SIGTERM: return
-    again = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', *study_args(d, out, '--ray')], cwd=ROOT, capture_output=True, text=True,
-                           env={**os.environ, 'PYTHONPATH': str(ROOT)}, timeout=600)
+    again = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', *study_args(d, out, '--ray', *BOARD(tmp_path))], cwd=ROOT, capture_output=True,
+                           text=True, env={**os.environ, 'PYTHONPATH': str(ROOT)}, timeout=600)
     assert again.returncode == 0, again.stderr
     pd.testing.assert_frame_equal(table(out), table(s))
+    if HAS_TB: assert board_epochs(tmp_path/'tb'/'final') == [0, 1]   # a stage on Ray writes its run where the driver said
 
 @pytest.mark.slow
 @needs_ray
