@@ -28,6 +28,8 @@ _API = {
     'rnn_darts.callbacks.asgd': ['ASGDSwitch'],
     'rnn_darts.callbacks.checkpoint': ['Checkpoint'],
     'rnn_darts.callbacks.divergence': ['DivergenceGuard'],
+    'rnn_darts.callbacks.logs': ['plain_output'],
+    'rnn_darts.callbacks.tensorboard': ['TensorBoardLog'],
 }
 _WHERE = {name: mod for mod, names in _API.items() for name in names}
 __all__ = ['__version__', *_WHERE]

@@ -97,12 +97,12 @@ def report(
     run = Path(run)
     if (run/'study.json').is_file():
         if fmt != 'md': raise UsageError("--fmt: a study's report is markdown only (--fmt md)")
-        from rnn_darts.study import write_study_report
+        from rnn_darts.plot import write_study_report
         p = write_study_report(run)
         print(f"report written to {p}")
         return p
     if run.is_dir() and not (run/'run.json').exists() and any((p/'run.json').is_file() for p in run.iterdir()):
-        from rnn_darts.study import write_search_comparison
+        from rnn_darts.plot import write_search_comparison
         if fmt != 'md': raise UsageError("--fmt: a folder of searches is reported in markdown only (--fmt md)")
         p = write_search_comparison(run)
         print(f"report written to {p}")

@@ -11,8 +11,9 @@ from pathlib import Path
 # %% auto #0
 __all__ = ['HOLD_ENV', 'HOLD_LIMIT', 'RENAMED', 'UserError', 'UsageError', 'foreign_warnings_off', 'get_device', 'cpu_name',
            'set_seed', 'rng_states', 'set_rng_states', 'check_positive', 'check_prob', 'check_bptt', 'check_number',
-           'check_choice', 'naming', 'write_text_atomic', 'hold_at', 'packaged_settings', 'read_ini',
-           'settings_candidates', 'find_settings', 'renamed_hint', 'read_preset', 'option_type', 'options_of']
+           'check_choice', 'naming', 'write_text_atomic', 'hold_at', 'fmt_time', 'run_seconds', 'packaged_settings',
+           'read_ini', 'settings_candidates', 'find_settings', 'renamed_hint', 'read_preset', 'option_type',
+           'options_of']
 
 # %% ../nbs/00_core.ipynb #c0e11a02
 class UserError(ValueError):
@@ -176,6 +177,17 @@ def hold_at(event:str, until=lambda: False, limit:float=HOLD_LIMIT) -> bool:
     while not until() and time.monotonic() - t < limit: time.sleep(0.01)   # a signal's handler runs between two sleeps
     return True
 
+
+# %% ../nbs/00_core.ipynb #987813a8
+def fmt_time(sec:float) -> str:
+    "A duration as every line and report writes it: `42s`, `3m 05s`, `2h 07m`"
+    sec = int(round(sec))
+    return f"{sec // 3600}h {sec % 3600 // 60:02d}m" if sec >= 3600 else f"{sec // 60}m {sec % 60:02d}s" if sec >= 60 else f"{sec}s"
+
+def run_seconds(rec:dict|None) -> float|None:
+    "A run's compute time from its record (`run.json`): its epochs, a random search's scoring and DARTS-PT's selection"
+    if not rec or not rec.get('epoch_times'): return None
+    return float(sum(rec['epoch_times']) + (rec.get('candidates') or {}).get('seconds', 0.0) + (rec.get('pt_select') or {}).get('seconds', 0.0))
 
 # %% ../nbs/00_core.ipynb #345c49c3
 def packaged_settings() -> Path:

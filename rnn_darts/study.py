@@ -8,18 +8,17 @@ import contextlib, json, math, os, re, signal, socket, sys, threading, time, uui
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_choice, write_text_atomic, option_type, foreign_warnings_off
+from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_choice, write_text_atomic, option_type, foreign_warnings_off, fmt_time, run_seconds
 from rnn_darts.config import StudyConfig, METHODS, with_method, check_fields
 
 # %% auto #0
 __all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'INSTALL', 'RETRIES', 'PROBE', 'STOP_WAIT', 'LOCK_WAIT',
-           'OBJECT_STORE', 'COMPARISON_COLUMNS', 'study_settings', 'Stage', 'plan_stages', 'check_study',
-           'stage_command', 'stage_record', 'stage_settings', 'stage_done', 'stage_seconds', 'select_winner',
-           'study_rows', 'run_passes', 'planned_work', 'check_stages', 'waits_for', 'stage_finished', 'check_final',
-           'run_stage', 'run_study', 'progress_text', 'collect_study', 'import_ray', 'check_ray', 'start_ray',
-           'check_answers', 'probe_folder', 'check_workers_see', 'run_stage_task', 'wait_unlocked', 'stage_error',
-           'task_options', 'parallel_slots', 'submit_stages', 'run_on_ray', 'take_sigterm', 'stop_stages', 'plot_study',
-           'write_study_report', 'search_comparison', 'plot_search_comparison', 'write_search_comparison']
+           'OBJECT_STORE', 'study_settings', 'Stage', 'plan_stages', 'check_study', 'stage_command', 'stage_record',
+           'stage_settings', 'stage_done', 'select_winner', 'study_rows', 'run_passes', 'planned_work', 'check_stages',
+           'waits_for', 'stage_finished', 'check_final', 'run_stage', 'run_study', 'progress_text', 'collect_study',
+           'import_ray', 'check_ray', 'start_ray', 'check_answers', 'probe_folder', 'check_workers_see',
+           'run_stage_task', 'wait_unlocked', 'stage_error', 'task_options', 'parallel_slots', 'submit_stages',
+           'run_on_ray', 'take_sigterm', 'stop_stages']
 
 # %% ../nbs/17_study.ipynb #160dffce
 STUDY_OPTIONS = {f.name: (option_type(f.default, f.type), f.default) for f in fields(StudyConfig)}   # name -> (type, default): `StudyConfig`'s, the paper's protocol
@@ -116,11 +115,6 @@ def stage_done(rec:dict|None, command:str, flags:dict) -> bool:
     want = stage_settings(command, flags)[0]
     return rec['settings'].get('epochs') == want['epochs'] and not settings_diff(rec['settings'], want)
 
-def stage_seconds(rec:dict|None) -> float|None:
-    "Compute time of a stage: its epochs, a random search's scoring and DARTS-PT's selection"
-    if not rec or not rec.get('epoch_times'): return None
-    return float(sum(rec['epoch_times']) + (rec.get('candidates') or {}).get('seconds', 0.0) + (rec.get('pt_select') or {}).get('seconds', 0.0))
-
 # %% ../nbs/17_study.ipynb #accb96f5
 STUDY_COLUMNS = ('stage', 'method', 'seed', 'cell', 'genotype', 'search_seconds', 'short_valid_loss', 'short_valid_ppl',
                  'selected', 'final_valid_ppl', 'final_test_ppl')
@@ -148,15 +142,11 @@ def study_rows(study_dir, stages:list) -> list:
         loss = rec.get('best_valid_loss')
         loss = float('nan') if loss is None else float(loss)
         rows.append(dict(stage=st.name, method=st.method, seed=st.seed, cell=st.source if st.method == 'reference' else cell_text(g),
-                         genotype=json.dumps(genotype_to_dict(g)), search_seconds=None if st.method == 'reference' else stage_seconds(stage_record(study_dir/st.source)),
+                         genotype=json.dumps(genotype_to_dict(g)), search_seconds=None if st.method == 'reference' else run_seconds(stage_record(study_dir/st.source)),
                          short_valid_loss=loss, short_valid_ppl=_ppl(loss), selected=False, final_valid_ppl=float('nan'), final_test_ppl=float('nan')))
     return rows
 
 # %% ../nbs/17_study.ipynb #b81ee637
-def _fmt_time(sec:float) -> str:
-    sec = int(round(sec))
-    return f"{sec // 3600}h {sec % 3600 // 60:02d}m" if sec >= 3600 else f"{sec // 60}m {sec % 60:02d}s" if sec >= 60 else f"{sec}s"
-
 PASSES = dict(second=5, exact=6, first=2, mixed=3, single=2, random=1, train=1)   # forward-and-backward passes over a training batch, per batch and mode
 ATTACK_PASSES = 8   # SDARTS-ADV's attack: 7 passes with a gradient, 2 without
 
@@ -184,7 +174,7 @@ def _estimate(stages:list, study_dir:Path, work:dict) -> float|None:
     done = {}
     for st_name, w in work.items():
         rec = stage_record(study_dir/st_name) if (study_dir/st_name/'run.json').is_file() else None
-        sec = stage_seconds(rec) if rec and rec.get('finished') else None
+        sec = run_seconds(rec) if rec and rec.get('finished') else None
         if sec: done.setdefault('search' if st_name.startswith('search-') else 'train', []).append((sec, w))
     if not done: return None
     rate = {k: sum(t for t, _ in v) / sum(w for _, w in v) for k, v in done.items()}   # seconds per multiply-add
@@ -317,6 +307,7 @@ def run_study(
                            one=stage is not None)
         if stage is not None: return None
         df = collect_study(study_dir, stages)
+        from rnn_darts.plot import write_study_report
         write_study_report(study_dir, df)
         return df
 
@@ -325,7 +316,10 @@ def progress_text(t0:float, left:list, study_dir:Path, work:dict, at_once:int=1)
     "Time since `t0`, and the time the stages `left` take at the rate of the finished ones, `at_once` of them side by side (`12s so far; about 1m 05s left`)"
     est = _estimate(left, study_dir, work) if left else 0.
     if est: est /= min(at_once, len(left))
-    return f"{_fmt_time(time.time() - t0)} so far; " + (f"about {_fmt_time(est)} left" if est is not None else "the time left is known once a stage has finished")
+    if est is not None: return f"{fmt_time(time.time() - t0)} so far; about {fmt_time(est)} left"
+    share = work.get(left[0].name, 0.) / (sum(work.get(x.name, 0.) for x in left) or 1.)   # before any rate is known: the planned work's share
+    return (f"{fmt_time(time.time() - t0)} so far; the time left is known once a stage has finished, and {left[0].name} is "
+            f"{share:.0%} of the planned work left")
 
 def _run_in_turn(todo:list, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, work:dict, one=False):
     "Run the stages `todo` one after another in this process, each between two progress lines, skipping those done before"
@@ -342,7 +336,7 @@ def _run_logged(st:Stage, i:int, n:int, left:list, stages:list, s:dict, study_di
     print(f"study [{i}/{n}] {st.name}: starts ({progress_text(t0, left, study_dir, work)})", flush=True)
     t = time.time()
     run_stage(st, stages, s, study_dir, settings_file, device, threads, override)
-    print(f"study [{i}/{n}] {st.name}: done in {_fmt_time(time.time() - t)}", flush=True)
+    print(f"study [{i}/{n}] {st.name}: done in {fmt_time(time.time() - t)}", flush=True)
 
 def collect_study(study_dir, stages:list):
     "The study's table from its stages' records, written to `study.csv`; the final training's results go on the selected row"
@@ -542,150 +536,3 @@ def _resources_text(ray) -> str:
     r = ray.cluster_resources()
     nodes = sum(n['Alive'] for n in ray.nodes())
     return f"{nodes} node{'s' * (nodes != 1)}, {int(r.get('GPU', 0))} GPUs, {int(r.get('CPU', 0))} CPUs"
-
-# %% ../nbs/17_study.ipynb #10c2fd89
-def plot_study(df, path=None):
-    "Short-training validation perplexity per method (a strip plot), references in grey, the selected cell marked; a Figure, or the path written"
-    import numpy as np
-    from rnn_darts.plot import _figure, _out
-    methods = list(dict.fromkeys(df['method']))
-    fig = _figure(2.2 + 1.4 * len(methods), 3.8); ax = fig.subplots()
-    for j, m in enumerate(methods):
-        d = df[df['method'] == m]
-        y = d['short_valid_ppl'].astype(float).to_numpy()
-        x = j + (np.linspace(-0.18, 0.18, len(y)) if len(y) > 1 else np.zeros(1))
-        ref = m == 'reference'
-        ax.plot(x, y, 'o', ms=7, alpha=0.85, color='0.55' if ref else f'C{j}')
-        for xx, yy, (_, r) in zip(x, y, d.iterrows()):
-            if ref: ax.annotate(str(r['cell']), (xx, yy), textcoords='offset points', xytext=(6, 0), fontsize=7, va='center')
-            if bool(r['selected']):
-                ax.plot([xx], [yy], '*', ms=17, color='C3', mec='k', label=f"selected: {r['stage']} ({yy:.2f})")
-    ax.set_xticks(range(len(methods)), methods); ax.set_xlim(-0.6, len(methods) - 0.4)
-    ax.set_ylabel('validation perplexity\nafter the short training'); ax.set_title('candidates of the study')
-    ax.grid(alpha=0.3, axis='y')
-    if any(l.get_label().startswith('selected') for l in ax.lines): ax.legend(fontsize=8)
-    return _out(fig, path)
-
-def _md_cell(col:str, v) -> str:
-    "A cell of the report's table: losses to 4 decimals, perplexities to 2, times as minutes and seconds"
-    import pandas as pd
-    if pd.isna(v): return ''
-    if col == 'search_seconds': return _fmt_time(float(v))
-    if col == 'short_valid_loss': return f"{float(v):.4f}"
-    if col.endswith('_ppl'): return f"{float(v):.2f}"
-    if col == 'seed': return str(int(v))
-    if col == 'selected': return '**yes**' if bool(v) else ''
-    return str(v).replace('|', '\\|')
-
-def write_study_report(study_dir, df=None) -> Path:
-    "Write `STUDY/report/report.md` (candidates, the selected cell's diagram and curves, the table); returns its path"
-    import pandas as pd
-    from rnn_darts.plot import plot_genotype, plot_curves
-    from rnn_darts.genotypes import load_genotype
-    study_dir = Path(study_dir)
-    if df is None:
-        p = study_dir/'study.csv'
-        if not p.is_file(): raise FileNotFoundError(f"{p} does not exist: run rnn-darts study --out {study_dir} to finish the study first")
-        df = pd.read_csv(p).astype(dict(seed='Int64'))
-    rec = json.loads((study_dir/'study.json').read_text()) if (study_dir/'study.json').is_file() else {}
-    s = rec.get('settings', {})
-    out = study_dir/'report'; out.mkdir(exist_ok=True)
-    L = [f"# rnn_darts study: {study_dir.resolve().name}", '',
-         f"Searches: {s.get('methods', '?')} × seeds {s.get('seeds', '?')} (preset `{s.get('search_preset', '?')}`); "
-         f"references: {s.get('references') or 'none'}; short training {s.get('short_epochs', '?')} epochs and final training "
-         f"{s.get('final_epochs', '?')} epochs (preset `{s.get('train_preset', '?')}`)" + (f"; data {s['data']}" if s.get('data') else '') + '.', '']
-    if len(df):
-        plot_study(df, out/'candidates.png')
-        L += ['## Candidates', '', '![candidates](candidates.png)', '',
-              '*Validation perplexity of every cell after the short training; references in grey; the star is the selected cell.*', '']
-    sel = df[df['selected'].astype(bool)] if len(df) else df
-    if len(sel):
-        w = sel.iloc[0]
-        plot_genotype(load_genotype(w['genotype']), out/'selected.png', title=f"selected: {w['stage']}")
-        L += ['## The selected cell', '', f"{w['stage']}: short-training validation perplexity {w['short_valid_ppl']:.2f}"
-              + (f"; final training: validation {w['final_valid_ppl']:.2f}, **test {w['final_test_ppl']:.2f}**" if w['final_test_ppl'] == w['final_test_ppl'] else
-                 '; the final training has not finished'), '', '![selected cell](selected.png)', '']
-        fin = study_dir/'final'
-        if (fin/'log.csv').is_file():
-            fr = stage_record(fin) or {}
-            plot_curves(fin/'log.csv', fr.get('asgd_epoch'), out/'final_curves.png', title='final training of the selected cell')
-            L += ['![final training](final_curves.png)', '', '*Final training: losses and validation perplexity.*', '']
-    cols = [c for c in STUDY_COLUMNS if c != 'genotype']
-    L += ['## All candidates', '', '| ' + ' | '.join(cols) + ' |', '|' + '---|' * len(cols)]
-    L += ['| ' + ' | '.join(_md_cell(c, r[c]) for c in cols) + ' |' for _, r in df.iterrows()]
-    p = out/'report.md'
-    write_text_atomic('\n'.join(L).rstrip() + '\n', p)
-    return p
-
-# %% ../nbs/17_study.ipynb #45c053bc
-COMPARISON_COLUMNS = ('run', 'method', 'epochs', 'best_valid_ppl', 'last_valid_ppl', 'lambda_max', 'cell', 'minutes', 'finite', 'finished')
-
-def _log_rows(run:Path) -> list:
-    import csv
-    p = run/'log.csv'
-    if not p.is_file(): return []
-    with p.open(newline='') as f: return list(csv.DictReader(f))
-
-def _all_finite(rows:list) -> bool:
-    "Every number a run logged is finite (`time` is text)"
-    return all(math.isfinite(float(v)) for r in rows for k, v in r.items() if k not in ('epoch', 'time') and v)
-
-def search_comparison(folder) -> list:
-    "A row per search run folder inside `folder`, by name (`COMPARISON_COLUMNS`, and each epoch's perplexity and λ_max for the figure)"
-    from rnn_darts.genotypes import genotype_from_dict
-    from rnn_darts.random_search import cell_text
-    rows = []
-    for run in sorted(p for p in Path(folder).iterdir() if (p/'run.json').is_file()):
-        rec = stage_record(run)
-        if rec.get('command') != 'search': continue
-        log, s = _log_rows(run), rec.get('settings', {})
-        g = rec.get('genotype')
-        ppl = [(int(r['epoch']), float(r['perplexity'])) for r in log]
-        lam = [(int(r['epoch']), float(r['lambda_max'])) for r in log if r.get('lambda_max')]
-        finite = [v for _, v in ppl if math.isfinite(v)]
-        rows.append(dict(run=run.name, method=s.get('method') or s.get('mode'), epochs=len(log),
-                         best_valid_ppl=min(finite, default=float('nan')), last_valid_ppl=ppl[-1][1] if ppl else float('nan'),
-                         lambda_max=[v for _, v in lam], by_epoch=dict(perplexity=ppl, lambda_max=lam),
-                         cell=cell_text(genotype_from_dict(g, f"{run/'run.json'}: genotype")) if g else '',
-                         minutes=(stage_seconds(rec) or 0.) / 60, finite=_all_finite(log), finished=bool(rec.get('finished'))))
-    return rows
-
-def _cmp_cell(col:str, v) -> str:
-    if col == 'lambda_max': return ' → '.join(f"{x:.3g}" for x in v)
-    if col.endswith('_ppl'): return f"{v:.2f}"
-    if col == 'minutes': return f"{v:.1f}"
-    if col in ('finite', 'finished'): return 'yes' if v else '**no**'
-    return str(v)
-
-def plot_search_comparison(rows:list, path=None):
-    "Each search's validation perplexity and λ_max by epoch, side by side (non-finite values left out); a Figure, or the path written"
-    import numpy as np
-    from rnn_darts.plot import _figure, _out
-    fig = _figure(10, 3.8); axs = fig.subplots(1, 2)
-    for j, r in enumerate(rows):
-        for ax, key in zip(axs, ('perplexity', 'lambda_max')):
-            pts = [(e, v) for e, v in r['by_epoch'][key] if math.isfinite(v)]
-            if pts: ax.plot(*zip(*pts), 'o-', ms=4, color=f'C{j % 10}', label=r['run'])
-    from matplotlib.ticker import MaxNLocator
-    for ax, what in zip(axs, ('validation perplexity', 'λ_max')):
-        ax.set_xlabel('epoch'); ax.set_ylabel(what); ax.grid(alpha=0.3); ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ys = np.concatenate([l.get_ydata() for l in ax.lines]) if ax.lines else np.ones(1)
-        if ys.min() > 0 and ys.max() / ys.min() > 20: ax.set_yscale('log')
-    if axs[0].lines: axs[0].legend(fontsize=8)
-    axs[1].set_title('the validation Hessian in α' + (' (none for random search)' if any(not r['by_epoch']['lambda_max'] for r in rows) else ''), fontsize=9)
-    fig.tight_layout()
-    return _out(fig, path)
-
-def write_search_comparison(folder) -> Path:
-    "Write `FOLDER/report.md`: the figure of `plot_search_comparison` (`searches.png`) and the table of `search_comparison`; returns its path"
-    folder = Path(folder)
-    rows = search_comparison(folder)
-    if not rows: raise FileNotFoundError(f"{folder} holds no search run folder (a folder with a run.json of rnn-darts search)")
-    plot_search_comparison(rows, folder/'searches.png')
-    L = [f"# Searches in {folder.resolve().name}", '', '![validation perplexity and λ_max by epoch](searches.png)', '',
-         '*Each search by epoch: validation perplexity (left), λ_max (right).*', '',
-         '| ' + ' | '.join(COMPARISON_COLUMNS) + ' |', '|' + '---|' * len(COMPARISON_COLUMNS)]
-    L += ['| ' + ' | '.join(_cmp_cell(c, r[c]) for c in COMPARISON_COLUMNS) + ' |' for r in rows]
-    p = folder/'report.md'
-    write_text_atomic('\n'.join(L) + '\n', p)
-    return p

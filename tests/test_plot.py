@@ -204,13 +204,13 @@ def test_gif_frames_labels_all_visible():
 
 def test_study_selected_cell_labels_all_visible(no_dot, monkeypatch, tmp_path):
     "The study report's selected.png is this diagram (plot_genotype), so its labels are clear too"
-    from rnn_darts.study import STUDY_COLUMNS, write_study_report
+    from rnn_darts.study import STUDY_COLUMNS
     drawn, cell_figure = [], P._cell_figure
     monkeypatch.setattr(P, '_cell_figure', lambda *a, **k: drawn.append(cell_figure(*a, **k)) or drawn[-1])
     g = json.dumps(dict(recurrent=[list(x) for x in CROSSED.recurrent], concat=list(CROSSED.concat)))
     row = dict(stage='short-search-first-1', method='first', seed=1, cell='search-first-1', genotype=g, search_seconds=60.0,
                short_valid_loss=2.0, short_valid_ppl=math.exp(2.0), selected=True, final_valid_ppl=math.nan, final_test_ppl=math.nan)
-    write_study_report(tmp_path, pd.DataFrame([row], columns=list(STUDY_COLUMNS)))
+    P.write_study_report(tmp_path, pd.DataFrame([row], columns=list(STUDY_COLUMNS)))
     check_file(tmp_path/'report'/'selected.png', 'png')
     assert len(drawn) == 1 and drawn[0].axes[0].get_title() == 'selected: short-search-first-1'
     assert label_clashes(drawn[0]) == []
@@ -445,7 +445,7 @@ def test_report_search_run(tmp_path, fmt, monkeypatch):
     assert f'{best:.2f}' in text
     last_ppl = math.exp(pd.read_csv(d/'log.csv')['valid_loss'].iloc[-1])
     assert f'{last_ppl:.2f}' not in text                              # the best, not the last epoch
-    assert 'cpu' in text and '66.5 s' in text                         # device, mean of epoch_times
+    assert 'cpu' in text and ('| mean time per epoch | 1m 06s |' if fmt == 'md' else '<td>mean time per epoch</td><td>1m 06s</td>') in text   # device, mean of epoch_times (66.5 s)
     for k in run['settings']: assert k in text
     imgs = _images(text, fmt)
     assert set(imgs) == {'genotype.png', 'alphas_first.png', 'alphas.png', 'search.gif', 'curves.png'}

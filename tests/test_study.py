@@ -3,7 +3,7 @@ a first-order and a random search, their short trainings and DARTS_V2's, the win
 are the same runs as `rnn-darts search|train` with the same flags; a kill and a rerun give the same table; stages
 run alone (a scheduler's jobs) and then collected give the same table; bad settings get one line.
 Each search and training has about 19 batches (1,500 tokens), its validation 600 tokens."""
-import contextlib, importlib.util, io, json, math, os, shlex, shutil, signal, socket, subprocess, sys, time
+import contextlib, importlib.util, io, json, math, os, re, shlex, shutil, signal, socket, subprocess, sys, time
 from pathlib import Path
 import pandas as pd, pytest
 from rnn_darts import cli
@@ -88,7 +88,7 @@ def test_study_runs_every_stage_and_tells_the_truth(done):
     lines = [l for l in stdout.splitlines() if l.startswith('study [')]
     assert [l.split()[2].rstrip(':') for l in lines] == [x for x in STAGES for _ in (0, 1)]   # a line as each starts and ends
     assert all('so far' in l for l in lines[::2]) and all('done in' in l for l in lines[1::2])
-    assert 'the time left is known once a stage has finished' in lines[0]  # the first stage: nothing to go by yet
+    assert re.search(r'the time left is known once a stage has finished, and search-first-1 is \d+% of the planned work left', lines[0]), lines[0]  # the first stage: its share
     assert all(' left)' in l for l in lines[2::2])                     # every later stage: its planned work at the finished stages' rate
     df = pd.read_csv(s/'study.csv')
     assert list(df.columns) == list(STUDY_COLUMNS)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json, sys
 from fastai.callback.core import Callback
 from fastai.imports import noop   # fastai's own, the one `Learner.no_logging()` sets (fastcore's is another function)
+from fastcore.imports import in_notebook
 from fastai.callback.progress import CSVLogger, ProgressCallback
 from fastai.torch_core import rank_distrib
 from rnn_darts.core import naming, write_text_atomic
@@ -109,8 +110,8 @@ class EpochLines(Callback):
         print(''.join(c + ' ' * (2 + len(n) - len(c)) for c, n in zip(cells, self.names)).rstrip(), flush=True)
 
 def plain_output(learn, terminal:bool|None=None):
-    "Where standard output is not a terminal (or `terminal=False`), `EpochLines` in place of the progress bars; returns `learn`"
-    if terminal is None: terminal = sys.stdout.isatty()
+    "Where standard output is not a terminal nor a notebook (or `terminal=False`), `EpochLines` in place of the progress bars; returns `learn`"
+    if terminal is None: terminal = sys.stdout.isatty() or in_notebook()   # a notebook draws its bars as widgets
     if not terminal:
         learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
         learn.add_cb(EpochLines())
