@@ -5,6 +5,7 @@ import json, math, sys
 from pathlib import Path
 import pytest
 from rnn_darts import cli
+from rnn_darts.plot import dot_path
 
 tb = pytest.importorskip('tensorboard', reason="tensorboard is not installed (pip install -e '.[dev]' installs it)")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -34,6 +35,7 @@ def test_a_search_writes_its_epochs_and_a_resume_appends_without_repeats(tmp_pat
         assert [s.value for s in ea.Scalars(name)] == pytest.approx(col(name), abs=1e-6), name
     assert [s.value for s in ea.Scalars('lr')] == pytest.approx([20., 20.])
     assert len(ea.Images('alpha')) == 2 and ea.Images('alpha')[0].width > 100
+    assert ('cell diagram' in ea.Tags()['images']) == (dot_path() is not None)   # graphviz's picture of the cell, where dot is present
     assert [t.tensor_proto.string_val[0].decode() for t in ea.Tensors('cell/text_summary')] == said and len(said) == 2   # each epoch's cell, as printed
     cli.run_command(list(map(str, [a if a != '2' else '3' for a in argv] + ['--resume'])))   # one epoch more
     ea = events(board)
