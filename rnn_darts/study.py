@@ -12,13 +12,13 @@ from rnn_darts.core import UsageError, UserError, find_settings, read_preset, ch
 from rnn_darts.config import StudyConfig, METHODS, with_method, check_fields
 
 # %% auto #0
-__all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'INSTALL', 'RETRIES', 'PROBE', 'STOP_WAIT', 'LOCK_WAIT',
-           'OBJECT_STORE', 'study_settings', 'Stage', 'plan_stages', 'check_study', 'stage_command', 'stage_record',
-           'stage_settings', 'stage_done', 'select_winner', 'study_rows', 'run_passes', 'planned_work', 'check_stages',
-           'waits_for', 'stage_finished', 'check_final', 'run_stage', 'run_study', 'progress_text', 'collect_study',
-           'import_ray', 'check_ray', 'start_ray', 'check_answers', 'probe_folder', 'check_workers_see',
-           'run_stage_task', 'wait_unlocked', 'stage_error', 'task_options', 'parallel_slots', 'submit_stages',
-           'run_on_ray', 'take_sigterm', 'stop_stages']
+__all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'INSTALL', 'RETRIES', 'PROBE', 'STOP_WAIT', 'STOP',
+           'LOCK_WAIT', 'OBJECT_STORE', 'study_settings', 'Stage', 'plan_stages', 'check_study', 'stage_command',
+           'stage_record', 'stage_settings', 'stage_done', 'select_winner', 'study_rows', 'run_passes', 'planned_work',
+           'check_stages', 'waits_for', 'stage_finished', 'check_final', 'run_stage', 'run_study', 'progress_text',
+           'collect_study', 'import_ray', 'check_ray', 'start_ray', 'check_answers', 'probe_folder',
+           'check_workers_see', 'run_stage_task', 'wait_unlocked', 'stage_error', 'task_options', 'parallel_slots',
+           'submit_stages', 'run_on_ray', 'take_sigterm', 'stop_stages']
 
 # %% ../nbs/17_study.ipynb #160dffce
 STUDY_OPTIONS = {f.name: (option_type(f.default, f.type), f.default) for f in fields(StudyConfig)}   # name -> (type, default): `StudyConfig`'s, the paper's protocol
@@ -363,6 +363,7 @@ INSTALL = "pip install 'rnn-darts[ray]' (in a checkout: pip install -e '.[ray]')
 RETRIES = 3       # a stage whose worker dies (a killed process, a lost node) runs again up to this many times, from its checkpoint
 PROBE = '.ray-probe'
 STOP_WAIT = 60.   # seconds the running stages have to write their checkpoint after Ctrl-C
+STOP = '.stop'    # written in the study folder on Ctrl-C: the running stages stop at a checkpoint, the others do not start
 LOCK_WAIT = 60.   # seconds a stage waits for its run folder, held by a worker of a Ray that is gone
 OBJECT_STORE = 256 * 2**20   # bytes of a local Ray's shared memory: the stages pass it their names only (Ray's default takes 30% of RAM)
 
@@ -431,12 +432,18 @@ def run_stage_task(st, stages, s, study_dir, settings_file, device, threads, ove
     log.parent.mkdir(exist_ok=True)
     with open(log, 'a') as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), foreign_warnings_off():
         print(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} on {socket.gethostname()}, pid {os.getpid()}", flush=True)
+        stop = Path(study_dir)/STOP
+        if stop.exists(): return None   # the study stopped before this stage began
         wait_unlocked(Path(study_dir)/st.name)
         if stage_finished(st, stages, s, study_dir, settings_file): return st.name   # Ray ran it again after it had ended
+        from rnn_darts.callbacks.preemption import STOP_ENV
+        os.environ[STOP_ENV] = str(stop)   # the fit stops at a checkpoint once the driver writes it
         try: run_stage(st, stages, s, study_dir, settings_file, device, threads, override)
-        except SystemExit as e:   # a signal stopped the fit at a checkpoint: Ctrl-C (Ray's cancel) ends the task; SIGTERM the worker, which Ray retries
+        except SystemExit as e:   # a signal stopped the fit at a checkpoint: the study's stop ends the task; SIGTERM ends the worker, which Ray retries
+            if e.code == 130 and stop.exists(): return None
             if e.code == 130: raise KeyboardInterrupt from None
             raise
+        finally: os.environ.pop(STOP_ENV, None)
     return st.name
 
 def wait_unlocked(folder:Path, timeout:float=LOCK_WAIT):
@@ -491,6 +498,7 @@ def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, devi
         check_workers_see(ray, study_dir)
         todo = [st for st in stages if not stage_finished(st, stages, s, study_dir, settings_file)]
         for st in (x for x in stages if x not in todo): print(f"study {st.name}: done before, skipped", flush=True)
+        (study_dir/STOP).unlink(missing_ok=True)   # an earlier Ctrl-C's: this run goes on
         opts = task_options(ray, device, threads)
         t0, of = time.time(), submit_stages(ray, todo, stages, s, study_dir, settings_file, opts, override, pending)
         slots = parallel_slots(ray, opts[0])
@@ -505,13 +513,13 @@ def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, devi
                                 f"run the same command again to resume it") from None
             print(f"study [{len(todo) - len(pending)}/{len(todo)}] {of[ref].name}: done ({progress_text(t0, [of[r] for r in pending], study_dir, work, slots)})", flush=True)
     except KeyboardInterrupt:
-        stop_stages(ray, pending)
+        stop_stages(ray, study_dir, pending)
         sig = stopped.get('signal', signal.SIGINT)
         print(f"rnn-darts: {'interrupted' if sig == signal.SIGINT else sig.name}: the running stages stopped, each at a checkpoint it can resume "
               "from; run the same command again to resume the study", file=sys.stderr, flush=True)
         raise SystemExit(128 + sig) from None
     except BaseException:
-        stop_stages(ray, pending)
+        stop_stages(ray, study_dir, pending)
         raise
     finally:
         ray.shutdown()   # ends what still runs: a local Ray with its workers; on a cluster, Ray ends a job's tasks as its driver leaves
@@ -526,10 +534,12 @@ def take_sigterm(stopped:dict):
     signal.signal(signal.SIGTERM, on_sigterm)
     stopped['took'] = True
 
-def stop_stages(ray, refs:list, wait:float=STOP_WAIT):
-    "Stop the running stages as Ctrl-C stops a run (a mid-epoch checkpoint after the batch), waiting at most `wait` seconds for them"
+def stop_stages(ray, study_dir:Path, refs:list, wait:float=STOP_WAIT):
+    """Stop the running stages as Ctrl-C stops a run (a mid-epoch checkpoint after the batch) and keep the others from
+    starting, by the study folder's stop file; wait at most `wait` seconds for them. Not by `ray.cancel`: a task cancelled
+    as it ends aborts Ray 2.60's driver ('Tried to complete task that was not pending')"""
     if not refs: return
-    for r in refs: ray.cancel(r)   # never force=True: a task force-cancelled as it ends crashes Ray's driver ('Tried to complete task that was not pending')
+    write_text_atomic('stop\n', Path(study_dir)/STOP)
     with contextlib.suppress(KeyboardInterrupt): ray.wait(refs, num_returns=len(refs), timeout=wait)
 
 def _resources_text(ray) -> str:

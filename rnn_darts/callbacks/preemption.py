@@ -14,9 +14,11 @@ from rnn_darts.callbacks.epochs import in_lr_find
 from rnn_darts.callbacks.checkpoint import Checkpoint, MID_EPOCH, mid_epoch_state, save_atomic, kept_nonfinite, short_list
 
 # %% auto #0
-__all__ = ['Preemption']
+__all__ = ['STOP_ENV', 'Preemption']
 
 # %% ../../nbs/06a_preemption.ipynb #835fcbd9
+STOP_ENV = 'RNN_DARTS_STOP_FILE'   # a file whose existence stops the fit as Ctrl-C does: a study's stages on Ray
+
 class Preemption(Callback):
     "SIGINT/SIGTERM: finish the batch, write an exact mid-epoch checkpoint, end the fit (`learn.interrupted`); `every` seconds: that checkpoint without stopping"
     order = Checkpoint.order + 1   # after every other callback's after_batch: the state is the batch's end
@@ -28,6 +30,14 @@ class Preemption(Callback):
     def before_fit(self):
         self.signum, self.last, self.learn.interrupted = None, time.monotonic(), None
         self.batches, self.hold = 0, HOLD_ENV in os.environ   # the tests' hold: `RUN batch N`, the fit's Nth training batch in this process
+        self.stop_file, self.polled, self.stop_seen = os.environ.get(STOP_ENV), 0., False
+
+    def stop_asked(self) -> bool:
+        "Whether the stop file (`RNN_DARTS_STOP_FILE`, a study's driver writes it on Ctrl-C) exists; looked for at most once a second"
+        if self.stop_seen or not self.stop_file or time.monotonic() - self.polled < 1.: return self.stop_seen
+        self.polled, self.stop_seen = time.monotonic(), os.path.exists(self.stop_file)
+        if self.stop_seen: print("the study stops: stopping after this batch and saving the run", file=sys.stderr, flush=True)
+        return self.stop_seen
 
     def before_train(self):
         "Take the signals when the fit first trains: `learn.validate()` fires `before_fit` too, and a signal there acts at once"
@@ -63,7 +73,8 @@ class Preemption(Callback):
     def after_batch(self):
         if not self.training or in_lr_find(self.learn): return
         self.batches += 1
-        if self.hold: hold_at(f"{Path(self.path).name} batch {self.batches}", until=lambda: self.signum is not None)
+        if self.hold: hold_at(f"{Path(self.path).name} batch {self.batches}", until=lambda: self.signum is not None or self.stop_asked())
+        if self.signum is None and self.stop_asked(): self.signum = signal.SIGINT   # as Ctrl-C stops it
         if self.signum is None and not (self.every and time.monotonic() - self.last >= self.every): return
         self.last, p = time.monotonic(), Path(self.path)/self.dirname/MID_EPOCH
         state = mid_epoch_state(self.learn)
