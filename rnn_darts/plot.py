@@ -21,9 +21,9 @@ from rnn_darts.genotypes import (Genotype, PRIMITIVES, check_genotype, load_geno
 
 # %% auto #0
 __all__ = ['OP_COLORS', 'FORMATS', 'LABEL_AT', 'VALID_BELOW_TRAIN', 'COMPARISON_COLUMNS', 'ShownFigure', 'dot_path',
-           'genotype_dot', 'cell_layout', 'plot_genotype', 'load_history', 'entry_genotype', 'alpha_matrix',
-           'edge_names', 'plot_alphas', 'genotype_gif', 'log_frame', 'plot_curves', 'plot_curvature', 'plot_candidates',
-           'run_summary', 'write_report', 'plot_study', 'write_study_report', 'search_comparison',
+           'genotype_dot', 'cell_layout', 'genotype_png', 'plot_genotype', 'load_history', 'entry_genotype',
+           'alpha_matrix', 'edge_names', 'plot_alphas', 'genotype_gif', 'log_frame', 'plot_curves', 'plot_curvature',
+           'plot_candidates', 'run_summary', 'write_report', 'plot_study', 'write_study_report', 'search_comparison',
            'plot_search_comparison', 'write_search_comparison']
 
 # %% ../nbs/09_plot.ipynb #ccbf2eea
@@ -181,6 +181,10 @@ def _run_dot(src:str, fmt:str) -> bytes:
     r = subprocess.run([dot_path() or 'dot', f'-T{fmt}'], input=src.encode(), capture_output=True, timeout=60)
     if r.returncode != 0: raise RuntimeError(f"dot -T{fmt} failed: {r.stderr.decode(errors='replace').strip()}")
     return r.stdout
+
+def genotype_png(genotype) -> bytes:
+    "`genotype`'s cell as graphviz draws it, as PNG bytes (needs `dot`: `dot_path()`)"
+    return _run_dot(genotype_dot(_as_genotype(genotype)), 'png')
 
 def plot_genotype(genotype, path=None, title:str|None=None, engine:str='auto'):
     "Draw `genotype`'s cell to `path` (.png/.svg/.pdf) and return the path; with no path, return an inline image"

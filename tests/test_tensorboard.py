@@ -61,3 +61,15 @@ def test_without_tensorboard_one_line_and_nothing_written(tmp_path, capsys, monk
         assert e.value.code == 1 and err == ("rnn-darts: error: --tensorboard needs TensorBoard, an optional extra of rnn-darts: "
                                              "pip install 'rnn-darts[tensorboard]' (in a checkout: pip install -e '.[tensorboard]')"), err
     assert not any(Path(tmp_path).iterdir())
+
+def test_a_failing_dot_turns_the_diagrams_off_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    "graphviz present but failing (a broken install): one line, no diagram, every epoch still written"
+    from rnn_darts import plot
+    def broken(g): raise RuntimeError("dot -Tpng failed: no fonts")
+    monkeypatch.setattr(plot, 'dot_path', lambda: '/usr/bin/dot')
+    monkeypatch.setattr(plot, 'genotype_png', broken)
+    board = tmp_path/'tb'
+    cli.run_command(list(map(str, ['train', *TINY, '--test-bs', '4', '--epochs', '2', '--out', tmp_path/'t', '--tensorboard', board])))
+    assert "TensorBoard: no cell diagrams from here on (dot -Tpng failed: no fonts)" in capsys.readouterr().out
+    ea = events(board)
+    assert steps(ea, 'valid_loss') == [0, 1] and 'cell diagram' not in ea.Tags()['images']

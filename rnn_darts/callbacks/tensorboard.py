@@ -68,12 +68,14 @@ class TensorBoardLog(TrainEpochEnd):
         if self.diagram: self.add_diagram(g, e)
 
     def add_diagram(self, g, e:int):
-        "The cell as graphviz draws it"
-        import numpy as np
+        "The cell as graphviz draws it; a `dot` that fails turns the diagrams off with one line, and the run goes on"
+        import numpy as np, subprocess
         from PIL import Image
-        from rnn_darts.plot import genotype_dot, _run_dot
-        img = np.asarray(Image.open(io.BytesIO(_run_dot(genotype_dot(g), 'png'))).convert('RGB'))
-        self.writer.add_image('cell diagram', img, e, dataformats='HWC')
+        from rnn_darts.plot import genotype_png
+        try: png = genotype_png(g)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
+            print(f"TensorBoard: no cell diagrams from here on ({err})"); self.diagram = False; return
+        self.writer.add_image('cell diagram', np.asarray(Image.open(io.BytesIO(png)).convert('RGB')), e, dataformats='HWC')
 
     def after_fit(self):
         if self.writer is None: return
