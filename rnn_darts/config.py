@@ -5,7 +5,7 @@
 # %% ../nbs/00a_config.ipynb #d9e22679
 from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace, asdict
-from functools import partial
+from functools import partial, wraps
 from rnn_darts.core import UsageError, check_number, check_choice
 
 RELAXATIONS = ('softmax', 'sigmoid', 'gdas', 'snas', 'drnas')   # `rnn_darts.relax`
@@ -30,12 +30,13 @@ METHODS = {   # name -> the settings of its parts (on the defaults of `SearchCon
     'fair-darts': dict(relax='sigmoid', mode='first', zero_one=10.),   # Chu et al., ECCV 2020 (its code's aux_loss_weight)
 }
 FAMILY = tuple(m for m in METHODS if m not in MODES + ('darts',))   # the methods beyond the bare modes
+IDENTITY = ('relax', 'mode', 'perturb', 'select')   # what makes a method itself: a setting may repeat its, never change them; its other settings (τ, ε, β-decay, the KL and zero-one weights) are defaults, the user's to set
 
 # %% auto #0
 __all__ = ['RELAXATIONS', 'PRECISIONS', 'MODES', 'ARCH_MODES', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS',
-           'FAMILY', 'CONFIGS', 'setting', 'redefault', 'RunConfig', 'SearchConfig', 'TrainConfig', 'StudyConfig',
-           'configured', 'check_value', 'check_fields', 'with_method', 'check_rules', 'check_device_rules', 'has_all',
-           'check_random']
+           'FAMILY', 'IDENTITY', 'CONFIGS', 'setting', 'redefault', 'records_given', 'RunConfig', 'SearchConfig',
+           'TrainConfig', 'StudyConfig', 'configured', 'check_value', 'check_fields', 'with_method', 'check_rules',
+           'check_device_rules', 'has_all', 'check_random']
 
 # %% ../nbs/00a_config.ipynb #fed0f08a
 def setting(default, help:str|None=None, check=None):
@@ -47,12 +48,24 @@ def redefault(cls, name:str, default):
     "Field `name` of `cls` with another default (a subclass's), its help and check kept"
     return field(default=default, metadata=cls.__dataclass_fields__[name].metadata)
 
+def records_given(cls):
+    "Class decorator: an instance of dataclass `cls` knows the settings its maker gave (`given`), so a method's settings never hide the user's"
+    init, names = cls.__init__, [f.name for f in fields(cls) if f.init]
+    @wraps(init)
+    def __init__(self, *args, **kwargs):
+        object.__setattr__(self, 'given', frozenset(names[:len(args)]) | frozenset(kwargs)); object.__setattr__(self, 'read', frozenset())
+        init(self, *args, **kwargs)
+    cls.__init__ = __init__
+    return cls
+
+@records_given
 @dataclass(frozen=True)
 class RunConfig:
     "What every run sets: the corpus and its batches, the language model, the weights' SGD and regularization, faults, checkpoints and speed"
     data: str = setting('numbers', "numbers (generated) | ptb (downloaded once to fastai's data folder, ~/.fastai/data/penn) | a folder with "
                         "train.txt, valid.txt, test.txt (one sentence a line, words split by spaces)")
-    files: str = setting('', 'train,valid,test file names inside the corpus folder, if not train.txt,valid.txt,test.txt')
+    files: str = setting('', 'train,valid,test file names inside the corpus folder, if not train.txt,valid.txt,test.txt; NAME:I/K is the '
+                         "Ith of K equal parts of a file's lines (test.txt:1/2,test.txt:2/2: a file's halves)")
     unk: str = setting('', "token for words of valid/test that train lacks (PTB: '<unk>'); default: such a word is an error")
     n_train: int = setting(200_000, 'tokens in the generated train split (--data numbers)', 'pos_int')
     n_eval: int = setting(20_000, 'tokens in each of the generated valid and test splits (--data numbers)', 'pos_int')
@@ -99,17 +112,31 @@ class RunConfig:
 
     @classmethod
     def of(cls, settings:dict):
-        "The config with the entries of `settings` that are its fields (others, as a run's control flags, are left out)"
-        return cls(**{k: v for k, v in settings.items() if k in cls.names()})
+        """The config with the entries of `settings` (a preset, or a run's settings) that are its fields (others, as a run's
+        control flags, are left out). They are the user's as keywords are, and `read` names them: as a preset's keys on the
+        command line, they may set what a mode does not use"""
+        kw = {k: v for k, v in settings.items() if k in cls.names()}
+        return cls._read(cls(**kw), kw)
+
+    @staticmethod
+    def _read(c, keys):
+        object.__setattr__(c, 'read', frozenset(keys)); return c
 
     def updated(self, caller:str, **overrides):
-        "This config with `overrides`; a `TypeError` naming `caller` for a keyword that is no setting"
+        "This config with `overrides`, given as its own settings were; a `TypeError` naming `caller` for a keyword that is no setting"
         bad = [k for k in overrides if k not in self.names()]
         if bad: raise TypeError(f"{caller}() got an unexpected keyword argument {bad[0]!r} (settings: {', '.join(self.names())})")
-        return replace(self, **overrides) if overrides else self   # a config is checked once, as it is made
+        if not overrides: return self
+        return self._read(type(self)(**{k: getattr(self, k) for k in self.given}, **overrides), self.read - set(overrides))   # checked once, as it is made
+
+    def sources(self) -> dict:
+        "Who set each setting: 'user' (a keyword, flag or preset key), 'method' (`--method`'s) or 'default'"
+        parts = METHODS.get(getattr(self, 'method', None) or '', {})
+        return {k: 'user' if k in self.given else 'method' if k in parts else 'default' for k in self.names()}
 
     def asdict(self) -> dict: return asdict(self)
 
+@records_given
 @dataclass(frozen=True)
 class SearchConfig(RunConfig):
     "A search: DARTS's α (Adam, relaxation, regularizers, λ_max and DARTS-ES), or random search with weight sharing"
@@ -128,8 +155,9 @@ class SearchConfig(RunConfig):
     mode: str = setting('second', "architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product) | "
                         "mixed (MiLeNAS: training and validation) | single (SNAS: the training loss); or random: random search with "
                         "weight sharing, no α", MODES)
-    method: str|None = setting(None, "a method of the DARTS family, one of the choices above: it sets its parts' settings that are left at "
-                               'their defaults (see rnn_darts.config.METHODS)', tuple(METHODS))
+    method: str|None = setting(None, "a method of the DARTS family, one of the choices above: its relaxation, mode, perturbation and "
+                               "selection, which a setting may repeat but not change, and defaults for its own settings (τ, β-decay, "
+                               "the KL weight), which are yours to set (rnn_darts.config.METHODS)", tuple(METHODS))
     arch_lr: float = setting(3e-3, 'learning rate of α (Adam), > 0', 'pos_float')
     arch_wd: float = setting(1e-3, 'weight decay of α', 'nonneg_float')
     relax: str = setting('softmax', 'how α mixes the ops: softmax (DARTS) | sigmoid (Fair DARTS) | gdas (a Gumbel-max cell, straight-through) | '
@@ -159,11 +187,11 @@ class SearchConfig(RunConfig):
     curvature_windows: int = setting(9, 'validation windows of 16 rows λ_max is measured on, each alone; the median is logged (default: 9)', 'pos_int')
     early_stop: bool = setting(False, "DARTS-ES: stop when λ_max's 5-epoch average grows more than 1.3x over 4 epochs; α and weights go back 6 epochs")
 
-    def __post_init__(self):   # the method's parts, where this config leaves them at their defaults; then every check, once
-        for k, v in with_method(dict(method=self.method, **{k: getattr(self, k) for k in METHODS.get(self.method or '', {})})).items():
-            object.__setattr__(self, k, v)
+    def __post_init__(self):   # the method's settings where its maker gave none; then every check, once
+        for k, v in with_method(vars(self), self.given.__contains__).items(): object.__setattr__(self, k, v)
         super().__post_init__()
 
+@records_given
 @dataclass(frozen=True)
 class TrainConfig(RunConfig):
     "Training a derived cell from scratch with NT-ASGD, at the paper's sizes"
@@ -226,10 +254,14 @@ def check_fields(cls, s:dict, name=str):
 
 def _default(k): return SearchConfig.__dataclass_fields__[k].default
 
-def with_method(s:dict) -> dict:
-    "`s` with the settings of its `method`'s parts (`METHODS`) where it leaves them at their defaults (absent or equal)"
-    parts = METHODS.get(s.get('method') or '', {})
-    return {**s, **{k: v for k, v in parts.items() if s.get(k, _default(k)) == _default(k)}}
+def with_method(s:dict, given=None, name=str) -> dict:
+    """`s` with its `method`'s settings (`METHODS`) where no one gave them: `given(k)` says whether someone did (a keyword,
+    flag or preset key; None: each key of `s`). A given setting may repeat the method's identity (`IDENTITY`), and a
+    contradiction is a `UsageError` naming both by `name(key)`; its other settings are the user's to set"""
+    m = s.get('method'); parts, given = METHODS.get(m or '', {}), given or s.__contains__
+    for k, v in parts.items():
+        if k in IDENTITY and given(k) and s.get(k) != v: raise UsageError(f"{name('method')} {m} sets {k} to {v!r}; {name(k)} {s.get(k)!r} contradicts it")
+    return {**s, **{k: v for k, v in parts.items() if not given(k)}}
 
 def check_rules(s:dict, name=str):
     """The rules between settings, on the entries of `s` they concern: a `UsageError` naming the settings by `name(key)`
@@ -244,7 +276,7 @@ def check_rules(s:dict, name=str):
         raise UsageError(f"{name('fuse')} true runs its kernels in fp32 or tf32; {name('precision')} bf16 autocasts the products, which they do not")
     if s.get('early_stop') and s.get('curvature') is False:
         raise UsageError(f"{name('early_stop')} true needs {name('curvature')} true: DARTS-ES stops on λ_max")
-    _check_family(with_method(s) if s.get('method') else s, name)
+    _check_family(with_method(s, name=name) if s.get('method') else s, name)
 
 def check_device_rules(s:dict, dev, name=str):
     "The rules between settings and the device `dev` (a `torch.device`), as `check_rules`"
@@ -253,9 +285,7 @@ def check_device_rules(s:dict, dev, name=str):
 
 def _check_family(s:dict, name):
     "The rules between the parts of the DARTS family (`METHODS`): the method's own, and the combinations that have no meaning"
-    m, r, mode = s.get('method'), s.get('relax'), s.get('mode')
-    for k, v in METHODS.get(m or '', {}).items():
-        if k in s and s[k] != v: raise UsageError(f"{name('method')} {m} sets {k} to {v!r}; {name(k)} {s[k]!r} contradicts it")
+    r, mode = s.get('relax'), s.get('mode')
     if r in DRAWN and mode == 'exact':
         raise UsageError(f"{name('relax')} {r} draws its mixing weights: the exact hypergradient ({name('mode')} exact) would differentiate "
                          "one draw twice, which has no meaning; use first, second, mixed or single")
@@ -282,7 +312,7 @@ def has_all(s:dict, *ks) -> bool: return all(s.get(k) is not None for k in ks)
 
 def check_random(s:dict, name=str, given=lambda k: False):
     """Random search's rules (no α; another cell every batch), on the settings `s`: a `UsageError` for an α setting the
-    user wrote (`given(k)`: a flag, or a keyword of `search_learner`) or an α part moved from its default by anyone, for
+    user wrote (`given(k)`: a flag, or a keyword of `search_learner`) or a method's part (`IDENTITY`) moved from its default by anyone, for
     compile and CUDA graphs, and for `candidates`/`top` written for another mode. Named by `name(key)`, as `check_rules`.
     The one place these rules are written: the command line and `search_learner` call it"""
     mode = s.get('mode')
@@ -291,7 +321,7 @@ def check_random(s:dict, name=str, given=lambda k: False):
             if given(k): raise UsageError(f"{name(k)} applies to random search (the cells it scores after training), not to mode {mode}")
         return
     for k in ALPHA_ONLY:
-        if given(k) or (k in ALPHA_PARTS and k in s and s[k] != _default(k)):
+        if given(k) or (k in IDENTITY and k in s and s[k] != _default(k)):   # a preset's τ or pt_tune serves its other methods
             raise UsageError(f"{name(k)} applies to the architecture weights α, which random search (mode random) does not have")
     for k, why in (('compile', 'a compiled step would recompile for each (see rnn_darts.random_search)'), ('graphs', 'each would need its own CUDA graphs')):
         if s.get(k): raise UsageError(f"{name(k)} true: random search runs another cell every batch, and {why}; it runs eager")

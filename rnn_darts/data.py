@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_data.ipynb #cddb5431
 from __future__ import annotations
-import hashlib, os, tempfile, urllib.request, urllib.error
+import hashlib, os, re, tempfile, urllib.request, urllib.error
 from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np, torch
@@ -14,9 +14,9 @@ from rnn_darts.core import check_positive, check_bptt, get_device, naming
 from rnn_darts.config import RunConfig
 
 # %% auto #0
-__all__ = ['SPLITS', 'EOS', 'NUMBER_WORDS', 'PTB_URL', 'PTB_HASHES', 'POLICIES', 'Corpus', 'read_corpus', 'fingerprint',
-           'write_corpus', 'number_words', 'numbers_corpus', 'file_hash_ok', 'get_ptb', 'batchify', 'StreamDL',
-           'SearchStream', 'lm_dls', 'search_stream', 'test_dl']
+__all__ = ['SPLITS', 'EOS', 'NUMBER_WORDS', 'PTB_URL', 'PTB_HASHES', 'POLICIES', 'Corpus', 'file_part', 'read_corpus',
+           'fingerprint', 'write_corpus', 'number_words', 'numbers_corpus', 'file_hash_ok', 'get_ptb', 'batchify',
+           'StreamDL', 'SearchStream', 'lm_dls', 'search_stream', 'test_dl']
 
 # %% ../nbs/01_data.ipynb #f5057d86
 SPLITS = ('train', 'valid', 'test')
@@ -76,9 +76,28 @@ def _read_lines(p:Path, split:str) -> list:
     if not any(l.strip() for l in lines): raise ValueError(f"{p}: the {split} split is empty (it contains no tokens)")
     return lines
 
-def _ids_of(lines, stoi:dict, p, unk_id=None, grow=False) -> torch.Tensor:
+_PART = re.compile(r'(.+):(\d+)/(\d+)')
+
+def file_part(spec:str) -> tuple:
+    """A `files` entry as (file name, I, K): `NAME:I/K` is the Ith of K equal runs of NAME's lines (`test.txt:1/2`, its
+    first half; `test.txt:2/2`, the rest), `NAME` all of them, (NAME, 1, 1)"""
+    m = _PART.fullmatch(spec)
+    if m is None: return spec, 1, 1
+    i, k = int(m[2]), int(m[3])
+    if not 1 <= i <= k: raise ValueError(f"files: {spec!r} names part {i} of {k}; a part is NAME:I/K with 1 <= I <= K")
+    return m[1], i, k
+
+def _part_lines(path:Path, spec:str, split:str) -> tuple:
+    "The lines of `split`'s file entry `spec` (a file, or a part of one: `file_part`), and the file's line number before its first"
+    name, i, k = file_part(spec)
+    lines = _read_lines(path/name, split)
+    lo, hi = (i - 1) * len(lines) // k, i * len(lines) // k
+    if not any(l.strip() for l in lines[lo:hi]): raise ValueError(f"{path/spec}: the {split} split is empty (it contains no tokens)")
+    return lines[lo:hi], lo
+
+def _ids_of(lines, stoi:dict, p, unk_id=None, grow=False, start:int=0) -> torch.Tensor:
     ids = []
-    for i, line in enumerate(lines):
+    for i, line in enumerate(lines, start):
         for w in line.split() + [EOS]:
             j = stoi.get(w)
             if j is None:
@@ -98,15 +117,14 @@ def read_corpus(path, unk:str|None=None, files:dict|None=None) -> Corpus:
     bad = set(files) - set(SPLITS)
     if bad: raise ValueError(f"read_corpus(files=...): unknown split(s) {sorted(bad)}; splits are {list(SPLITS)}")
     files = {s: files.get(s, f'{s}.txt') for s in SPLITS}
-    lines = {s: _read_lines(path/files[s], s) for s in SPLITS}
+    lines = {s: _part_lines(path, files[s], s) for s in SPLITS}
     stoi = {}
-    train = _ids_of(lines['train'], stoi, path/files['train'], grow=True)
+    train = _ids_of(lines['train'][0], stoi, path/files['train'], grow=True, start=lines['train'][1])
     unk_id = None
     if unk is not None:
         if unk not in stoi: stoi[unk] = len(stoi)
         unk_id = stoi[unk]
-    valid = _ids_of(lines['valid'], stoi, path/files['valid'], unk_id)
-    test  = _ids_of(lines['test'],  stoi, path/files['test'],  unk_id)
+    valid, test = (_ids_of(lines[s][0], stoi, path/files[s], unk_id, start=lines[s][1]) for s in ('valid', 'test'))
     vocab = list(stoi)
     return Corpus(vocab, stoi, train, valid, test, path=path, files=files)
 
@@ -118,10 +136,10 @@ def fingerprint(corpus:Corpus) -> dict:
             ids = getattr(corpus, s).contiguous().numpy()
             res[s] = dict(file=corpus.where(s), size=int(ids.size), sha256=hashlib.sha256(ids.tobytes()).hexdigest())
             continue
-        p, h = Path(corpus.path)/corpus.files[s], hashlib.sha256()
+        p, h = Path(corpus.path)/file_part(corpus.files[s])[0], hashlib.sha256()   # a part: its whole file, the part in `file`
         with open(p, 'rb') as f:
             for chunk in iter(lambda: f.read(1 << 20), b''): h.update(chunk)
-        res[s] = dict(file=str(p), size=p.stat().st_size, sha256=h.hexdigest())
+        res[s] = dict(file=corpus.where(s), size=p.stat().st_size, sha256=h.hexdigest())
     return res
 
 # %% ../nbs/01_data.ipynb #1420e1da

@@ -95,11 +95,12 @@ def run_genotype(learn):
 class RunInfo(TrainEpochEnd):
     "Write `run.json` (settings, device, epoch times, best validation loss, ASGD epoch, genotype) every epoch"
     order = GenotypeLogger.order + 1   # after ASGDSwitch and GenotypeLogger have done their epoch's work
-    def __init__(self, command, settings=None, data=None, fname='run.json'):
+    def __init__(self, command, settings=None, data=None, fname='run.json', sources=None):
         self.command, self.settings, self.data, self.fname, self.info = command, dict(settings or {}), data, fname, None
+        self.sources = {k: v for k, v in (sources or {}).items() if v != 'default'}   # who set each setting the code's default did not
     def before_fit(self):
         if self.info is None:
-            self.info = dict(command=self.command, settings=self.settings, device=device_name(self.flat_device()),
+            self.info = dict(command=self.command, settings=self.settings, sources=self.sources, device=device_name(self.flat_device()),
                              epoch_times=[], best_valid_loss=None, asgd_epoch=None, genotype=None,
                              **({} if self.data is None else dict(data=self.data)))
     def flat_device(self): return self.model.flat.data.device
@@ -171,7 +172,7 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resu
     `search_dl` unused, `candidates` and `top` for `choose_cell`)"""
     c = configured(SearchConfig, config, 'search_learner', settings)   # each field checked, as the command line checks its flag
     rnd = c.mode == 'random'
-    check_random(vars(c), given=settings.__contains__)
+    check_random(vars(c), given=lambda k: k in c.given and k not in c.read)   # a keyword here or the config's, not a preset's key
     n = _ntoken(dls, ntoken)
     model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c)) if rnd else DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax)
     learn = _learner(dls, model, c, path, device, False if rnd else c.compile, auto_compile=not rnd, graphs=False if rnd else c.graphs)

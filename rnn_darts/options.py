@@ -44,9 +44,9 @@ def settings_and_sources(command, preset=None, settings_file=None, **flags):
             if k in res: res[k], src[k] = v, f"{ini}: [{preset}] {k}"
     for k, v in flags.items():
         if v is not None: res[k], src[k] = v, 'flag'
-    parts = with_method(res)   # a method's parts, where the preset and flags leave them at their defaults
-    for k in METHODS.get(res.get('method') or '', {}):
-        if res[k] != parts[k]: res[k], src[k] = parts[k], f"--{k.replace('_', '-')} (--method {res['method']})"
+    given = lambda k: src.get(k, 'default') != 'default'   # a flag or a preset key: the user's
+    for k, v in with_method(res, given, lambda k: setting_name(k, src)).items():   # the method's settings that the user left
+        if not given(k) and k in METHODS.get(res.get('method') or '', {}): res[k], src[k] = v, f"--method {res['method']}"
     return res, src
 
 def resolve_settings(command, preset=None, settings_file=None, **flags) -> dict:
@@ -114,19 +114,19 @@ def setting_name(k, src=None) -> str:
     "How to name setting `k` in an error: its flag, or the preset key that set it"
     where = (src or {}).get(k, 'flag')
     flag = '--' + k.replace('_', '-')
-    return flag if where == 'flag' else f"{flag} (default)" if where == 'default' else where
+    if where == 'flag': return flag
+    return f"{flag} ({where})" if where == 'default' or where.startswith('--method ') else where
 
 def check_settings(s:dict, src:dict|None=None) -> dict:
     "Raise a `UsageError` naming the flag or preset key of the first bad value in the settings `s`"
     n = lambda k: setting_name(k, src)
     for k, v in s.items():
         if v is not None and k in CHECKS: check_value(n(k), v, CHECKS[k])
-    if s.get('method'): s.update(with_method(s))   # the method's parts, where the settings leave them at their defaults
     if 'mode' in s: check_random(s, n, lambda k: (src or {}).get(k) == 'flag')
     check_rules(s, n)
     if s.get('curvature') is False and (src or {}).get('curvature_windows') == 'flag':
         raise UsageError(f"{n('curvature_windows')} sets how λ_max is measured, and {n('curvature')} is false")
-    if s.get('data') in ('numbers', 'ptb'):
+    if s.get('data') == 'numbers':   # PTB is a folder too: its files may be split (`--files valid.txt,test.txt:1/2,test.txt:2/2`)
         for k in ('files', 'unk'):
             if s.get(k) and (src or {}).get(k) == 'flag': raise UsageError(f"--{k} applies to a corpus folder, not --data {s['data']}")
     for k in ('n_train', 'n_eval'):

@@ -144,7 +144,7 @@ def record_overrides_cb(settings:dict, changes:dict, data:dict|None=None):
         def before_fit(self):
             ri = getattr(self.learn, 'run_info', None)
             if ri is None or ri.info is None: return
-            ri.info['settings'] = dict(settings)
+            ri.info['settings'], ri.info['sources'] = dict(settings), ri.sources
             if data is not None: ri.info['data'] = data
             if changes: ri.info.setdefault('overrides', []).append(
                 dict(epoch=self.learn.first_epoch, changes={k: dict(old=a, new=b) for k, (a, b) in changes.items()}))
@@ -251,7 +251,7 @@ def search(**flags):
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         rnd = s['mode'] == 'random'
         learn = search_learner(dls, None if rnd else search_stream(corpus, s['bs'], device=dev), SearchConfig.of(s), path=out,
-                               resume=True if resume else None, device=dev, cbs=[RunLogger('log.csv', append=resume), RunInfo('search', s, r.data)])
+                               resume=True if resume else None, device=dev, cbs=[RunLogger('log.csv', append=resume), RunInfo('search', s, r.data, sources=r.src)])
         learn = distrib_learner(learn)
         if r.rank == 0: plain_output(learn)   # into a file or a pipe: a line per epoch, no bar frames
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
@@ -292,7 +292,7 @@ def train(**flags):
         if r.rank == 0: print(f"train {cell_name(s['genotype'], r.src['genotype'])} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         learn = train_learner(dls, g, TrainConfig.of(s), path=out, resume=True if resume else None, device=dev,
-                              cbs=[RunLogger('log.csv', append=resume), RunInfo('train', s, r.data)])
+                              cbs=[RunLogger('log.csv', append=resume), RunInfo('train', s, r.data, sources=r.src)])
         learn = distrib_learner(learn)
         if r.rank == 0: plain_output(learn)
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)

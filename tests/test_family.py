@@ -192,6 +192,38 @@ def test_bad_combinations_are_refused_with_one_line(settings, msg):
     with pytest.raises(ValueError) as e: learner(**settings)
     assert msg in str(e.value) and '\n' not in str(e.value)
 
+def test_a_method_fixes_its_parts_and_leaves_its_own_settings_to_the_user(tmp_path, capsys):
+    """(#67) Who set a setting decides, not whether it equals the default. A method's part given by the user is refused
+    when it contradicts the method, even at the default (GDAS is first order; `mode='second'` is the default), in a
+    config, a keyword and the command line alike; a method's own hyper-parameter is the user's (DrNAS's KL weight,
+    β-DARTS's decay), and run.json names who set each setting. A random search refuses α's settings written as keywords
+    or in a config made by hand, not a preset's keys"""
+    import json
+    from rnn_darts import cli
+    from rnn_darts.learner import load_preset
+    msg = "method gdas sets mode to 'first'; mode 'second' contradicts it"
+    for make in (lambda: SearchConfig(method='gdas', mode='second'), lambda: SearchConfig(method='gdas').updated('search_learner', mode='second'),
+                 lambda: learner(method='gdas', mode='second')):
+        with pytest.raises(UsageError, match=msg): make()
+    with pytest.raises(SystemExit) as e: cli.run_command(['search', '--method', 'gdas', '--mode', 'second', '--out', str(tmp_path/'no')])
+    assert e.value.code == 2 and capsys.readouterr().err == "rnn-darts: error: --method gdas sets mode to 'first'; --mode 'second' contradicts it\n"
+    c = SearchConfig(method='drnas', dirichlet_kl=5e-3)
+    assert (c.relax, c.mode, c.dirichlet_kl, SearchConfig(method='beta-darts', beta_decay=10.).beta_decay) == ('drnas', 'first', 5e-3, 10.)
+    assert {k: c.sources()[k] for k in ('method', 'dirichlet_kl', 'relax', 'mode', 'lr')} == dict(
+        method='user', dirichlet_kl='user', relax='method', mode='method', lr='default')
+    assert SearchConfig(method='drnas').updated('search_learner', seed=1).dirichlet_kl == 1e-3   # the method's, kept through a change
+    assert learner(method='drnas', dirichlet_kl=5e-3).arch_param_update.dirichlet_kl == 5e-3
+    out = tmp_path/'drnas'
+    cli.run_command(['search', '--data', 'numbers', '--n-train', '400', '--n-eval', '200', '--epochs', '1', '--bs', '8', '--bptt', '4', '--eval-bs', '4',
+                     '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--method', 'drnas', '--dirichlet-kl', '0.005', '--curvature', 'false', '--out', str(out)])
+    info = json.loads((out/'run.json').read_text())
+    assert info['settings']['dirichlet_kl'] == 0.005 and info['settings']['relax'] == 'drnas'
+    assert {k: info['sources'].get(k) for k in ('dirichlet_kl', 'relax', 'mode', 'epochs', 'lr')} == dict(
+        dirichlet_kl='flag', relax='--method drnas', mode='--method drnas', epochs='flag', lr=None)   # absent: the code's default
+    dls = lm_dls(numbers_corpus(n_train=400, n_valid=200, n_test=200), 8, 4, 'search')
+    with pytest.raises(UsageError, match='arch_lr applies to the architecture weights'): search_learner(dls, None, SearchConfig(mode='random', arch_lr=1e-3))
+    search_learner(dls, None, SearchConfig.of(load_preset('quick')), mode='random', path=tmp_path)   # the preset's curvature_windows: not the user's word
+
 # ------------------------------------------------------------------ SDARTS
 class Mixes(Callback):
     "The mixing weights of every training forward, with softmax(α) at that moment: the weight steps' and the architecture passes'"

@@ -295,6 +295,40 @@ def test_on_ray_a_killed_worker_and_a_killed_driver_give_the_same_table(done, tm
     assert all((out/st/'run.json').read_text() == rec for st, rec in ended.items())   # not run twice
     pd.testing.assert_frame_equal(table(out), table(s))
 
+@pytest.mark.slow
+@needs_ray
+def test_the_ptb_study_preset_runs_end_to_end_through_ray_at_a_tiny_size(tmp_path):
+    """(#68) The shipped study-ptb preset on a folder laid out as the shared Penn Treebank (valid.txt and test.txt
+    only): each stage trains on valid.txt and validates and tests on test.txt's halves, unknown words mapped to <unk>;
+    both its references; through --ray. Tiny sizes, and 3 of its methods at one seed for the suite's time (the
+    others' fits: test_family.py). Every number in study.csv is finite"""
+    import configparser
+    shipped = configparser.ConfigParser(); shipped.read(ROOT/'settings.ini')
+    p = dict(shipped['study-ptb'])
+    assert (p['files'], p['unk'], p['references']) == ('valid.txt,test.txt:1/2,test.txt:2/2', '<unk>', 'DARTS_V2,ENAS')
+    assert p['methods'].split(',') == ['darts', 'first', 'gdas', 'snas', 'drnas', 'milenas', 'beta-darts', 'sdarts-rs', 'sdarts-adv', 'darts-pt', 'fair-darts', 'random']
+    p.update(methods='darts,gdas,random', seeds='1', search_preset='tiny-search', train_preset='tiny-train', short_epochs='1', final_epochs='1')
+    (tmp_path/'settings.ini').write_text(TINY + '\n[ptb-tiny]\n' + ''.join(f'{k} = {v}\n' for k, v in p.items()))
+    penn = tmp_path/'penn'; penn.mkdir()
+    words = 'zero one two three four five six seven eight nine ten'.split()
+    line = lambda i: ' '.join(words[(i * j) % 11] for j in range(1, 8))
+    (penn/'valid.txt').write_text(''.join(line(i) + '\n' for i in range(220)))
+    (penn/'test.txt').write_text(''.join(line(i) + (' eleven' if i % 7 == 0 else '') + '\n' for i in range(180)))   # words the train split lacks
+    out = tmp_path/'s'
+    r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', 'study', '--preset', 'ptb-tiny', '--settings', str(tmp_path/'settings.ini'),
+                        '--data', str(penn), '--out', str(out), '--device', 'cpu', '--threads', '1', '--ray'], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, 'PYTHONPATH': str(ROOT)}, timeout=600)
+    assert r.returncode == 0, r.stderr
+    df = pd.read_csv(out/'study.csv')
+    assert df['stage'].tolist() == ['short-search-darts-1', 'short-search-gdas-1', 'short-search-random-1', 'short-DARTS_V2', 'short-ENAS'], df
+    raw = pd.read_csv(out/'study.csv', dtype=str, keep_default_na=False)   # as written: '' is an empty cell, 'nan' a NaN
+    empty = raw == ''   # what does not apply: a reference's search time, the final results of the cells not selected
+    assert empty['search_seconds'].tolist() == [False] * 3 + [True] * 2 and (empty['final_test_ppl'] == ~df['selected']).all(), raw
+    cols = ['seed', 'search_seconds', 'short_valid_loss', 'short_valid_ppl', 'final_valid_ppl', 'final_test_ppl']
+    assert all(math.isfinite(float(v)) for c in cols for v in raw[c] if v != '') and df['selected'].sum() == 1, raw   # every number written is finite
+    data = json.loads((out/'search-darts-1'/'run.json').read_text())['data']
+    assert [data[s]['file'] for s in ('train', 'valid', 'test')] == [f'{penn}/valid.txt', f'{penn}/test.txt:1/2', f'{penn}/test.txt:2/2']
+
 STOPPED = "the running stages stopped, each at a checkpoint it can resume from; run the same command again to resume the study"
 
 @pytest.mark.slow
