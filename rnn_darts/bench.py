@@ -17,6 +17,7 @@ from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.callbacks.arch import ArchParamUpdate, ARCH_BETAS, arch_grad, hypergrad
 from rnn_darts.config import SearchConfig, TrainConfig, METHODS, PRECISIONS, FAMILY as METHOD_FAMILY
 from rnn_darts.callbacks.speed import tf32_products
+from rnn_darts.plan import plan_of
 from rnn_darts.learner import search_parts
 from rnn_darts.callbacks.graphs import StepGraphs
 from rnn_darts.callbacks.perturb import Perturbation
@@ -129,7 +130,7 @@ def arch_updater(model, mode=_S.mode, arch_bf16=False, graphs=None, **kwargs):
 
 def bound_updater(cb, model, graphs=None):
     "`cb` (an `ArchParamUpdate`) bound to `model` outside a `Learner`, its Adam made; its steps as graphs of `graphs` if given"
-    cb.learn = SimpleNamespace(model=model, cuda_graphs=SimpleNamespace(graphs=graphs))
+    cb.learn, cb.graphs = SimpleNamespace(model=model), SimpleNamespace(graphs=graphs)   # the graphs handed to it, as the learner's maker hands its CudaGraphs
     cb.hypers = STEP['lr'], STEP['wd'], STEP['clip']
     cb.before_fit()
     return cb
@@ -167,14 +168,14 @@ def method_step(model, cb, pert, trn, val):
     "One search step of a method: its architecture step, then its weight step, under SDARTS's perturbed mixing weights if it has them"
     cb.arch_step(trn, val)
     if pert is not None: pert.learn.xb, pert.learn.yb = trn[:1], trn[1:]; pert.apply()
-    try: return weight_step(model, *trn, graphs=cb.learn.cuda_graphs.graphs)
+    try: return weight_step(model, *trn, graphs=cb.graphs.graphs)
     finally: model.mixing_hook = None
 
 def search_step(model, cb, trn, val, mode=_S.mode, lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
     "One architecture step (the callback's own `arch_step`, in mode `mode`) then one weight step (both graphed if the callback's are)"
     cb.mode, cb.hypers = mode, (lr, wd, clip)
     cb.arch_step(trn, val)
-    return weight_step(model, *trn, lr=lr, clip=clip, graphs=cb.learn.cuda_graphs.graphs)
+    return weight_step(model, *trn, lr=lr, clip=clip, graphs=cb.graphs.graphs)
 
 def precision_context(precision:str, device, cache:bool=True):
     "What `precision` runs a step inside on `device`: a bf16 autocast (`cache`: its cache of cast weights), TF32 products, or fp32 products (TF32 off)"
@@ -369,10 +370,9 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     bad = set(methods) - set(FAMILY)
     if bad: raise ValueError(f"unknown methods {sorted(bad)}; methods are {list(FAMILY)}")
     dev = _device(device)
-    if graphs and torch.device(dev).type != 'cuda': raise ValueError(f"graphs=True times captured CUDA graphs: it needs a CUDA device, not {dev}")
-    if precision not in PRECISIONS: raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if fuse and torch.device(dev).type != 'cuda': raise ValueError(f"fuse=True times the cells' Triton kernels: it needs a CUDA device, not {dev} (a CPU runs them in Triton's interpreter, for tests)")
-    if graphs and precision == 'bf16': raise ValueError("graphs=True with precision='bf16': bf16 autocast's cache of cast weights cannot be captured")
+    plan = plan_of(dict(compile=compile, graphs=graphs, fuse=fuse, precision=precision), dev)   # the learners' rules: what runs is timed
+    for line in plan.notes if verbose else (): print(line, flush=True)
+    compile, graphs, fuse, precision = plan.compile is True, bool(plan.graphs), plan.fuse, plan.precision
     base = SMALL_SHAPES if small else FULL_SHAPES
     S = {**base['search'], **(shape or {})}
     TS = {**base['train'], **(train_shape or {})}
@@ -384,7 +384,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
                small=small, iters=iters, warmup=warmup, compile=compile, precision=precision, graphs=graphs, fuse=fuse, mem_kind=mem_kind(dev),
                shapes=dict(search=S, train=dict(TS, genotype=_T.genotype), eval_bs=ebs), step=dict(STEP), rows=[],
                ratios={}, ratios_min={}, method_ratios={},
-               ops_kind='kernel launches per step (launch_count)' if compile else 'operators per step (op_count)')
+               ops_kind='kernel launches per step (launch_count)' if compile else 'operators per step (op_count)', plan=plan.asdict())
     def ours(m):
         if compile: m.cell.compile_step()
         if fuse: m.cell.fuse_step()   # training time steps as Triton kernels (the search cell's evaluation stays compiled)
@@ -490,6 +490,7 @@ def print_table(results: dict, file=None):
            f"{r['warmup']} warm-up + {r['iters']} timed iterations per row",
            *([f"CPU kernels: {r['kernels']['rule']}"] if r.get('kernels') else []),
            f"memory: {r['mem_kind']}; ops: {r.get('ops_kind', 'operators per step (op_count)')}",
+           *([f"what ran: {r['plan']['path']} (rnn_darts.plan){''.join('; ' + x for x in r['plan']['notes'])}"] if r.get('plan') else []),
            "first ms: the first (warm-up) call; with --compile it includes compiling that row's graphs not compiled before",
            *(["graphs: each row's steps replayed as captured CUDA graphs (StepGraphs; exact mode's architecture step eager); "
               "ops: the operators still sent from Python per step"] if r.get('graphs') else []),

@@ -69,10 +69,8 @@ def bench(
     for k, p in (('--json-path', json_path), ('--profile', profile)):
         if p is not None and Path(p).is_dir(): raise UsageError(f"{k} {p} is a folder; give a file name")
     dev = get_device(device)
-    if graphs and dev.type != 'cuda': raise UsageError(f"--graphs times captured CUDA graphs and needs a GPU; the device is {dev}")
-    if fuse and dev.type != 'cuda': raise UsageError(f"--fuse times Triton kernels and needs a GPU; the device is {dev}")
-    check_choice('--precision', precision, PRECISIONS)
-    if graphs and precision == 'bf16': raise UsageError("--graphs with --precision bf16: bf16 autocast's cache of cast weights cannot be captured; time them apart")
+    from rnn_darts.plan import plan_of
+    plan_of(dict(compile=compile, graphs=graphs, fuse=fuse, precision=precision), dev, lambda k: '--' + k)   # refused: one line, before the imports
     set_threads(threads, dev)
     from rnn_darts.bench import run_bench, print_table, profile_text, FAMILY
     def listed(flag, text, choices):

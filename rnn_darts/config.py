@@ -9,7 +9,7 @@ from functools import partial, wraps
 from rnn_darts.core import UsageError, check_number, check_choice
 
 RELAXATIONS = ('softmax', 'sigmoid', 'gdas', 'snas', 'drnas')   # `rnn_darts.relax`
-PRECISIONS = ('fp32', 'tf32', 'bf16')   # of the matrix products: `rnn_darts.callbacks.speed`
+from rnn_darts.plan import PRECISIONS, check_plan_rules   # the execution plan's: its table's rules that need no device are a config's too
 MODES = ('second', 'first', 'exact', 'mixed', 'single', 'random')   # α's step (`rnn_darts.callbacks.arch`), then random search's
 ARCH_MODES = MODES[:-1]                                             # the modes with α
 TEMPERED, DRAWN = ('gdas', 'snas'), ('gdas', 'snas', 'drnas')  # the relaxations with a temperature; those that draw their weights
@@ -33,10 +33,10 @@ FAMILY = tuple(m for m in METHODS if m not in MODES + ('darts',))   # the method
 IDENTITY = ('relax', 'mode', 'perturb', 'select')   # what makes a method itself: a setting may repeat its, never change them; its other settings (τ, ε, β-decay, the KL and zero-one weights) are defaults, the user's to set
 
 # %% auto #0
-__all__ = ['RELAXATIONS', 'PRECISIONS', 'MODES', 'ARCH_MODES', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS',
-           'FAMILY', 'IDENTITY', 'CONFIGS', 'setting', 'redefault', 'records_given', 'RunConfig', 'SearchConfig',
-           'TrainConfig', 'StudyConfig', 'configured', 'check_value', 'check_fields', 'with_method', 'check_rules',
-           'check_device_rules', 'has_all', 'check_random']
+__all__ = ['RELAXATIONS', 'MODES', 'ARCH_MODES', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS', 'FAMILY',
+           'IDENTITY', 'CONFIGS', 'setting', 'redefault', 'records_given', 'RunConfig', 'SearchConfig', 'TrainConfig',
+           'StudyConfig', 'configured', 'check_value', 'check_fields', 'with_method', 'check_rules', 'has_all',
+           'check_random']
 
 # %% ../nbs/00a_config.ipynb #fed0f08a
 def setting(default, help:str|None=None, check=None):
@@ -272,16 +272,11 @@ def check_rules(s:dict, name=str):
         raise UsageError(f"{name('emsize')} ({s['emsize']}) must equal {name('nhid')} ({s['nhid']}): the decoder is tied to the embedding")
     if has('top', 'candidates') and s['top'] > s['candidates']:
         raise UsageError(f"{name('top')} ({s['top']}) cannot exceed {name('candidates')} ({s['candidates']})")
-    if s.get('fuse') and s.get('precision') == 'bf16':
-        raise UsageError(f"{name('fuse')} true runs its kernels in fp32 or tf32; {name('precision')} bf16 autocasts the products, which they do not")
+    check_plan_rules(s, name)   # fuse with bf16, graphs with bf16, compile or graphs with random search: `rnn_darts.plan.RULES`
     if s.get('early_stop') and s.get('curvature') is False:
         raise UsageError(f"{name('early_stop')} true needs {name('curvature')} true: DARTS-ES stops on λ_max")
     _check_family(with_method(s, name=name) if s.get('method') else s, name)
 
-def check_device_rules(s:dict, dev, name=str):
-    "The rules between settings and the device `dev` (a `torch.device`), as `check_rules`"
-    if s.get('fuse') and dev.type != 'cuda':
-        raise UsageError(f"{name('fuse')} true runs Triton kernels on a GPU; the device is {dev} (a CPU runs them in Triton's interpreter, for tests only)")
 
 def _check_family(s:dict, name):
     "The rules between the parts of the DARTS family (`METHODS`): the method's own, and the combinations that have no meaning"
@@ -313,7 +308,7 @@ def has_all(s:dict, *ks) -> bool: return all(s.get(k) is not None for k in ks)
 def check_random(s:dict, name=str, given=lambda k: False):
     """Random search's rules (no α; another cell every batch), on the settings `s`: a `UsageError` for an α setting the
     user wrote (`given(k)`: a flag, or a keyword of `search_learner`) or a method's part (`IDENTITY`) moved from its default by anyone, for
-    compile and CUDA graphs, and for `candidates`/`top` written for another mode. Named by `name(key)`, as `check_rules`.
+    and for `candidates`/`top` written for another mode (compile and CUDA graphs: the plan's rules). Named by `name(key)`, as `check_rules`.
     The one place these rules are written: the command line and `search_learner` call it"""
     mode = s.get('mode')
     if mode != 'random':
@@ -323,5 +318,3 @@ def check_random(s:dict, name=str, given=lambda k: False):
     for k in ALPHA_ONLY:
         if given(k) or (k in IDENTITY and k in s and s[k] != _default(k)):   # a preset's τ or pt_tune serves its other methods
             raise UsageError(f"{name(k)} applies to the architecture weights α, which random search (mode random) does not have")
-    for k, why in (('compile', 'a compiled step would recompile for each (see rnn_darts.random_search)'), ('graphs', 'each would need its own CUDA graphs')):
-        if s.get(k): raise UsageError(f"{name(k)} true: random search runs another cell every batch, and {why}; it runs eager")

@@ -5,6 +5,7 @@
 # %% ../nbs/07_learner.ipynb #3b6c7827
 from __future__ import annotations
 import time, json, inspect
+from dataclasses import replace
 from contextlib import contextmanager, nullcontext, ExitStack
 from pathlib import Path
 import torch
@@ -22,7 +23,8 @@ from fastai.optimizer import SGD
 import fastai.callback.schedule  # adds Learner.lr_find and fit_one_cycle
 from fastai.callback.progress import CSVLogger
 from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name, naming
-from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, check_random, check_device_rules, TEMPERED
+from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, check_random, TEMPERED
+from rnn_darts.plan import plan_of
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict
 from rnn_darts.callbacks.arch import ArchParamUpdate, Temperature
@@ -34,7 +36,7 @@ from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer,
 from rnn_darts.callbacks.asgd import ASGDSwitch
 from rnn_darts.callbacks.logs import GenotypeLogger, TableColumns, write_json_atomic
 from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker
-from rnn_darts.callbacks.speed import BF16Autocast, AutoCompile, CompileNotice, precision_callbacks
+from rnn_darts.callbacks.speed import BF16Autocast, AutoCompile, CompileNotice, PlanNotes, precision_callbacks
 from rnn_darts.callbacks.checkpoint import Checkpoint
 from rnn_darts.callbacks.preemption import Preemption
 from rnn_darts.callbacks.tensorboard import TensorBoardLog
@@ -116,7 +118,13 @@ class RunInfo(TrainEpochEnd):
         if sw is not None and sw.active: i['asgd_epoch'] = sw.switch_epoch
         g = run_genotype(self.learn)
         i['genotype'] = None if g is None else genotype_to_dict(g)
+        i['plan'] = self.ran()
         if rank_distrib() == 0: write_json_atomic(i, Path(self.path)/self.fname)
+    def ran(self) -> dict|None:
+        "The execution plan that ran this epoch (`learn.plan`: what ran, not what was asked), 'auto' compiling resolved to whether it did"
+        p = getattr(self.learn, 'plan', None)
+        if p is None: return None
+        return (replace(p, compile=self.model.cell._compiled is not None) if p.compile == 'auto' else p).asdict()
     def ckpt_state(self): return dict(info=self.info, epoch_seconds=time.time() - self.t0 if getattr(self, 't0', None) else 0.)
     def load_ckpt_state(self, d): self.info, self.carried = dict(d['info']), d.get('epoch_seconds', 0.)
 
@@ -135,9 +143,11 @@ def _ntoken(dls, ntoken):
     if getattr(dls, 'vocab', None) is None: raise ValueError("pass ntoken=..., or DataLoaders with a .vocab (as lm_dls makes)")
     return len(dls.vocab)
 
-def _common_cbs(c:RunConfig, resume=None):
-    "The callbacks every run has, set by `c`: state, regularization, the clip, the fault guards, the fused loss, checkpoints"
-    cbs = [ModelResetter(), RNNCallback(), RNNRegularizer(c.alpha, c.beta), SeqLenLR(), FlatGradClip(c.clip), DivergenceGuard(c.on_nan),
+def _common_cbs(c:RunConfig, resume=None, graphs:CudaGraphs|None=None):
+    "The callbacks every run has, set by `c`: state, regularization (handed to `graphs`, whose training graph adds it), the clip, the fault guards, the fused loss, checkpoints"
+    rr = RNNRegularizer(c.alpha, c.beta)
+    if graphs is not None: graphs.regularizer = rr
+    cbs = [ModelResetter(), RNNCallback(), rr, SeqLenLR(), FlatGradClip(c.clip), DivergenceGuard(c.on_nan),
            BestValidLoss(), FiniteValidation()]
     if c.fused_loss: cbs.append(FusedDecoderLoss())
     if c.checkpoint: cbs += [Checkpoint(keep=c.keep, resume=resume), Preemption(None if c.checkpoint_every is None else 60 * c.checkpoint_every)]
@@ -146,26 +156,29 @@ def _common_cbs(c:RunConfig, resume=None):
     if c.tensorboard: cbs.append(TensorBoardLog(c.tensorboard))
     return cbs
 
-def _learner(dls, model, c:RunConfig, path, device, compile=None, auto_compile=False, graphs=None):
-    "`compile=None`: compiled on CUDA; on a CPU, `AutoCompile` if `auto_compile` (long fits), else eager (see below). `graphs`: `CudaGraphs`'s `enabled`, or an emulation without a GPU ('emulate', 'trace')"
+def _learner(dls, model, c:RunConfig, path, device, command:str, plan=None):
+    """A `DartsLearner` that runs the execution plan of `c` on `device` (`rnn_darts.plan.plan_of`, the one place it is
+    decided): compiled, as CUDA graphs (or their emulation without a GPU: `graphs='emulate'|'trace'`), fused, in its
+    precision; its fallbacks said as the fit starts (`plan`: one made already, as the command line's, naming its flags).
+    Returns it and its `CudaGraphs`, for the parts that run steps as graphs"""
     dev = torch.device(device) if device is not None else getattr(dls, 'device', None) or torch.device('cpu')
     model.to(dev)
     model.fused_loss = c.fused_loss
-    if compile is None and dev.type == 'cuda': compile = True
-    check_device_rules(c.asdict(), dev)
-    if compile: model.cell.compile_step()
-    if c.fuse: model.cell.fuse_step()
-    auto = ([AutoCompile()] if compile is None and auto_compile else []) + [CompileNotice()]
-    auto += [CudaGraphs(emulate=graphs) if graphs in EMULATIONS else CudaGraphs(graphs), TableColumns()]
+    emulate = c.graphs if c.graphs in EMULATIONS else False
+    plan = plan or plan_of({**c.asdict(), 'graphs': True if emulate else c.graphs}, dev, command=command, emulate=emulate)
+    if plan.compile is True: model.cell.compile_step()
+    if plan.fuse: model.cell.fuse_step()
+    cg = CudaGraphs(bool(plan.graphs), emulate=emulate)
+    cbs = ([AutoCompile()] if plan.compile == 'auto' else []) + [CompileNotice(), PlanNotes(plan), cg, TableColumns()]
     learn = DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=c.lr, splitter=flat_splitter, wd=c.wd,
-                         wd_bn_bias=True, metrics=[Perplexity()], path=path, cbs=auto + precision_callbacks(c.precision))
-    learn.config = c
-    return learn
+                         wd_bn_bias=True, metrics=[Perplexity()], path=path, cbs=cbs + precision_callbacks(plan.precision))
+    learn.config, learn.plan = c, plan
+    return learn, cg
 
 
 def _dropouts(c:RunConfig) -> dict: return dict(dropout=c.dropout, dropouth=c.dropouth, dropoutx=c.dropoutx, dropouti=c.dropouti, dropoute=c.dropoute)
 
-def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resume=None, cbs=None, device=None, ntoken=None,
+def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resume=None, cbs=None, device=None, ntoken=None, plan=None,
                    **settings) -> DartsLearner:
     """A `Learner` for the search phase with the settings of `config` (default: the paper's, `SearchConfig`), any of them
     overridden by keyword: DARTS (`mode` second|first|exact), or random search with weight sharing (`mode='random'`:
@@ -175,19 +188,19 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resu
     check_random(vars(c), given=lambda k: k in c.given and k not in c.read)   # a keyword here or the config's, not a preset's key
     n = _ntoken(dls, ntoken)
     model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c)) if rnd else DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax)
-    learn = _learner(dls, model, c, path, device, False if rnd else c.compile, auto_compile=not rnd, graphs=False if rnd else c.graphs)
-    own = search_parts(c, search_dl)
+    learn, cg = _learner(dls, model, c, path, device, 'search', plan)
+    own = search_parts(c, search_dl, cg)
     learn.metrics += [ValueMetric(cb.search_loss, 'search_loss') for cb in own if isinstance(cb, ArchParamUpdate)]
     learn.metrics += [ValueMetric(cb.lambda_max, 'lambda_max') for cb in own if isinstance(cb, Curvature)]
-    learn.add_cbs(_common_cbs(c, resume) + own + list(L(cbs)))
+    learn.add_cbs(_common_cbs(c, resume, cg) + own + list(L(cbs)))
     return learn
 
-def search_parts(c:SearchConfig, search_dl=None) -> list:
+def search_parts(c:SearchConfig, search_dl=None, graphs:CudaGraphs|None=None) -> list:
     """The callbacks that make `c`'s search, each a part of the DARTS family: random search's cell sampler, or α's step
     (its mode, Adam and regularisers) with the derived cell's log and the parts `c`'s settings turn on. The one place a
     search is assembled: `search_learner` and the bench build from it"""
     if c.mode == 'random': return [RandomArch(candidates=c.candidates, top=c.top)]
-    parts = [ArchParamUpdate.of(c, search_dl), GenotypeLogger()]
+    parts = [ArchParamUpdate.of(c, search_dl, graphs=graphs), GenotypeLogger()]
     if c.curvature: parts.append(Curvature(c.curvature_windows))
     if c.early_stop: parts.append(CurvatureStop())
     if c.relax in TEMPERED: parts.append(Temperature(c.tau_max, c.tau_min))
@@ -195,13 +208,13 @@ def search_parts(c:SearchConfig, search_dl=None) -> list:
     if c.select == 'pt': parts.append(PtSelection(c.pt_tune))
     return parts
 
-def train_learner(dls, genotype, config:TrainConfig|None=None, path='.', resume=None, cbs=None, device=None, ntoken=None,
+def train_learner(dls, genotype, config:TrainConfig|None=None, path='.', resume=None, cbs=None, device=None, ntoken=None, plan=None,
                   **settings) -> DartsLearner:
     "A `Learner` that trains the cell `genotype` from scratch with NT-ASGD, with the settings of `config` (default: the paper's, `TrainConfig`), any of them overridden by keyword"
     c = configured(TrainConfig, config, 'train_learner', settings)
     model = DartsRnn(_ntoken(dls, ntoken), load_genotype(genotype), c.emsize, c.nhid, **_dropouts(c))
-    learn = _learner(dls, model, c, path, device, c.compile, graphs=c.graphs)
-    learn.add_cbs(_common_cbs(c, resume) + [ASGDSwitch(c.nonmono, start=c.asgd)] + list(L(cbs)))
+    learn, cg = _learner(dls, model, c, path, device, 'train', plan)
+    learn.add_cbs(_common_cbs(c, resume, cg) + [ASGDSwitch(c.nonmono, start=c.asgd)] + list(L(cbs)))
     return learn
 
 # %% ../nbs/07_learner.ipynb #e972eb06

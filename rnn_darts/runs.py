@@ -8,14 +8,15 @@ import json, os, socket, sys, time
 from contextlib import suppress
 from pathlib import Path
 from rnn_darts.core import UserError, UsageError, get_device, set_seed, check_number, check_choice, naming
-from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, check_device_rules
+from rnn_darts.config import RunConfig, SearchConfig, TrainConfig
+from rnn_darts.plan import plan_of
 from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources,
                                check_settings, check_fits, check_memory, command_flags, flag_default, flags_signature, setting_name)
 
 # %% auto #0
 __all__ = ['RUN_FILES', 'RESUME_FREE', 'ARGV', 'load_corpus', 'corpus_key', 'run_files', 'RunLock', 'read_run_json',
            'settings_diff', 'data_changes', 'prepare_run_dir', 'record_overrides_cb', 'idle_cores', 'set_threads',
-           'exit_if_interrupted', 'search', 'cell_name', 'train', 'evaluate_run']
+           'exit_if_interrupted', 'method_text', 'search', 'cell_name', 'train', 'evaluate_run']
 
 # %% ../nbs/07b_runs.ipynb #c69a6174
 def load_corpus(s:dict, url:str|None=None):
@@ -192,7 +193,7 @@ def _prepare(command, flags:dict) -> _Run:
     if r.s['data'] not in ('numbers', 'ptb') and not os.path.lexists(r.s['data']):   # said before the seconds of importing torch and fastai
         raise FileNotFoundError(f"corpus folder {Path(r.s['data'])} does not exist")
     dev = get_device(c['device'])
-    check_device_rules(r.s, dev, lambda k: setting_name(k, r.src))
+    r.plan = plan_of(r.s, dev, lambda k: setting_name(k, r.src), command=command)   # a refused combination: one line; the learner runs this plan
     if r.s['tensorboard']:
         from rnn_darts.callbacks.tensorboard import summary_writer_class
         summary_writer_class()   # installed, before the run folder is made
@@ -237,6 +238,13 @@ def _report_end(learn, out, extra):
     info = read_run_json(p) if p.exists() else {}
     info.update(extra, finished=True); write_json_atomic(info, p)   # `finished`: the command ended (a study skips such a stage)
 
+def method_text(s:dict) -> str:
+    "A search's method in words, for its first line: the method (if one was named) and its parts"
+    parts = [f"mode {s['mode']}"] + ([f"relax {s['relax']}"] if s['mode'] != 'random' else [])
+    parts += [f"perturb {s['perturb']}"] if s.get('perturb') not in (None, 'none') else []
+    parts += [f"select {s['select']}"] if s.get('select') == 'pt' else []
+    return f"{s['method']} ({', '.join(parts)})" if s.get('method') else ', '.join(parts)
+
 def search(**flags):
     "Architecture search: learn the mixing weights α of a recurrent cell (or, --mode random, score drawn cells), write the genotype"
     r = _prepare('search', flags)
@@ -247,11 +255,11 @@ def search(**flags):
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
         from rnn_darts.callbacks.logs import RunLogger, plain_output
         s, dev, out, corpus, resume = r.s, r.dev, r.out, r.corpus, r.resume
-        if r.rank == 0: print(f"search on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
+        if r.rank == 0: print(f"search {method_text(s)} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}; {r.plan.path}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         rnd = s['mode'] == 'random'
         learn = search_learner(dls, None if rnd else search_stream(corpus, s['bs'], device=dev), SearchConfig.of(s), path=out,
-                               resume=True if resume else None, device=dev, cbs=[RunLogger('log.csv', append=resume), RunInfo('search', s, r.data, sources=r.src)])
+                               resume=True if resume else None, device=dev, plan=r.plan, cbs=[RunLogger('log.csv', append=resume), RunInfo('search', s, r.data, sources=r.src)])
         learn = distrib_learner(learn)
         if r.rank == 0: plain_output(learn)   # into a file or a pipe: a line per epoch, no bar frames
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
@@ -289,10 +297,10 @@ def train(**flags):
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
         from rnn_darts.callbacks.logs import RunLogger, plain_output
         s, dev, out, corpus, g, resume = r.s, r.dev, r.out, r.corpus, r.genotype, r.resume
-        if r.rank == 0: print(f"train {cell_name(s['genotype'], r.src['genotype'])} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}); run folder {out}")
+        if r.rank == 0: print(f"train {cell_name(s['genotype'], r.src['genotype'])} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}; {r.plan.path}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         learn = train_learner(dls, g, TrainConfig.of(s), path=out, resume=True if resume else None, device=dev,
-                              cbs=[RunLogger('log.csv', append=resume), RunInfo('train', s, r.data, sources=r.src)])
+                              plan=r.plan, cbs=[RunLogger('log.csv', append=resume), RunInfo('train', s, r.data, sources=r.src)])
         learn = distrib_learner(learn)
         if r.rank == 0: plain_output(learn)
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)

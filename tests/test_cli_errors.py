@@ -317,7 +317,8 @@ def test_commands(capsys):
     fails(capsys, ['bench', '--methods', 'gdas,foo'], 2, "--methods must be one of gdas, snas, drnas, milenas, beta-darts, sdarts-rs, sdarts-adv, fair-darts; got 'foo'")
     fails(capsys, ['bench', '--modes', 'first,third'], 2, "--modes must be one of second, first, exact, random; got 'third'")
     fails(capsys, ['bench', '--precision', 'fp16'], 2, "--precision must be one of fp32, tf32, bf16; got 'fp16'")
-    fails(capsys, ['bench', '--fuse', '--device', 'cpu'], 2, "--fuse times Triton kernels and needs a GPU; the device is cpu")
+    fails(capsys, ['bench', '--fuse', '--device', 'cpu'], 2, "--fuse true runs Triton kernels on a GPU; the device is cpu")   # the plan's rule, as the learners'
+    fails(capsys, ['bench', '--graphs', '--precision', 'bf16'], 2, "--graphs true with --precision bf16: bf16 autocast's cache of cast weights cannot be captured")
     fails(capsys, ['search', '--precision', 'fp16'], 2, "--precision must be one of fp32, tf32, bf16; got 'fp16'")
 
 def test_one_line_by_subprocess(tmp_path):

@@ -205,13 +205,15 @@ def test_captured_runs_its_body_then_records_then_replays():
 
 def test_graphs_say_why_they_are_off(small, tmp_path, capsys):
     "Asked for on a CPU, or with bf16, one line says why and the fit runs eager; by default on a CPU nothing is said; random search refuses them"
-    for graphs, bf16, line in ((True, False, 'CUDA graphs off: they need a GPU, and the model is on the cpu; the steps run eager'),
-                               ('emulate', True, 'CUDA graphs off: not with bf16 autocast'), (None, False, None)):
-        learn = make('train', small, tmp_path/str(graphs), graphs=graphs, precision='bf16' if bf16 else 'fp32', checkpoint=False, **SMALL)
+    for graphs, bf16, line in ((True, False, 'CUDA graphs off: they need a GPU, and the device is cpu; the steps run eager'),
+                               (None, True, None), (None, False, None)):
+        learn = make('train', small, tmp_path/f'{graphs}{bf16}', graphs=graphs, precision='bf16' if bf16 else 'fp32', checkpoint=False, **SMALL)
         learn.fit(1)
         out = capsys.readouterr().out
-        assert (line in out) if line else 'CUDA graphs' not in out
-        assert learn.cuda_graphs.graphs is None
+        assert (out.count(line) == 1) if line else 'CUDA graphs' not in out   # said once, by the plan
+        assert learn.cuda_graphs.graphs is None and learn.plan.graphs is False
+    with pytest.raises(ValueError, match="graphs true with precision bf16: bf16 autocast's cache of cast weights cannot be captured"):
+        make('train', small, tmp_path/'bf16', graphs='emulate', precision='bf16', checkpoint=False, **SMALL)   # as the command line refuses it
     dls = lm_dls(small, bs=8, bptt=10, eval_bs=4, device='cpu')
     with pytest.raises(ValueError, match="graphs true: random search runs another cell every batch, and each would need its own CUDA graphs"):
         search_learner(dls, search_stream(small, 8, device='cpu'), mode='random', graphs=True, emsize=8, nhid=8)
@@ -283,7 +285,7 @@ def test_the_benchs_graphed_steps_equal_its_eager_steps():
         cb = arch_updater(m, 'second', graphs=StepGraphs(m, emulate='emulate') if graphed else None)
         trn, val = _batches(40, 4, 6, 2, 'cpu', 0)
         losses = [search_step(m, cb, trn, val, 'second') for _ in range(3)]
-        losses.append(weight_step(m, *trn, graphs=cb.learn.cuda_graphs.graphs))
+        losses.append(weight_step(m, *trn, graphs=cb.graphs.graphs))
         runs.append((losses, state(m)))
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
     assert_same(runs[0][1], runs[1][1])

@@ -208,8 +208,9 @@ class ArchParamUpdate(Callback):
     order = SeqLenLR.order + 1   # after SeqLenLR has set the batch's learning rate (the virtual step uses it)
     def __init__(self, search_dl, mode=SearchConfig.mode, arch_lr=SearchConfig.arch_lr, arch_betas=ARCH_BETAS, arch_wd=SearchConfig.arch_wd,
                  same_masks=True, clip='learn', zero_one=0., op_decay=0., arch_bf16=False, mixed_lambda=SearchConfig.mixed_lambda,
-                 beta_decay=0., dirichlet_kl=0.):
+                 beta_decay=0., dirichlet_kl=0., graphs=None):
         if mode not in ARCH_MODES: raise ValueError(f"mode must be one of {', '.join(map(repr, ARCH_MODES))}, got {mode!r}")
+        self.graphs = graphs   # the learner's `CudaGraphs` (its `graphs`, a `StepGraphs` while they run), handed by the learner's maker; None: eager
         for k, v in dict(op_decay=op_decay, beta_decay=beta_decay, dirichlet_kl=dirichlet_kl).items():
             if v < 0: raise ValueError(f"{k} must be >= 0, got {v}")
         self.search_dl, self.mode, self.same_masks, self.clip = search_dl, mode, same_masks, clip
@@ -304,7 +305,7 @@ class ArchParamUpdate(Callback):
 
     def arch_step(self, trn, val):
         "One architecture step, as a CUDA graph where the learner runs them (`CudaGraphs`), else eager; counts skipped steps and the search loss"
-        graphs = getattr(getattr(self.learn, 'cuda_graphs', None), 'graphs', None)
+        graphs = getattr(self.graphs, 'graphs', None)
         res = self.graphed_step(graphs, trn, val) if graphs is not None else None
         loss, ok = res if res is not None else self.step(trn, val, self.hypergrad)
         self.n_skipped += (~ok).long()

@@ -14,6 +14,7 @@ from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision
 from fastai.torch_core import num_distrib, rank_distrib
 from rnn_darts.callbacks.training import ar_tar
+from rnn_darts.plan import facts, verdicts
 
 # %% auto #0
 __all__ = ['EMULATIONS', 'Captured', 'StepGraphs', 'CudaGraphs']
@@ -183,18 +184,20 @@ class StepGraphs:
 # %% ../../nbs/05e_graphs.ipynb #aa41a9a2
 class CudaGraphs(Callback):
     "Run training batches (forward, AR/TAR, backward), DARTS architecture steps and evaluation batches as CUDA graphs (`StepGraphs`); `enabled=None`: on a GPU where they apply"
-    def __init__(self, enabled:bool|None=None, emulate:bool=False, max_graphs:int=64):
+    def __init__(self, enabled:bool|None=None, emulate:bool=False, max_graphs:int=64, regularizer=None):
         self.enabled, self.emulate, self.max_graphs, self.graphs = enabled, emulate, max_graphs, None
+        self.regularizer = regularizer   # the learner's `RNNRegularizer`, whose AR/TAR the training graph adds (handed by the learner's maker)
 
     def refusal(self) -> str|None:
-        "Why the graphs cannot run this fit, or None"
+        """Why the graphs cannot run this fit, or None: the execution plan's rules (`rnn_darts.plan.RULES`) on the learner
+        as it is (a learner built by hand has no plan), and a model that draws a cell per batch"""
         m, learn = self.model, self.learn
-        if not (self.emulate or m.flat.data.is_cuda): return f"they need a GPU, and the model is on the {m.flat.data.device.type}"
-        if any(isinstance(cb, MixedPrecision) for cb in learn.cbs): return "not with bf16 autocast, whose cache of cast weights a graph cannot hold"
-        if num_distrib() > 1: return "not with several processes yet"
         if hasattr(m, 'use'): return "random search runs another cell every batch"
-        if not (m.fused_loss and getattr(learn.loss_func, 'takes_fused_loss', False)): return "they need the fused decoder loss (fused_loss=True)"
-        return None
+        f = facts(dict(graphs=True, fused_loss=m.fused_loss and getattr(learn.loss_func, 'takes_fused_loss', False),
+                       precision='bf16' if any(isinstance(cb, MixedPrecision) for cb in learn.cbs) else 'fp32'),
+                  m.flat.data.device, world=num_distrib() or 1, emulate=self.emulate)
+        why = next((line for r, line in verdicts(f) if 'graphs' in r.name), None)
+        return None if why is None else why.removeprefix('CUDA graphs off: ').removesuffix('; the steps run eager')
 
     def before_fit(self):
         why = 'off' if self.enabled is False else self.refusal()
@@ -211,5 +214,5 @@ class CudaGraphs(Callback):
         if g is None: return None
         if not self.model.training: return g.evaluate(*xb) if len(xb) == 1 else None
         if len(xb) != 2 or not torch.is_grad_enabled(): return None   # the fused loss takes the targets as a second input
-        rr = getattr(self.learn, 'rnn_regularizer', None)
+        rr = self.regularizer
         return g.train(*xb, *((0., 0.) if rr is None else (rr.alpha, rr.beta)))

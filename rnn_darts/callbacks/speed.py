@@ -11,10 +11,10 @@ from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastai.torch_core import rank_distrib
 from rnn_darts.callbacks.epochs import in_lr_find
-from rnn_darts.config import PRECISIONS
+from rnn_darts.plan import PRECISIONS, tf32_missing, RULES
 
 # %% auto #0
-__all__ = ['COMPILE_MIN_STEPS', 'BF16Autocast', 'tf32_products', 'tf32_missing', 'TF32', 'precision_callbacks', 'AutoCompile',
+__all__ = ['COMPILE_MIN_STEPS', 'BF16Autocast', 'tf32_products', 'TF32', 'precision_callbacks', 'PlanNotes', 'AutoCompile',
            'CompileNotice']
 
 # %% ../../nbs/05b_speed.ipynb #ca46411b
@@ -37,27 +37,30 @@ def tf32_products(enabled:bool=True):
     try: yield
     finally: torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
-def tf32_missing(device) -> str|None:
-    "Why `device` has no TF32 products (a CPU, a GPU older than Ampere), or None"
-    dev = torch.device(device)
-    if dev.type != 'cuda': return f"TF32 is a mode of NVIDIA GPUs' tensor cores, and the model is on the {dev.type}"
-    major, minor = torch.cuda.get_device_capability(dev)
-    if major < 8: return f"the GPU {torch.cuda.get_device_name(dev)} (compute capability {major}.{minor}) has no TF32 tensor cores (Ampere and newer have)"
-    return None
-
 class TF32(Callback):
-    "TF32 matrix products during the fit (`precision='tf32'`); where there are none, one line says so and they run in fp32"
+    """TF32 matrix products during the fit if `enabled` (`precision='tf32'`), else fp32 products, whatever torch's
+    global switch says (`precision='fp32'`, as `bench` times it). After the fit the switch is as it was. Built by hand
+    where there are no TF32 products, one line says so (the plan's rule) and they run in fp32"""
+    def __init__(self, enabled:bool=True): self.enabled = enabled
     def before_fit(self):
-        why = tf32_missing(self.model.flat.data.device)
-        if why and not rank_distrib(): print(f"--precision tf32: {why}; the products run in fp32", flush=True)
-        self.switch = tf32_products(); self.switch.__enter__()
+        why = self.enabled and tf32_missing(self.model.flat.data.device)
+        if why and not rank_distrib(): print(next(r for r in RULES if r.name == 'tf32 needs tensor cores').why(dict(device=self.model.flat.data.device, name=lambda k: '--' + k)), flush=True)
+        self.switch = tf32_products(self.enabled); self.switch.__enter__()
     def after_fit(self):
         if getattr(self, 'switch', None) is not None: self.switch.__exit__(None, None, None); self.switch = None
 
 def precision_callbacks(precision:str) -> list:
-    "The callbacks a learner with `precision` (fp32 | tf32 | bf16) runs"
+    "The callbacks a learner with `precision` (fp32 | tf32 | bf16: what its plan runs) runs"
     if precision not in PRECISIONS: raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    return dict(fp32=[], tf32=[TF32()], bf16=[BF16Autocast()])[precision]
+    return dict(fp32=[TF32(False)], tf32=[TF32()], bf16=[BF16Autocast()])[precision]
+
+class PlanNotes(Callback):
+    "Say the execution plan's fallbacks (`rnn_darts.plan`), a line each, as the learner's first fit starts"
+    def __init__(self, plan): self.plan, self.said = plan, False
+    def before_fit(self):
+        if self.said or rank_distrib() or in_lr_find(self.learn): return
+        for line in self.plan.notes: print(line, flush=True)
+        self.said = True
 
 # %% ../../nbs/05b_speed.ipynb #2a2a5bc5
 COMPILE_MIN_STEPS = 150   # CPU training batches from which compiling pays (quick search: 40–57 s warm-up, ~0.28 s saved per batch)

@@ -1,0 +1,69 @@
+"""One execution plan (issue 67): every rule of `rnn_darts.plan.RULES` answers the same through what users run, the
+command line, the learners and bench: a refused combination is one line (exit 2, or a `UsageError` naming the
+keyword), a fallback is one line said once, and `run.json` records what ran, not what was asked."""
+import json
+import pytest
+from rnn_darts import cli
+from rnn_darts.core import UsageError
+from rnn_darts.plan import RULES, plan_of
+from rnn_darts.learner import search_learner
+from rnn_darts.data import numbers_corpus, lm_dls, search_stream
+from tests.test_cli_errors import NUM, fails
+
+REFUSED = {   # rule -> the flags that meet it on this CPU
+    'fuse needs a GPU': ['--fuse', 'true'],
+    'fuse is fp32 or tf32': ['--fuse', 'true', '--precision', 'bf16'],
+    'compile, not random search': ['--mode', 'random', '--compile', 'true'],
+    'graphs, not random search': ['--mode', 'random', '--graphs', 'true'],
+    'graphs, not bf16': ['--graphs', 'true', '--precision', 'bf16'],
+}
+FALLBACKS = {'graphs need a GPU': ['--graphs', 'true'], 'tf32 needs tensor cores': ['--precision', 'tf32']}
+ELSEWHERE = {   # rules a CPU and one process cannot meet, and where they are proven
+    'bf16 needs bfloat16': 'a GPU without bfloat16 (plan_of with a stand-in below)',
+    'graphs, one process': 'several processes (plan_of with world=2 below)',
+    'graphs need the fused loss': 'a Python-only setting (fused_loss=False, below)',
+}
+
+def test_every_rule_of_the_table_is_proven_here():
+    "A rule added to the table without a case here fails this test"
+    assert {r.name for r in RULES} == set(REFUSED) | set(FALLBACKS) | set(ELSEWHERE)
+    assert all(r.verdict == 'refused' for r in RULES if r.name in REFUSED) and all(r.verdict == 'falls back' for r in RULES if r.name in FALLBACKS)
+
+@pytest.mark.parametrize('rule', list(REFUSED))
+def test_a_refused_combination_is_one_line_on_the_command_line_and_in_python(rule, capsys):
+    flags = REFUSED[rule]
+    line = fails(capsys, ['search', *NUM, *flags], 2)
+    want = next(r for r in RULES if r.name == rule).why(dict(name=lambda k: '--' + k.replace('_', '-'), device=None))
+    assert line == f"rnn-darts: error: {want}" if 'device' not in want else line.startswith('rnn-darts: error: ' + want.split(';')[0])
+    kw = {flags[i].lstrip('-'): {'true': True}.get(flags[i + 1], flags[i + 1]) for i in range(0, len(flags), 2)}
+    c = numbers_corpus(n_train=600, n_valid=300, n_test=300)
+    with pytest.raises(UsageError) as e:
+        search_learner(lm_dls(c, 8, 10, 'search'), search_stream(c, 8), emsize=8, nhid=8, device='cpu', checkpoint=False, **kw)
+    assert str(e.value) == line.removeprefix('rnn-darts: error: ').replace('--', ''), (str(e.value), line)
+
+@pytest.mark.slow
+def test_fallbacks_are_said_once_and_run_json_records_what_ran(tmp_path, capsys):
+    out = tmp_path/'run'
+    cli.run_command(['search', *NUM, '--curvature', 'false', *FALLBACKS['graphs need a GPU'], *FALLBACKS['tf32 needs tensor cores'], '--out', str(out)])
+    said = capsys.readouterr().out.splitlines()
+    assert said[0].startswith('search mode second, relax softmax on ') and '; compiled once a fit is long, fp32); run folder' in said[0], said[0]   # method, mode, path
+    for line in ('CUDA graphs off: they need a GPU, and the device is cpu; the steps run eager',
+                 "--precision tf32: TF32 is a mode of NVIDIA GPUs' tensor cores, and the device is cpu; the products run in fp32"):
+        assert said.count(line) == 1, said
+    info = json.loads((out/'run.json').read_text())
+    assert info['settings']['precision'] == 'tf32' and info['settings']['graphs'] is True   # what was asked
+    assert {k: info['plan'][k] for k in ('precision', 'graphs', 'compile', 'path')} == dict(precision='fp32', graphs=False, compile=False, path='eager, fp32')   # what ran: too short a fit to compile
+    assert len(info['plan']['notes']) == 2
+
+def test_the_rules_a_cpu_cannot_meet(monkeypatch):
+    "bf16 on a GPU without it is refused; several processes and an unfused loss turn graphs off with one line; the defaults on CUDA"
+    import torch
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: False)
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d=None: 'Old GPU')
+    with pytest.raises(UsageError, match='precision bf16: the GPU Old GPU does not support bfloat16; use fp32 or tf32'): plan_of(dict(precision='bf16'), 'cuda')
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: True)   # a GPU with bf16, for the defaults below
+    assert plan_of(dict(graphs=True), 'cuda', world=2).notes == ('CUDA graphs off: not with several processes yet; the steps run eager',)
+    p = plan_of(dict(graphs=True, fused_loss=False), 'cuda', world=1)
+    assert p.graphs is False and 'fused decoder loss' in p.notes[0]
+    assert plan_of(dict(), 'cuda', world=1).path == 'compiled + CUDA graphs, fp32'   # the defaults on a GPU
+    assert plan_of(dict(precision='bf16'), 'cuda', world=1).graphs is False      # not asked, not captured: bf16's cache
