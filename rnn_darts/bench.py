@@ -370,7 +370,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     bad = set(methods) - set(FAMILY)
     if bad: raise ValueError(f"unknown methods {sorted(bad)}; methods are {list(FAMILY)}")
     dev = _device(device)
-    plan = plan_of(dict(compile=compile, graphs=graphs, fuse=fuse, precision=precision), dev)   # the learners' rules: what runs is timed
+    plan = plan_of(dict(compile=compile, graphs=graphs, fuse=fuse, precision=precision), dev, lambda k: '--' + k)   # the learners' rules: what runs is timed
     for line in plan.notes if verbose else (): print(line, flush=True)
     compile, graphs, fuse, precision = plan.compile is True, bool(plan.graphs), plan.fuse, plan.precision
     base = SMALL_SHAPES if small else FULL_SHAPES

@@ -103,6 +103,8 @@ class RunConfig:
     graphs: bool|None = setting(None, 'run each batch shape as captured CUDA graphs: the training step and evaluation (default: on for CUDA, '
                                 "except with --precision bf16; a step that cannot be captured falls back to eager, saying why)")
 
+    given = read = frozenset()   # not fields: what its maker gave, set by `records_given` (these: a config unpickled from before it)
+
     def __post_init__(self):   # a config checks itself as it is made: each value its field's check, then the rules between settings
         check_fields(type(self), vars(self))
         check_rules(vars(self))
@@ -127,7 +129,7 @@ class RunConfig:
         bad = [k for k in overrides if k not in self.names()]
         if bad: raise TypeError(f"{caller}() got an unexpected keyword argument {bad[0]!r} (settings: {', '.join(self.names())})")
         if not overrides: return self
-        return self._read(type(self)(**{k: getattr(self, k) for k in self.given}, **overrides), self.read - set(overrides))   # checked once, as it is made
+        return self._read(type(self)(**{**{k: getattr(self, k) for k in self.given}, **overrides}), self.read - set(overrides))   # checked once, as it is made
 
     def sources(self) -> dict:
         "Who set each setting: 'user' (a keyword, flag or preset key), 'method' (`--method`'s) or 'default'"
@@ -307,8 +309,9 @@ def has_all(s:dict, *ks) -> bool: return all(s.get(k) is not None for k in ks)
 
 def check_random(s:dict, name=str, given=lambda k: False):
     """Random search's rules (no α; another cell every batch), on the settings `s`: a `UsageError` for an α setting the
-    user wrote (`given(k)`: a flag, or a keyword of `search_learner`) or a method's part (`IDENTITY`) moved from its default by anyone, for
-    and for `candidates`/`top` written for another mode (compile and CUDA graphs: the plan's rules). Named by `name(key)`, as `check_rules`.
+    user wrote (`given(k)`: a flag, or a keyword of `search_learner`) or a method's part (`IDENTITY`) moved from its default
+    by anyone, and for `candidates`/`top` written for another mode (compile and CUDA graphs: the plan's rules). Named by
+    `name(key)`, as `check_rules`.
     The one place these rules are written: the command line and `search_learner` call it"""
     mode = s.get('mode')
     if mode != 'random':

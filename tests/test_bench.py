@@ -144,7 +144,7 @@ def test_bf16_agreement_is_one_when_both_sides_are_fp32(monkeypatch):
 def test_tf32_changes_the_products_on_a_gpu_and_says_by_how_much(capsys):
     "On an Ampere or newer GPU, TF32 products move the hypergradient a little from fp32's (on a CPU it is the same computation: 10_bench)"
     from rnn_darts import bench
-    from rnn_darts.callbacks.speed import tf32_missing
+    from rnn_darts.plan import tf32_missing
     from rnn_darts.model import DartsRnnSearch
     if not torch.cuda.is_available() or tf32_missing('cuda'): pytest.skip(tf32_missing('cuda') or 'no GPU here')
     torch.manual_seed(0)

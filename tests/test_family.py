@@ -192,6 +192,7 @@ def test_bad_combinations_are_refused_with_one_line(settings, msg):
     with pytest.raises(ValueError) as e: learner(**settings)
     assert msg in str(e.value) and '\n' not in str(e.value)
 
+@pytest.mark.slow
 def test_a_method_fixes_its_parts_and_leaves_its_own_settings_to_the_user(tmp_path, capsys):
     """(#67) Who set a setting decides, not whether it equals the default. A method's part given by the user is refused
     when it contradicts the method, even at the default (GDAS is first order; `mode='second'` is the default), in a

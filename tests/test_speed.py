@@ -52,8 +52,8 @@ def test_compile_default_is_on_for_cuda(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(L.torch.nn.Module, 'to', lambda self, *a, **k: self)      # no GPU here: moving is a no-op
     monkeypatch.setattr(L, 'DartsLearner', lambda dls, model, **k: seen.append(model) or model)
     m = L.DartsRnnSearch(20, 8, 8)
-    L._learner(None, m, L.SearchConfig(), '.', 'cuda', auto_compile=True)
+    L._learner(None, m, L.SearchConfig(), '.', 'cuda', 'search')
     assert m.cell._compiled is not None
     m = L.DartsRnnSearch(20, 8, 8)
-    L._learner(None, m, L.SearchConfig(), '.', 'cpu')
+    L._learner(None, m, L.SearchConfig(), '.', 'cpu', 'search')   # 'auto': AutoCompile decides by the fit's length
     assert m.cell._compiled is None

@@ -12,6 +12,7 @@ from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
 from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision
+from fastai.callback.rnn import RNNRegularizer
 from fastai.torch_core import num_distrib, rank_distrib
 from rnn_darts.callbacks.training import ar_tar
 from rnn_darts.plan import facts, verdicts
@@ -200,6 +201,10 @@ class CudaGraphs(Callback):
         return None if why is None else why.removeprefix('CUDA graphs off: ').removesuffix('; the steps run eager')
 
     def before_fit(self):
+        if self.regularizer is None:   # a learner built by hand: its AR/TAR, which the training graph must add as the eager step does
+            self.regularizer = next((cb for cb in self.learn.cbs if isinstance(cb, RNNRegularizer)), None)
+        for cb in self.learn.cbs:      # and its α step, which runs as graphs of these
+            if hasattr(cb, 'graphed_step') and getattr(cb, 'graphs', False) is None: cb.graphs = self
         why = 'off' if self.enabled is False else self.refusal()
         if why is None:
             if self.graphs is None or self.graphs.model is not self.model: self.graphs = StepGraphs(self.model, self.emulate, self.max_graphs)

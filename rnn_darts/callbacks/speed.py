@@ -23,8 +23,9 @@ class BF16Autocast(MixedPrecision):
     def __init__(self): super().__init__(amp_mode=AMPMode.BF16)
     def before_fit(self):
         dev = self.model.flat.data.device
-        if dev.type == 'cuda' and not torch.cuda.is_bf16_supported():
-            raise ValueError(f"bf16: the GPU {torch.cuda.get_device_name(dev)} does not support bfloat16; use --precision fp32 or tf32")
+        bf16 = next(r for r in RULES if r.name == 'bf16 needs bfloat16')   # a learner built by hand: the plan's rule
+        f = dict(precision='bf16', device=dev, name=lambda k: '--' + k)
+        if bf16.when(f): raise ValueError(bf16.why(f))
         self.autocast = torch.autocast(dev.type, dtype=torch.bfloat16)
         self.learn.scaler, self.scales = torch.amp.GradScaler(dev.type, enabled=False), []   # bf16 needs no loss scaling
 
