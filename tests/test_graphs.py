@@ -9,6 +9,7 @@ from rnn_darts.data import lm_dls, search_stream, numbers_corpus
 from rnn_darts.model import DartsRnn
 from rnn_darts.genotypes import DARTS_V2
 from rnn_darts.callbacks.graphs import StepGraphs, Captured
+from rnn_darts.config import FAMILY, METHODS
 from tests.test_learner import state, assert_same
 
 @pytest.fixture(scope='module')
@@ -191,6 +192,17 @@ def test_the_hidden_state_is_carried_across_graphed_batches():
         assert torch.equal(out[0], loss) and torch.equal(m.hidden['train'], h)
     assert torch.equal(m.flat.grad, g_ref)
     assert all(m.hidden['train'] is not e.run.out[3] for e in sg.graphs.values())
+
+@pytest.mark.slow
+@pytest.mark.parametrize('method', list(FAMILY))
+def test_each_method_of_the_family_fits_as_graphs_like_eager(method, small, tmp_path):
+    """(#67) Every method of the family (its relaxation, α step, perturbation, selection) through the graphs'
+    bookkeeping, a training, α and evaluation graph each, equals its eager fit bit for bit over an epoch"""
+    kw = dict(method=method, mode=METHODS[method]['mode'])
+    a = make('search', small, tmp_path/'a', graphs=False, **SMALL, **kw); a.fit(1)
+    b = make('search', small, tmp_path/'b', graphs='emulate', **SMALL, **kw); b.fit(1)
+    assert_same_fit(a, b)
+    assert graph_kinds(b) == ['arch', 'eval', 'train']
 
 def test_captured_runs_its_body_then_records_then_replays():
     "`Captured` in trace mode: the first call runs the Python, the second records it (and is that call's work), later calls replay the record without the Python"
