@@ -15,7 +15,7 @@ from rnn_darts.core import cpu_name, naming
 from rnn_darts.genotypes import DARTS_V2, load_genotype, sample_genotype
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.callbacks.arch import ArchParamUpdate, ARCH_BETAS, arch_grad, hypergrad
-from rnn_darts.config import SearchConfig, TrainConfig, METHODS, PRECISIONS, FAMILY as METHOD_FAMILY
+from rnn_darts.config import SearchConfig, TrainConfig, METHODS, FAMILY as METHOD_FAMILY
 from rnn_darts.callbacks.speed import tf32_products
 from rnn_darts.plan import plan_of
 from rnn_darts.learner import search_parts

@@ -12,7 +12,7 @@ from fastcore.docments import docments
 from fastcore.imports import in_notebook
 from rnn_darts.core import UserError, UsageError, get_device, check_number, check_choice, foreign_warnings_off, write_text_atomic, renamed_hint
 from rnn_darts.options import CHOICES, FLAGS, SWITCHES, code_defaults, command_flags, flag_default
-from rnn_darts.config import CONFIGS, PRECISIONS
+from rnn_darts.config import CONFIGS
 from rnn_darts import runs
 from rnn_darts.runs import search, train, evaluate_run, set_threads, read_run_json
 

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_config.ipynb #d9e22679
 from __future__ import annotations
-from dataclasses import dataclass, field, fields, replace, asdict
+from dataclasses import dataclass, field, fields, asdict
 from functools import partial, wraps
 from rnn_darts.core import UsageError, check_number, check_choice
 
