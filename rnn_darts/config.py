@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, asdict
 from functools import partial, wraps
 from rnn_darts.core import UsageError, check_number, check_choice
+from rnn_darts.plan import PRECISIONS, check_plan_rules   # the execution plan's: its table's rules that need no device are a config's too
 
 RELAXATIONS = ('softmax', 'sigmoid', 'gdas', 'snas', 'drnas')   # `rnn_darts.relax`
-from rnn_darts.plan import PRECISIONS, check_plan_rules   # the execution plan's: its table's rules that need no device are a config's too
 MODES = ('second', 'first', 'exact', 'mixed', 'single', 'random')   # α's step (`rnn_darts.callbacks.arch`), then random search's
 ARCH_MODES = MODES[:-1]                                             # the modes with α
 TEMPERED, DRAWN = ('gdas', 'snas'), ('gdas', 'snas', 'drnas')  # the relaxations with a temperature; those that draw their weights
@@ -53,7 +53,7 @@ def records_given(cls):
     init, names = cls.__init__, [f.name for f in fields(cls) if f.init]
     @wraps(init)
     def __init__(self, *args, **kwargs):
-        object.__setattr__(self, 'given', frozenset(names[:len(args)]) | frozenset(kwargs)); object.__setattr__(self, 'read', frozenset())
+        object.__setattr__(self, 'given', frozenset(names[:len(args)]) | frozenset(kwargs))
         init(self, *args, **kwargs)
     cls.__init__ = __init__
     return cls
@@ -103,7 +103,7 @@ class RunConfig:
     graphs: bool|None = setting(None, 'run each batch shape as captured CUDA graphs: the training step and evaluation (default: on for CUDA, '
                                 "except with --precision bf16; a step that cannot be captured falls back to eager, saying why)")
 
-    given = read = frozenset()   # not fields: what its maker gave, set by `records_given` (these: a config unpickled from before it)
+    given = read = frozenset()   # not fields: what its maker gave (`records_given`) and what of it `of` read from a settings dict
 
     def __post_init__(self):   # a config checks itself as it is made: each value its field's check, then the rules between settings
         check_fields(type(self), vars(self))
@@ -281,7 +281,7 @@ def check_rules(s:dict, name=str):
 
 
 def _check_family(s:dict, name):
-    "The rules between the parts of the DARTS family (`METHODS`): the method's own, and the combinations that have no meaning"
+    "The rules between the parts of the DARTS family (`METHODS`): the combinations that have no meaning (a method's own: `with_method`)"
     r, mode = s.get('relax'), s.get('mode')
     if r in DRAWN and mode == 'exact':
         raise UsageError(f"{name('relax')} {r} draws its mixing weights: the exact hypergradient ({name('mode')} exact) would differentiate "

@@ -45,8 +45,9 @@ def settings_and_sources(command, preset=None, settings_file=None, **flags):
     for k, v in flags.items():
         if v is not None: res[k], src[k] = v, 'flag'
     given = lambda k: src.get(k, 'default') != 'default'   # a flag or a preset key: the user's
-    for k, v in with_method(res, given, lambda k: setting_name(k, src)).items():   # the method's settings that the user left
-        if not given(k) and k in METHODS.get(res.get('method') or '', {}): res[k], src[k] = v, f"--method {res['method']}"
+    parts = with_method(res, given, lambda k: setting_name(k, src))   # the method's settings that the user left
+    for k in METHODS.get(res.get('method') or '', {}):
+        if not given(k): res[k], src[k] = parts[k], f"--method {res['method']}"
     return res, src
 
 def resolve_settings(command, preset=None, settings_file=None, **flags) -> dict:

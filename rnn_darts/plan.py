@@ -11,7 +11,8 @@ from rnn_darts.core import UsageError, check_choice
 PRECISIONS = ('fp32', 'tf32', 'bf16')   # of the matrix products: fp32, TF32 tensor cores, bf16 autocast (fp32 weights)
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'RULES', 'tf32_missing', 'Rule', 'facts', 'verdicts', 'ExecutionPlan', 'plan_of', 'check_plan_rules']
+__all__ = ['PRECISIONS', 'RULES', 'tf32_missing', 'Rule', 'rule', 'facts', 'verdicts', 'ExecutionPlan', 'plan_of',
+           'check_plan_rules']
 
 # %% ../nbs/00b_plan.ipynb #8b570841
 def tf32_missing(device) -> str|None:
@@ -64,6 +65,10 @@ RULES = (
     Rule('tf32 needs tensor cores', 'falls back', lambda f: f['precision'] == 'tf32' and _on(f) and tf32_missing(f['device']),
          lambda f: f"{f['name']('precision')} tf32: {tf32_missing(f['device'])}; the products run in fp32", dict(precision=PRECISIONS[0])),
 )
+
+def rule(name:str) -> Rule:
+    "The row of `RULES` called `name` (a hand-built learner's callbacks ask the table's own rule)"
+    return next(r for r in RULES if r.name == name)
 
 def facts(s:dict, device, name=str, world:int|None=None, emulate=False) -> dict:
     "What the table's rules read: the settings asked (`s`: compile, graphs, fuse, precision, mode, fused_loss), the device, the processes"

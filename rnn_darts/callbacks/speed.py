@@ -11,7 +11,7 @@ from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastai.torch_core import rank_distrib
 from rnn_darts.callbacks.epochs import in_lr_find
-from rnn_darts.plan import PRECISIONS, tf32_missing, RULES
+from rnn_darts.plan import PRECISIONS, tf32_missing, rule
 
 # %% auto #0
 __all__ = ['COMPILE_MIN_STEPS', 'BF16Autocast', 'tf32_products', 'TF32', 'precision_callbacks', 'PlanNotes', 'AutoCompile',
@@ -23,8 +23,7 @@ class BF16Autocast(MixedPrecision):
     def __init__(self): super().__init__(amp_mode=AMPMode.BF16)
     def before_fit(self):
         dev = self.model.flat.data.device
-        bf16 = next(r for r in RULES if r.name == 'bf16 needs bfloat16')   # a learner built by hand: the plan's rule
-        f = dict(precision='bf16', device=dev, name=lambda k: '--' + k)
+        f, bf16 = dict(precision='bf16', device=dev, name=lambda k: '--' + k), rule('bf16 needs bfloat16')   # a learner built by hand: the plan's rule
         if bf16.when(f): raise ValueError(bf16.why(f))
         self.autocast = torch.autocast(dev.type, dtype=torch.bfloat16)
         self.learn.scaler, self.scales = torch.amp.GradScaler(dev.type, enabled=False), []   # bf16 needs no loss scaling
@@ -45,7 +44,7 @@ class TF32(Callback):
     def __init__(self, enabled:bool=True): self.enabled = enabled
     def before_fit(self):
         why = self.enabled and tf32_missing(self.model.flat.data.device)
-        if why and not rank_distrib(): print(next(r for r in RULES if r.name == 'tf32 needs tensor cores').why(dict(device=self.model.flat.data.device, name=lambda k: '--' + k)), flush=True)
+        if why and not rank_distrib(): print(rule('tf32 needs tensor cores').why(dict(device=self.model.flat.data.device, name=lambda k: '--' + k)), flush=True)
         self.switch = tf32_products(self.enabled); self.switch.__enter__()
     def after_fit(self):
         if getattr(self, 'switch', None) is not None: self.switch.__exit__(None, None, None); self.switch = None
