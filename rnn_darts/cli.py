@@ -17,8 +17,8 @@ from rnn_darts import runs
 from rnn_darts.runs import search, train, evaluate_run, set_threads, read_run_json
 
 # %% auto #0
-__all__ = ['COMMANDS', 'OPTIONAL_VALUE', 'study', 'bench', 'report', 'user_error_code', 'error_message', 'command_parser',
-           'main_help', 'run_command', 'main']
+__all__ = ['COMMANDS', 'OPTIONAL_VALUE', 'study', 'bench', 'check', 'report', 'user_error_code', 'error_message',
+           'command_parser', 'main_help', 'run_command', 'main']
 
 # %% ../nbs/08_cli.ipynb #0f1a55ce
 def study(
@@ -86,6 +86,33 @@ def bench(
         print(f"profiles written to {profile}")
     return res
 
+def check(
+    device:str=None,
+    bench:bool=False,     # also time each path's search step as the learner runs it at the paper's shapes (DARTS second order: bs 256, bptt 35, nhid 300, 10,000 words)
+    paths:str=None,       # paths to check, comma-separated: graphs, compiled, compiled+graphs, fused, fused+graphs, tf32, bf16 (default: all)
+    json_path:str=None,   # also write the results as JSON here
+    threads:int=None,
+):
+    "Prove every execution path (CUDA graphs, compiled, fused, TF32, bf16) equal to the eager step on this machine; exit 1 if one differs"
+    if threads is not None: check_number('--threads', threads, 1, integer=True)
+    if json_path is not None and Path(json_path).is_dir(): raise UsageError(f"--json-path {json_path} is a folder; give a file name")
+    from rnn_darts.check import PATHS, run_check, cases, header
+    names = [p.name for p in PATHS]
+    chosen = names if paths is None else [x.strip() for x in paths.split(',') if x.strip()]
+    for x in chosen: check_choice('--paths', x, names)
+    dev = get_device(device)
+    set_threads(threads, dev)
+    print(header(dev, len(cases()), bench), flush=True)
+    res = run_check(dev, [p for p in PATHS if p.name in chosen], bench=bench, say=lambda line: print(line, flush=True))
+    if bench: print(f"eager: {res['eager_ms']:.0f} ms per step; each path's ms/step above is the same step on that path")
+    if json_path is not None:
+        import json
+        write_text_atomic(json.dumps(res, indent=1, default=str) + '\n', json_path)
+        print(f"results written to {json_path}")
+    bad = [r['path'] for r in res['rows'] if r['verdict'] == 'DIFFERS']
+    if bad: raise UserError(f"check: {', '.join(bad)} {'differs' if len(bad) == 1 else 'differ'} from {'its reference' if len(bad) == 1 else 'their references'} (the lines above say where)")
+    return res
+
 def report(
     run:str,              # run folder, study folder, or a folder of search run folders
     fmt:str='md',         # md | html
@@ -112,7 +139,7 @@ def report(
     return p
 
 # %% ../nbs/08_cli.ipynb #719b8ce7
-COMMANDS = dict(search=search, train=train, study=study, evaluate=evaluate_run, bench=bench, report=report)
+COMMANDS = dict(search=search, train=train, study=study, evaluate=evaluate_run, bench=bench, check=check, report=report)
 def _roots():
     "The folder of this project's package, `rnn_darts` (its callbacks in `rnn_darts/callbacks`)"
     import importlib.util

@@ -310,7 +310,7 @@ def test_debug_shows_the_traceback(monkeypatch, tmp_path):
     with pytest.raises(UsageError): cli.run_command(['search', *NUM, '--lr', '0'])
 
 def test_commands(capsys):
-    fails(capsys, ['serach'], 2, "unknown command 'serach' (did you mean search?); commands: search, train, study, evaluate, bench, report")
+    fails(capsys, ['serach'], 2, "unknown command 'serach' (did you mean search?); commands: search, train, study, evaluate, bench, check, report")
     fails(capsys, ['--preset', 'quick'], 2, '--preset: give the command first')
     fails(capsys, ['report', 'x', '--fmt', 'pdf'], 2, "--fmt must be one of md, html; got 'pdf'")
     fails(capsys, ['bench', '--iters', '0'], 2, '--iters must be an integer >= 1')
@@ -320,6 +320,8 @@ def test_commands(capsys):
     fails(capsys, ['bench', '--fuse', '--device', 'cpu'], 2, "--fuse true runs Triton kernels on a GPU; the device is cpu")   # the plan's rule, as the learners'
     fails(capsys, ['bench', '--graphs', '--precision', 'bf16'], 2, "--graphs true with --precision bf16: bf16 autocast's cache of cast weights cannot be captured")
     fails(capsys, ['search', '--precision', 'fp16'], 2, "--precision must be one of fp32, tf32, bf16; got 'fp16'")
+    fails(capsys, ['check', '--paths', 'graphs,jit'], 2, "--paths must be one of graphs, compiled, compiled+graphs, fused, fused+graphs, tf32, bf16; got 'jit'")
+    fails(capsys, ['check', '--threads', '0'], 2, '--threads must be an integer >= 1')
 
 def test_one_line_by_subprocess(tmp_path):
     "As a user sees it: one line on stderr and exit 2; with --debug the traceback"

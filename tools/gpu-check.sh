@@ -2,19 +2,20 @@
 # The GPU check: what a developer who is lent a GPU runs first. At most 8 minutes in all: each stage has its own
 # time limit, output is unbuffered and every stage's log is kept, so a run cut short still reports what it reached.
 #
-#   bash tools/gpu-check.sh [OUT]      OUT: the folder for the logs and the bench JSON (default: gpu-check)
+#   bash tools/gpu-check.sh [OUT]      OUT: the folder for the logs and the JSON (default: gpu-check)
 #
-# Stages: the GPU and the versions; the GPU tier of the tests (pytest --gpu, the DARTS family's captured steps among
-# them); `rnn-darts bench` at the paper's shapes (search bs 256, bptt 35, nhid 300, 10,000 words; derived DARTS_V2
-# nhid 850, bs 64) as captured CUDA graphs, each row also profiled (OUT/profile-*.txt: kernels per step, the 15
-# kernels with the most GPU time, how much of the step the GPU is busy, peak memory): in fp32, with TF32 products (and
-# TF32's effect on the hypergradient), the family's steps, the fused Triton steps (rnn_darts.fused: derived, first order);
-# one epoch of the quick search with the defaults (compiled, graphed; epoch times in OUT/quick/run.json); last, the
-# bench compiled and graphed, in the time that is left (Inductor compiles for over 90 s before its first row). The
-# limits are what these stages took on an H200 (2026-11-27: tier 132 s, graphed and eager bench 110 s together, quick
-# search 61 s), with room; the TF32, family, fused and compiled stages have not run on a GPU yet. Where fastai is not
-# installed and the checkout holds wheels in .whl/ (see the README's development section), they are installed into
-# /tmp/site first.
+# Stages, the proof first: `rnn-darts check --bench` (every execution path of the plan against the eager step on every
+# case: CUDA graphs, compiled, compiled + graphs, fused, fused + graphs, TF32, bf16; then each path's search step timed
+# as the learner runs it at the paper's shapes; OUT/check.json); the GPU tier of the tests (pytest --gpu, without
+# test_check.py, which is what the first stage ran); `rnn-darts bench` at the paper's shapes (search bs 256, bptt 35,
+# nhid 300, 10,000 words; derived DARTS_V2 nhid 850, bs 64) as captured CUDA graphs, each row also profiled
+# (OUT/profile-*.txt: kernels per step, the 15 kernels with the most GPU time, how much of the step the GPU is busy,
+# peak memory), then the family's steps; one epoch of the quick search with the defaults (compiled, graphed; epoch
+# times in OUT/quick/run.json). The limits of the tier, the graphed bench and the quick search are what they took on an
+# H200 (2026-11-27: tier 132 s, graphed and eager bench 110 s together, quick search 61 s), with room; the check has not
+# run on a GPU yet (its limit is a guess: Inductor compiles the tiny step and the paper's), nor have the family's and
+# the fused steps. Where fastai is not installed and the checkout holds wheels in .whl/ (see the README's development
+# section), they are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check}; mkdir -p "$out"
@@ -41,20 +42,19 @@ if torch.cuda.is_available():
 else: print('no CUDA device visible')
 import fastai; print('fastai', fastai.__version__)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/nvidia-smi: /'
-# four workers, so the tier's 19 tests fit its limit: each runs tiny models; without a GPU the tier only skips, so no
+stage check 170 $py -m rnn_darts.cli check --device cuda --bench --json-path "$out/check.json"
+# four workers, so the tier fits its limit: each runs tiny models; without a GPU the tier only skips, so no
 # workers are started (each would import torch and collect every module)
 workers=4; grep -q 'no CUDA device visible' "$out/versions.log" && workers=0
-stage gpu-tier 160 $py -m pytest -q --gpu -n $workers -rs --durations=10 -p no:cacheprovider tests
+stage gpu-tier 130 $py -m pytest -q --gpu -n $workers -rs --durations=10 -p no:cacheprovider --ignore tests/test_check.py tests
 bench() { local name=$1 limit=$2; shift 2; stage "$name" "$limit" $py -m rnn_darts.cli bench --device cuda --graphs --iters 3 \
   --json-path "$out/$name.json" --profile "$out/profile-${name#bench-}.txt" "$@"; }
-bench bench-graphed 90 --methods none
-bench bench-tf32 45 --precision tf32 --modes second,first --methods none
-bench bench-family 40 --modes first
-bench bench-fused 40 --fuse --modes first --methods none
-stage quick-search 75 $py -m rnn_darts.cli search --preset quick --epochs 1 --device cuda --out "$out/quick" --overwrite
-$py -c "import json, sys; r = json.load(open(sys.argv[1])); print('quick search epoch times (s):', r.get('epoch_times'))" \
-  "$out/quick/run.json" 2>/dev/null || echo "quick search: no run.json"
-left=$((470 - (SECONDS - start)))   # the compiled stage takes what is left of the 8 minutes
-if [ "$left" -ge 30 ]; then bench bench-compiled "$left" --compile --modes first --methods none
-else echo "== bench-compiled: skipped, $left s left of the 8 minutes"; fi
+bench bench-graphed 70 --methods none
+bench bench-family 35 --modes first
+left=$((470 - (SECONDS - start)))   # the quick search takes what is left of the 8 minutes
+if [ "$left" -ge 30 ]; then
+  stage quick-search "$left" $py -m rnn_darts.cli search --preset quick --epochs 1 --device cuda --out "$out/quick" --overwrite
+  $py -c "import json, sys; r = json.load(open(sys.argv[1])); print('quick search epoch times (s):', r.get('epoch_times'))" \
+    "$out/quick/run.json" 2>/dev/null || echo "quick search: no run.json"
+else echo "== quick-search: skipped, $left s left of the 8 minutes"; fi
 echo "== GPU check done in $((SECONDS - start)) s; logs in $out"

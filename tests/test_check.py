@@ -1,0 +1,45 @@
+"""`rnn-darts check` (`rnn_darts.check`): the matrix of execution paths × cases (α-step kinds × relaxations, SDARTS's
+perturbations, random search, a derived cell), each path against its reference on this device; the command's table,
+its JSON and its exit status"""
+import json, pytest, torch
+from rnn_darts import check
+from rnn_darts.check import PATHS, StepPath, cases, check_path, tiny_corpus, row_line
+from rnn_darts.cli import run_command
+
+@pytest.fixture(scope='module')
+def shared(tmp_path_factory):
+    "The cases' outcomes, by device, computed once and shared by the paths held to the same reference"
+    return dict(corpus=tiny_corpus(), outcomes={}, folder=tmp_path_factory.mktemp('check'))
+
+ON_A_CPU = {'graphs': 'equal', 'compiled': 'equal', 'compiled+graphs': 'equal', 'fused': 'refused', 'fused+graphs': 'refused',
+            'tf32': 'falls back', 'bf16': 'equal'}   # a CPU emulates the graphs; has no Triton, no TF32
+
+@pytest.mark.parametrize('device', [pytest.param('cpu', marks=pytest.mark.slow), pytest.param('cuda', marks=pytest.mark.gpu)])
+@pytest.mark.parametrize('path', PATHS, ids=lambda p: p.name)
+def test_every_path_equals_its_reference_on_every_case(path, device, shared):
+    """Each path of the plan on each case it runs: bit for bit where it promises that (graphs), within its limit where it
+    does not (compiled, fused, TF32, bf16), or the plan's own refusal or fallback. All 7 paths take ~90 s on a CPU (one
+    thread; Inductor compiling the tiny step, a minute more with an empty cache); on a GPU every path must run"""
+    r = check_path(path, device, cases(), shared['corpus'], shared['outcomes'].setdefault(device, {}), shared['folder'])
+    assert r['verdict'] == (ON_A_CPU[path.name] if device == 'cpu' else 'equal'), row_line(r)
+    if r['verdict'] == 'equal':
+        refusable = ['random search'] if path.asked.get('compile') or path.asked.get('graphs') else []   # it runs another cell each batch
+        assert (r['refused'], r['cases']) == (refusable, len(cases()) - len(refusable))
+
+def test_the_command_prints_its_table_and_writes_json(tmp_path, capsys):
+    "What does not run on this machine is said in the table with the plan's reason, and the JSON holds the same rows"
+    res = run_command(['check', '--device', 'cpu', '--paths', 'fused,tf32', '--json-path', str(tmp_path/'c.json')])
+    out = capsys.readouterr().out
+    assert 'fused' in out and "refused: --fuse true runs Triton kernels on a GPU" in out
+    assert "falls back: --precision tf32: TF32 is a mode of NVIDIA GPUs' tensor cores" in out
+    saved = json.loads((tmp_path/'c.json').read_text())
+    assert [r['verdict'] for r in saved['rows']] == ['refused', 'falls back'] and saved['ok'] is True and res['ok']
+
+def test_a_path_that_differs_exits_1_naming_the_case(monkeypatch, capsys):
+    "A path whose step is not eager's (another learning rate stands in for a wrong kernel): its row, the case and its difference, one error line, exit 1"
+    monkeypatch.setattr(check, 'PATHS', (StepPath('lr', dict(lr=2.5)),))
+    monkeypatch.setattr(check, 'cases', lambda: [c for c in cases() if c.name == 'first/softmax'])
+    with pytest.raises(SystemExit) as e: run_command(['check', '--device', 'cpu', '--paths', 'lr'])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and 'DIFFERS from eager in 1 of its cases' in out and 'first/softmax: differs by' in out
+    assert err == 'rnn-darts: error: check: lr differs from its reference (the lines above say where)\n'
