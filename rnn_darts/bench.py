@@ -8,7 +8,6 @@ import copy, gc, json, os, platform, re, resource, sys, tempfile, time
 from contextlib import contextmanager
 from functools import partial, lru_cache
 from pathlib import Path
-from types import SimpleNamespace
 import torch, torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from rnn_darts.core import cpu_name, naming
@@ -19,16 +18,16 @@ from rnn_darts.config import SearchConfig, TrainConfig, METHODS, FAMILY as METHO
 from rnn_darts.callbacks.speed import tf32_products
 from rnn_darts.plan import plan_of
 from rnn_darts.learner import search_parts
-from rnn_darts.callbacks.graphs import StepGraphs
+from rnn_darts.callbacks.graphs import StepGraphs, CudaGraphs
 from rnn_darts.callbacks.perturb import Perturbation
 
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'FAMILY', 'STEP_NAMES', 'mem_kind',
-           'time_fn', 'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'bound_updater',
-           'arch_hypergrad', 'random_step', 'method_model', 'method_updater', 'method_step', 'search_step',
-           'precision_context', 'in_precision', 'kernel_profile', 'profiler_log_off', 'launch_count', 'step_profile',
-           'profile_lines', 'precision_agreement', 'cpu_kernels', 'write_json', 'run_bench', 'profile_text',
-           'print_table']
+           'time_fn', 'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'handed_graphs',
+           'bound_updater', 'arch_hypergrad', 'random_step', 'method_model', 'method_updater', 'method_step',
+           'search_step', 'precision_context', 'in_precision', 'kernel_profile', 'profiler_log_off', 'launch_count',
+           'step_profile', 'profile_lines', 'precision_agreement', 'cpu_kernels', 'write_json', 'run_bench',
+           'profile_text', 'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 _S, _T = SearchConfig(), TrainConfig()   # the paper's search and training settings
@@ -128,9 +127,16 @@ def arch_updater(model, mode=_S.mode, arch_bf16=False, graphs=None, **kwargs):
                          arch_bf16=arch_bf16, **kwargs)
     return bound_updater(cb, model, graphs)
 
+def handed_graphs(graphs=None) -> CudaGraphs:
+    "A `CudaGraphs` holding `graphs` (a `StepGraphs`, or None: eager), as a learner's maker hands its own to the α step"
+    cg = CudaGraphs(graphs is not None, emulate=getattr(graphs, 'emulate', False))
+    cg.graphs = graphs
+    return cg
+
 def bound_updater(cb, model, graphs=None):
-    "`cb` (an `ArchParamUpdate`) bound to `model` outside a `Learner`, its Adam made; its steps as graphs of `graphs` if given"
-    cb.learn, cb.graphs = SimpleNamespace(model=model), SimpleNamespace(graphs=graphs)   # the graphs handed to it, as the learner's maker hands its CudaGraphs
+    """`cb` (an `ArchParamUpdate`) outside a `Learner`, its Adam made: no learner stands in, the callback holds its
+    `model` itself and is handed its graphs (`graphs`, a `StepGraphs`, in a `CudaGraphs`: `handed_graphs`)"""
+    cb.model, cb.graphs = model, handed_graphs(graphs)
     cb.hypers = STEP['lr'], STEP['wd'], STEP['clip']
     cb.before_fit()
     return cb
@@ -161,13 +167,13 @@ def method_updater(model, method, graphs=None):
     cb = bound_updater(next(p for p in parts if isinstance(p, ArchParamUpdate)), model, graphs)
     cb.at_epoch(25)
     pert = next((p for p in parts if isinstance(p, Perturbation)), None)
-    if pert is not None: pert.learn, pert.eps = SimpleNamespace(model=model), c.epsilon
+    if pert is not None: pert.model, pert.eps = model, c.epsilon   # outside a learner, as the α step
     return cb, pert
 
 def method_step(model, cb, pert, trn, val):
     "One search step of a method: its architecture step, then its weight step, under SDARTS's perturbed mixing weights if it has them"
     cb.arch_step(trn, val)
-    if pert is not None: pert.learn.xb, pert.learn.yb = trn[:1], trn[1:]; pert.apply()
+    if pert is not None: pert.xb, pert.yb = trn[:1], trn[1:]; pert.apply()
     try: return weight_step(model, *trn, graphs=cb.graphs.graphs)
     finally: model.mixing_hook = None
 

@@ -241,7 +241,7 @@ class ArchParamUpdate(Callback):
         check_rules(dict(relax=self.model.relax, mode=self.mode, mixed_lambda=self.mixed_lambda, beta_decay=self.beta_decay, dirichlet_kl=self.dirichlet_kl))
         a.requires_grad_(False)                    # the weight step never touches α
         if self.terms is None: self.terms = alpha_terms(self.zero_one, self.beta_decay, self.dirichlet_kl, a.device)
-        check_flat_opt(self.learn)                 # nor does the weight optimizer (a hand-built Learner needs flat_splitter)
+        if self.learn is not None: check_flat_opt(self.learn)   # nor does the weight optimizer (a hand-built Learner needs flat_splitter); outside a learner (bench) there is none
         if self.arch_opt is None: self.arch_opt = arch_adam(a, self.arch_lr, self.arch_betas, self.arch_wd)
         if hasattr(self.search_dl, 'to'): self.search_dl.to(a.device)
         if self.n_skipped is None: self.n_skipped = torch.zeros((), dtype=torch.long, device=a.device)
