@@ -4,30 +4,28 @@
 
 # %% ../nbs/10_bench.ipynb #54700977
 from __future__ import annotations
-import copy, gc, json, os, platform, re, resource, sys, tempfile, time
-from contextlib import contextmanager
+import gc, json, os, re, resource, sys, tempfile, time
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from functools import partial, lru_cache
 from pathlib import Path
 import torch, torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from rnn_darts.core import cpu_name, naming
-from rnn_darts.genotypes import DARTS_V2, load_genotype, sample_genotype
-from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
+from rnn_darts.model import DartsRnnSearch
 from rnn_darts.callbacks.arch import ArchParamUpdate, ARCH_BETAS, arch_grad, hypergrad
 from rnn_darts.config import SearchConfig, TrainConfig, METHODS, FAMILY as METHOD_FAMILY
 from rnn_darts.callbacks.speed import tf32_products
 from rnn_darts.plan import plan_of
-from rnn_darts.learner import search_parts
-from rnn_darts.callbacks.graphs import StepGraphs, CudaGraphs
-from rnn_darts.callbacks.perturb import Perturbation
+from rnn_darts.callbacks.graphs import CudaGraphs
+from fastai.callback.progress import ProgressCallback
 
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'FAMILY', 'STEP_NAMES', 'mem_kind',
            'time_fn', 'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'handed_graphs',
-           'bound_updater', 'arch_hypergrad', 'random_step', 'method_model', 'method_updater', 'method_step',
-           'search_step', 'precision_context', 'in_precision', 'kernel_profile', 'profiler_log_off', 'launch_count',
-           'step_profile', 'profile_lines', 'precision_agreement', 'cpu_kernels', 'write_json', 'run_bench',
-           'profile_text', 'print_table']
+           'bound_updater', 'arch_hypergrad', 'search_step', 'precision_context', 'in_fit', 'bench_learner',
+           'learner_step', 'kernel_profile', 'profiler_log_off', 'launch_count', 'step_profile', 'profile_lines',
+           'precision_agreement', 'cpu_kernels', 'write_json', 'run_bench', 'profile_text', 'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 _S, _T = SearchConfig(), TrainConfig()   # the paper's search and training settings
@@ -145,37 +143,7 @@ def arch_hypergrad(model, trn, val, mode=_S.mode, lr=STEP['lr'], wd=STEP['wd'], 
     "The hypergradient of `mode` (first|second|exact) as an architecture pass (`arch_grad`: shared masks, frozen BatchNorm statistics), in the surrounding precision"
     return arch_grad(model, trn, val, partial(hypergrad, model, mode=mode, lr=lr, wd=wd, clip=clip), arch_bf16=True)[0]
 
-def random_step(model, gen, xb, yb, lr=STEP['lr'], clip=STEP['clip']):
-    "Random search with weight sharing: a cell drawn from `gen` for this batch, then the weight step"
-    model.use(sample_genotype(model.steps, gen))
-    return weight_step(model, xb, yb, lr=lr, clip=clip)
-
 FAMILY = tuple(m for m in METHOD_FAMILY if 'select' not in METHODS[m])   # darts-pt's steps are first order; its selection's time is in run.json
-
-def method_model(method, shape, seed=0):
-    "The search model of `method` (its relaxation; τ at its first epoch's) at `shape`"
-    c = SearchConfig(method=method)
-    torch.manual_seed(seed)
-    m = DartsRnnSearch(shape['ntoken'], shape['nhid'], shape['nhid'], **SEARCH_DROPOUTS, relax=c.relax)
-    if m.relaxation.tau is not None: m.tau.fill_(m.relaxation.tau[0])
-    return m
-
-def method_updater(model, method, graphs=None):
-    "The architecture callback (`arch_updater`) and SDARTS's `Perturbation` (or None) of `method`, bound to `model` outside a `Learner`; β-DARTS's λ of the paper's middle epoch (25 of 50)"
-    c = SearchConfig(method=method, arch_lr=STEP['arch_lr'], arch_wd=STEP['arch_wd'])
-    parts = search_parts(c)
-    cb = bound_updater(next(p for p in parts if isinstance(p, ArchParamUpdate)), model, graphs)
-    cb.at_epoch(25)
-    pert = next((p for p in parts if isinstance(p, Perturbation)), None)
-    if pert is not None: pert.model, pert.eps = model, c.epsilon   # outside a learner, as the α step
-    return cb, pert
-
-def method_step(model, cb, pert, trn, val):
-    "One search step of a method: its architecture step, then its weight step, under SDARTS's perturbed mixing weights if it has them"
-    cb.arch_step(trn, val)
-    if pert is not None: pert.xb, pert.yb = trn[:1], trn[1:]; pert.apply()
-    try: return weight_step(model, *trn, graphs=cb.graphs.graphs)
-    finally: model.mixing_hook = None
 
 def search_step(model, cb, trn, val, mode=_S.mode, lr=STEP['lr'], wd=STEP['wd'], clip=STEP['clip']):
     "One architecture step (the callback's own `arch_step`, in mode `mode`) then one weight step (both graphed if the callback's are)"
@@ -188,11 +156,55 @@ def precision_context(precision:str, device, cache:bool=True):
     if precision == 'bf16': return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, cache_enabled=cache)
     return tf32_products(precision == 'tf32')
 
-def in_precision(fn, device, precision:str):
-    "`fn` run inside `precision_context(precision, device)`"
-    def run():
-        with precision_context(precision, device): return fn()
-    return run
+# %% ../nbs/10_bench.ipynb #b9a48cdf
+@contextmanager
+def in_fit(learn, train:bool=True, epoch:int=25, n_epoch:int=50):
+    """`learn` inside a fit, in its training (or validation) phase, so that `learn.one_batch` runs one of its own batches
+    with every callback, as `fit` runs it; at `epoch` of `n_epoch` (the schedules of τ, β-DARTS's λ and SDARTS's ε at
+    the paper's middle epoch). fastai's own events, entered by hand; leaving ends the fit (`after_fit`: the precision and
+    the signals as they were), with no epoch's end (no logs written)"""
+    learn.n_epoch, learn.iter, learn.n_iter = n_epoch, 0, 1
+    if learn.opt is None: learn.create_opt()
+    learn.opt.set_hypers(lr=learn.lr)
+    learn('before_fit')
+    learn.epoch = epoch   # after fastai's TrainEvalCallback has set it to 0
+    learn('before_epoch')
+    learn.model.train(train); learn.training = train
+    learn.dl = learn.dls.train if train else learn.dls.valid
+    learn('before_train' if train else 'before_validate')
+    try:
+        with (nullcontext() if train else torch.no_grad()): yield learn
+    finally: learn('after_fit')
+
+def bench_learner(what:str, shape:dict, device, plan, eval_bs:int|None=None, seed:int=0, folder='.'):
+    """The learner whose batches a row times, built as a run builds it (`search_learner`, `train_learner`: the paper's
+    settings and callbacks) at `shape` on random ids, running `plan`: `what` is a mode (second, first, exact, random;
+    'weight': first order without its α step), a method of the family, or 'derived' (DARTS_V2, NT-ASGD's). Random search
+    runs eager, as its plan's rules have it"""
+    from rnn_darts.check import random_corpus   # the check times the learner's step the same way
+    from rnn_darts.data import lm_dls, search_stream
+    from rnn_darts.learner import search_learner, train_learner
+    n = shape['bs'] * (shape['bptt'] + 1) * 4
+    corpus = random_corpus(shape['ntoken'], max(n, (eval_bs or 1) * (shape['bptt'] + 1) * 4), seed)
+    ebs = eval_bs or shape['bs']
+    sizes = dict(emsize=shape['nhid'], nhid=shape['nhid'], bs=shape['bs'], bptt=shape['bptt'], eval_bs=ebs, checkpoint=False)
+    torch.manual_seed(seed)
+    if what == 'derived':
+        dls = lm_dls(corpus, shape['bs'], shape['bptt'], phase='train', eval_bs=ebs, device=device)
+        learn = train_learner(dls, _T.genotype, plan=plan, device=device, path=folder, **sizes)
+    else:
+        dls = lm_dls(corpus, shape['bs'], shape['bptt'], phase='search', eval_bs=ebs, device=device)
+        kw = dict(method=what) if what in METHOD_FAMILY else dict(mode='first' if what == 'weight' else what)
+        if what == 'random': plan = replace(plan, compile=False, graphs=False)
+        learn = search_learner(dls, search_stream(corpus, shape['bs'], device=device), plan=plan, device=device, path=folder,
+                               **({} if what == 'random' else dict(curvature=False)), **kw, **sizes)
+        if what == 'weight': learn.remove_cb(learn.arch_param_update)
+    learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
+    return learn
+
+def learner_step(learn, batch):
+    "One of `learn`'s own batches on `batch` (x, y), as its fit runs it (inside `in_fit`)"
+    return lambda: learn.one_batch(0, batch)
 
 # %% ../nbs/10_bench.ipynb #8a84594c
 @contextmanager
@@ -367,7 +379,10 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
               warmup:int|None=None, modes=('second', 'first', 'exact', 'random'), methods=FAMILY, baseline=None, train:bool=True,
               evaluate:bool=True, shape:dict|None=None, train_shape:dict|None=None, eval_bs:int|None=None,
               seed:int=0, threads:int|None=None, compile:bool=False, precision:str=_S.precision, graphs:bool=False, fuse:bool=False, profile:bool=False, verbose:bool=False) -> dict:
-    "Time the search steps, the derived model's training step and evaluation (`graphs`: as captured CUDA graphs; `profile`: and `step_profile` one more call of each); `baseline(model, mode)`: another step to time beside ours"
+    """Time the learners' own batches (`bench_learner`: search steps, the family's, a derived cell's training step and
+    evaluation), each learner running the execution plan of `compile`, `graphs`, `fuse` and `precision` (`plan_of`: its
+    rules, its precision); `profile`: and `step_profile` one more call of each; `baseline(model, mode)`: another step to
+    time beside ours"""
     if compile and not _kernels_recorded():   # compile with recorded kernels, so `launch_count` counts the rows' launches
         with kernel_profile(): return run_bench(**locals())
     if threads: torch.set_num_threads(threads)
@@ -378,104 +393,79 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     dev = _device(device)
     plan = plan_of(dict(compile=compile, graphs=graphs, fuse=fuse, precision=precision), dev, lambda k: '--' + k)   # the learners' rules: what runs is timed
     for line in plan.notes if verbose else (): print(line, flush=True)
-    compile, graphs, fuse, precision = plan.compile is True, bool(plan.graphs), plan.fuse, plan.precision
     base = SMALL_SHAPES if small else FULL_SHAPES
     S = {**base['search'], **(shape or {})}
     TS = {**base['train'], **(train_shape or {})}
     ebs = eval_bs or base['eval_bs']
     iters = iters if iters is not None else (3 if small else 10)
     warmup = warmup if warmup is not None else (1 if small else 3)
-    if graphs: warmup = max(warmup, 2)   # a graph's first call runs eager, its second captures it
+    if plan.graphs: warmup = max(warmup, 2)   # a graph's first call runs eager, its second captures it
+    compiled = plan.compile is True
     res = dict(device=dev, device_name=_device_name(dev), kernels=None, torch=torch.__version__, threads=torch.get_num_threads(),
-               small=small, iters=iters, warmup=warmup, compile=compile, precision=precision, graphs=graphs, fuse=fuse, mem_kind=mem_kind(dev),
-               shapes=dict(search=S, train=dict(TS, genotype=_T.genotype), eval_bs=ebs), step=dict(STEP), rows=[],
+               small=small, iters=iters, warmup=warmup, compile=compiled, precision=plan.precision, graphs=bool(plan.graphs), fuse=plan.fuse,
+               mem_kind=mem_kind(dev), shapes=dict(search=S, train=dict(TS, genotype=_T.genotype), eval_bs=ebs), step=dict(STEP), rows=[],
                ratios={}, ratios_min={}, method_ratios={},
-               ops_kind='kernel launches per step (launch_count)' if compile else 'operators per step (op_count)', plan=plan.asdict())
-    def ours(m):
-        if compile: m.cell.compile_step()
-        if fuse: m.cell.fuse_step()   # training time steps as Triton kernels (the search cell's evaluation stays compiled)
-        return m
-    amp = lambda f: in_precision(f, dev, precision)
-    count = (lambda fn: launch_count(fn)['total']) if compile else op_count   # a dispatch mode cannot see into compiled graphs
+               ops_kind='kernel launches per step (launch_count)' if compiled else 'operators per step (op_count)', plan=plan.asdict())
+    count = (lambda fn: launch_count(fn)['total']) if compiled else op_count   # a dispatch mode cannot see into compiled graphs
     def measure(fn): return dict(time_fn(fn, iters, warmup, dev), ops=count(fn), **(dict(profile=step_profile(fn, dev)) if profile else {}))
     def log(r):
         res['rows'].append(r)
         if verbose: print(f"{r['name']:<34} {r['impl']:<6} {r['ms']:10.1f} ms")
         return r
-
-    def search_model():
-        torch.manual_seed(seed)
-        return ours(DartsRnnSearch(S['ntoken'], S['nhid'], S['nhid'], **SEARCH_DROPOUTS).to(dev).train())
-    def shared_model():
-        torch.manual_seed(seed)
-        return DartsRnnShared(S['ntoken'], S['nhid'], S['nhid'], **SEARCH_DROPOUTS).to(dev).train()
     trn, val = _batches(S['ntoken'], S['bs'], S['bptt'], 2, dev, seed)
-    graphed = lambda m: StepGraphs(m) if graphs else None
-    for mode in modes:
-        m = search_model() if mode != 'random' else shared_model()
-        if mode == 'weight':
-            sg = graphed(m)
-            fn = amp(lambda: weight_step(m, *trn, graphs=sg))
-        elif mode == 'random':   # eager, compiled or not: each batch's new cell would recompile a compiled step
-            gen = torch.Generator().manual_seed(seed)
-            fn = amp(lambda: random_step(m, gen, *trn))
-        else:
-            cb = arch_updater(m, mode, graphs=graphed(m))
-            fn = amp(lambda: search_step(m, cb, trn, val, mode))
-        if baseline is not None and mode in ('first', 'second'):
-            step = baseline(m, mode)                 # built from our model's state, before ours moves it
-            if torch.device(dev).type == 'cpu':      # interleaved: the same load for both
-                to, tp = time_pair(fn, lambda: step(trn, val), iters, warmup, dev)
-                to['ops'], tp['ops'] = count(fn), op_count(lambda: step(trn, val))
-            else:                                    # separately: a per-row peak memory
-                to = measure(fn); del m, cb
-                tp = measure(lambda: step(trn, val))
-            log(_row(STEP_NAMES[mode], 'ours', S, to))
-            log(_row(STEP_NAMES[mode], 'base', S, tp))
-            res['ratios'][mode] = tp['ms'] / to['ms']
-            res['ratios_min'][mode] = tp['ms_min'] / to['ms_min']
-            del step
-        else: log(_row(STEP_NAMES[mode], 'ours', S, measure(fn)))
-        m = cb = None
-    first = next((r['ms'] for r in res['rows'] if r['name'] == STEP_NAMES['first'] and r['impl'] == 'ours'), None)
-    for method in methods:
-        m = ours(method_model(method, S, seed).to(dev).train())
-        cb, pert = method_updater(m, method, graphs=graphed(m))
-        fn = amp(lambda: method_step(m, cb, pert, trn, val))
-        if torch.device(dev).type == 'cpu':   # interleaved with a first-order step: the same load for both, a fair ratio
-            f = search_model()
-            fcb = arch_updater(f, 'first')
-            t, tf = time_pair(fn, amp(lambda: search_step(f, fcb, trn, val, 'first')), iters, warmup, dev)
-            t['ops'], ratio = count(fn), t['ms'] / tf['ms']
-            f = fcb = None
-        else: t = measure(fn); ratio = t['ms'] / first if first else None
-        log(_row(f"search step, {method}", 'ours', S, t))
-        if ratio is not None: res['method_ratios'][method] = ratio
-        m = cb = pert = None
-    if train:
+    with tempfile.TemporaryDirectory() as folder:
+        learner = partial(bench_learner, device=dev, plan=plan, seed=seed, folder=folder)
+        for mode in modes:
+            learn = learner(mode, S)
+            with in_fit(learn):
+                fn = learner_step(learn, trn)
+                if baseline is not None and mode in ('first', 'second'):
+                    step = baseline(learn.model, mode)     # built from our model's state, before ours moves it
+                    if torch.device(dev).type == 'cpu':    # interleaved: the same load for both
+                        to, tp = time_pair(fn, lambda: step(trn, val), iters, warmup, dev)
+                        to['ops'], tp['ops'] = count(fn), op_count(lambda: step(trn, val))
+                    else:                                  # separately: a per-row peak memory
+                        to = measure(fn)
+                        tp = measure(lambda: step(trn, val))
+                    log(_row(STEP_NAMES[mode], 'ours', S, to))
+                    log(_row(STEP_NAMES[mode], 'base', S, tp))
+                    res['ratios'][mode] = tp['ms'] / to['ms']
+                    res['ratios_min'][mode] = tp['ms_min'] / to['ms_min']
+                    del step
+                else: log(_row(STEP_NAMES[mode], 'ours', S, measure(fn)))
+            learn = fn = None
+        first = next((r['ms'] for r in res['rows'] if r['name'] == STEP_NAMES['first'] and r['impl'] == 'ours'), None)
+        for method in methods:
+            learn = learner(method, S)
+            with in_fit(learn):
+                fn = learner_step(learn, trn)
+                if torch.device(dev).type == 'cpu':   # interleaved with a first-order step: the same load for both, a fair ratio
+                    f = learner('first', S)
+                    with in_fit(f): t, tf = time_pair(fn, learner_step(f, trn), iters, warmup, dev)
+                    t['ops'], ratio = count(fn), t['ms'] / tf['ms']
+                    f = None
+                else: t = measure(fn); ratio = t['ms'] / first if first else None
+            log(_row(f"search step, {method}", 'ours', S, t))
+            if ratio is not None: res['method_ratios'][method] = ratio
+            learn = fn = None
+        if train:
+            learn = learner('derived', TS)
+            tb = _batches(TS['ntoken'], TS['bs'], TS['bptt'], 1, dev, seed + 1)[0]
+            with in_fit(learn): log(_row('derived DARTS_V2 training step', 'ours', TS, measure(learner_step(learn, tb))))
+            learn = None
+        if evaluate:
+            for name, sh, what in (('search model eval forward', S, 'first'), ('derived DARTS_V2 eval forward', TS, 'derived')):
+                learn = learner(what, sh, eval_bs=ebs)
+                es = dict(sh, bs=ebs)
+                eb = _batches(es['ntoken'], ebs, es['bptt'], 1, dev, seed + 2)[0]
+                with in_fit(learn, train=False): log(_row(name, 'ours', es, measure(learner_step(learn, eb))))
+                learn = None
+    hyper = [k for k in modes if k not in ('weight', 'random')]
+    if plan.precision != 'fp32' and hyper:
         torch.manual_seed(seed)
-        d = ours(DartsRnn(TS['ntoken'], load_genotype(_T.genotype), TS['nhid'], TS['nhid']).to(dev).train())
-        tb = _batches(TS['ntoken'], TS['bs'], TS['bptt'], 1, dev, seed + 1)[0]
-        sg = graphed(d)
-        log(_row('derived DARTS_V2 training step', 'ours', TS, measure(amp(lambda: weight_step(d, *tb, graphs=sg)))))
-        del d
-    if evaluate:
-        for name, sh, make in (('search model eval forward', S, search_model),
-                               ('derived DARTS_V2 eval forward', TS,
-                                lambda: ours(DartsRnn(TS['ntoken'], load_genotype(_T.genotype), TS['nhid'], TS['nhid']).to(dev)))):
-            torch.manual_seed(seed)
-            m = make().eval()
-            es = dict(sh, bs=ebs)
-            eb = _batches(es['ntoken'], ebs, es['bptt'], 1, dev, seed + 2)[0][0]
-            sg = graphed(m)
-            def fwd():
-                with torch.no_grad(): m(eb) if sg is None else sg.evaluate(eb)
-            log(_row(name, 'ours', es, measure(amp(fwd))))
-            del m
-    hyper = [k for k in modes if k != 'weight']
-    if precision != 'fp32' and hyper:
-        res['precision_agreement'] = precision_agreement(search_model(), [_batches(S['ntoken'], S['bs'], S['bptt'], 2, dev, seed + 3 + i)
-                                                                          for i in range(3)], precision, hyper)
+        m = DartsRnnSearch(S['ntoken'], S['nhid'], S['nhid'], **SEARCH_DROPOUTS).to(dev).train()
+        res['precision_agreement'] = precision_agreement(m, [_batches(S['ntoken'], S['bs'], S['bptt'], 2, dev, seed + 3 + i) for i in range(3)],
+                                                         plan.precision, hyper)
     if torch.device(dev).type == 'cpu': res['kernels'] = cpu_kernels()   # after the rows: the choices their products made
     if json_path: write_json(res, json_path)
     return res
@@ -497,8 +487,9 @@ def print_table(results: dict, file=None):
            *([f"CPU kernels: {r['kernels']['rule']}"] if r.get('kernels') else []),
            f"memory: {r['mem_kind']}; ops: {r.get('ops_kind', 'operators per step (op_count)')}",
            *([f"what ran: {r['plan']['path']} (rnn_darts.plan){''.join('; ' + x for x in r['plan']['notes'])}"] if r.get('plan') else []),
+           "each row: one batch of the learner a run builds (search_learner, train_learner: the α step, AR/TAR, the clip, the optimizer), as its fit runs it",
            "first ms: the first (warm-up) call; with --compile it includes compiling that row's graphs not compiled before",
-           *(["graphs: each row's steps replayed as captured CUDA graphs (StepGraphs; exact mode's architecture step eager); "
+           *(["graphs: each row's batches replayed as captured CUDA graphs (CudaGraphs; exact mode's architecture step eager); "
               "ops: the operators still sent from Python per step"] if r.get('graphs') else []),
            *(["fused: training time steps as Triton kernels, forward and backward (rnn_darts.fused)"] if r.get('fuse') else []),
            f"{'what':<34} {'impl':<6} {'bs':>4} {'bptt':>4} {'nhid':>5} {'ntoken':>6} {'ms/batch':>10} {'min ms':>9} {'first ms':>9} {'tok/s':>10} {'mem MiB':>9} {'ops':>8}"]
