@@ -23,9 +23,10 @@ from fastai.callback.progress import ProgressCallback
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'FAMILY', 'STEP_NAMES', 'mem_kind',
            'time_fn', 'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'handed_graphs',
-           'bound_updater', 'arch_hypergrad', 'search_step', 'precision_context', 'in_fit', 'bench_learner',
-           'learner_step', 'kernel_profile', 'profiler_log_off', 'launch_count', 'step_profile', 'profile_lines',
-           'precision_agreement', 'cpu_kernels', 'write_json', 'run_bench', 'profile_text', 'print_table']
+           'bound_updater', 'arch_hypergrad', 'search_step', 'precision_context', 'in_fit', 'random_corpus',
+           'bench_learner', 'learner_step', 'kernel_profile', 'profiler_log_off', 'launch_count', 'step_profile',
+           'profile_lines', 'precision_agreement', 'cpu_kernels', 'write_json', 'run_bench', 'profile_text',
+           'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 _S, _T = SearchConfig(), TrainConfig()   # the paper's search and training settings
@@ -176,12 +177,19 @@ def in_fit(learn, train:bool=True, epoch:int=25, n_epoch:int=50):
         with (nullcontext() if train else torch.no_grad()): yield learn
     finally: learn('after_fit')
 
+def random_corpus(ntoken:int, tokens:int, seed:int=0):
+    "A corpus of `tokens` uniformly random ids of `ntoken` words in each split (to time steps, not to learn)"
+    from rnn_darts.data import Corpus
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda: torch.randint(0, ntoken, (tokens,), generator=g)
+    vocab = [f"w{i}" for i in range(ntoken)]
+    return Corpus(vocab, {w: i for i, w in enumerate(vocab)}, ids(), ids(), ids(), name='random ids')
+
 def bench_learner(what:str, shape:dict, device, plan, eval_bs:int|None=None, seed:int=0, folder='.'):
     """The learner whose batches a row times, built as a run builds it (`search_learner`, `train_learner`: the paper's
     settings and callbacks) at `shape` on random ids, running `plan`: `what` is a mode (second, first, exact, random;
     'weight': first order without its α step), a method of the family, or 'derived' (DARTS_V2, NT-ASGD's). Random search
     runs eager, as its plan's rules have it"""
-    from rnn_darts.check import random_corpus   # the check times the learner's step the same way
     from rnn_darts.data import lm_dls, search_stream
     from rnn_darts.learner import search_learner, train_learner
     n = shape['bs'] * (shape['bptt'] + 1) * 4

@@ -4,10 +4,10 @@
 
 # %% ../nbs/10b_check.ipynb #8a45bb4f
 from __future__ import annotations
-import contextlib, io, time
+import contextlib, io
 from dataclasses import dataclass
 import torch
-from fastai.callback.core import Callback, CancelTrainException, CancelFitException
+from fastai.callback.core import Callback, CancelTrainException
 from rnn_darts.core import UsageError, set_seed
 from rnn_darts.config import ARCH_MODES, RELAXATIONS, SearchConfig, check_rules
 from rnn_darts.plan import plan_of
@@ -16,8 +16,8 @@ from rnn_darts.genotypes import DARTS_V2
 
 # %% auto #0
 __all__ = ['EAGER', 'PATHS', 'REGULARISERS', 'TINY', 'PAPER', 'BENCH_CASE', 'StepPath', 'path_named', 'Case', 'cases',
-           'tiny_corpus', 'StopAfter', 'outcome', 'difference', 'graph_kinds', 'verdict_of', 'check_path',
-           'random_corpus', 'StepClock', 'step_ms', 'run_check', 'row_line', 'header']
+           'tiny_corpus', 'StopAfter', 'outcome', 'difference', 'graph_kinds', 'verdict_of', 'check_path', 'step_ms',
+           'run_check', 'row_line', 'header']
 
 # %% ../nbs/10b_check.ipynb #a76b7d27
 @dataclass(frozen=True)
@@ -169,40 +169,20 @@ def check_path(path:StepPath, device, cases_:list, corpus:Corpus, outcomes:dict,
                 cases=len(ran), largest=worst if ran else None, off=off, errors=errors, refused=[c for c, _ in refused])
 
 # %% ../nbs/10b_check.ipynb #e8a571b1
-PAPER = dict(bs=SearchConfig.bs, bptt=SearchConfig.bptt, eval_bs=SearchConfig.eval_bs, emsize=SearchConfig.emsize, nhid=SearchConfig.nhid,
-             checkpoint=False, ntoken=10_000)   # the paper's search step: bs 256, bptt 35, nhid 300, 10,000 words
+PAPER = dict(bs=SearchConfig.bs, bptt=SearchConfig.bptt, nhid=SearchConfig.nhid, ntoken=10_000)   # the paper's search step: bs 256, bptt 35, nhid 300, 10,000 words
 BENCH_CASE = Case('DARTS second order', 'search', dict(mode='second'))
 
-def random_corpus(ntoken:int, tokens:int, seed:int=0) -> Corpus:
-    "A corpus of `tokens` uniformly random ids of `ntoken` words in each split (to time steps, not to learn)"
-    g = torch.Generator().manual_seed(seed)
-    ids = lambda: torch.randint(0, ntoken, (tokens,), generator=g)
-    vocab = [f"w{i}" for i in range(ntoken)]
-    return Corpus(vocab, {w: i for i, w in enumerate(vocab)}, ids(), ids(), ids(), name='random ids')
-
-class StepClock(Callback):
-    "The learner's own training steps timed, each from its batch's start to the next's (every callback of the batch in it), after `warmup`; the fit ends after `warmup` + `iters`"
-    order = -100   # before every other callback's batch work
-    def __init__(self, iters:int, warmup:int): self.iters, self.warmup, self.times, self.t0 = iters, warmup, [], None
-    def sync(self):
-        if self.model.flat.data.is_cuda: torch.cuda.synchronize()
-        return time.perf_counter()
-    def before_batch(self):
-        if not self.training: return
-        t = self.sync()
-        if self.t0 is not None and self.iter > self.warmup: self.times.append(t - self.t0)
-        self.t0 = t
-        if self.iter >= self.warmup + self.iters: raise CancelFitException()
-
-def step_ms(path:StepPath, device, iters:int=3, warmup:int=2, folder='.', sizes:dict=PAPER) -> float|None:
-    "ms per step of the search step `BENCH_CASE` at `sizes` (the paper's) as the learner runs it on `path`; None where `device` only emulates the path"
+def step_ms(path:StepPath, device, iters:int=3, warmup:int=2, sizes:dict=PAPER, folder='.') -> float|None:
+    """ms per step of `BENCH_CASE`'s search step at `sizes` (the paper's) as the learner runs it on `path`, timed as
+    `rnn-darts bench` times a row (`bench_learner`, `in_fit`, `time_fn`); None where `device` only emulates the path"""
+    from rnn_darts.bench import bench_learner, in_fit, learner_step, time_fn, _batches
     asked = _on_device({**EAGER, **path.asked}, device)
     if asked['graphs'] == 'emulate': return None
-    corpus = random_corpus(sizes['ntoken'], sizes['bs'] * (2 * sizes['bptt'] + 20) * (warmup + iters + 2))   # the longest sequences the search's policy draws
-    clock = StepClock(iters, warmup)
-    learn = _learner(BENCH_CASE, asked, device, corpus, {k: v for k, v in sizes.items() if k != 'ntoken'}, folder, [clock])
-    with contextlib.redirect_stdout(io.StringIO()): learn.fit(1)
-    return 1e3 * sum(clock.times) / len(clock.times)
+    plan = plan_of({**BENCH_CASE.settings, **asked}, device, lambda k: '--' + k, world=1)
+    learn = bench_learner(BENCH_CASE.settings['mode'], sizes, device, plan, folder=folder)
+    batch = _batches(sizes['ntoken'], sizes['bs'], sizes['bptt'], 1, device, 0)[0]
+    if plan.graphs: warmup = max(warmup, 2)   # a graph's first call runs eager, its second captures it
+    with in_fit(learn): return time_fn(learner_step(learn, batch), iters, warmup, device)['ms']
 
 # %% ../nbs/10b_check.ipynb #4a7c8cee
 def run_check(device, paths=PATHS, bench:bool=False, say=print, folder=None) -> dict:
