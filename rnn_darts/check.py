@@ -192,7 +192,11 @@ def run_check(device, paths=PATHS, bench:bool=False, say=print, folder=None) -> 
     with tempfile.TemporaryDirectory() if folder is None else contextlib.nullcontext(folder) as d:
         cs, corpus, outcomes = cases(), tiny_corpus(), {}
         res = dict(device=str(device), cases=[c.name for c in cs], tiny=TINY, rows=[], bench=None if not bench else dict(case=BENCH_CASE.name, shape=PAPER))
+        said = False
         for p in paths:
+            if p.asked.get('compile') and not said and verdict_of(p, cs[0], device)[0] == 'runs':
+                say(f"({p.name}: Inductor compiles the tiny step first, about a minute{' on a CPU' if torch.device(device).type == 'cpu' else ''} with an empty cache)")
+                said = True
             row = check_path(p, device, cs, corpus, outcomes, d)
             if bench: row['ms'] = step_ms(p, device, folder=d) if row['verdict'] == 'equal' else None
             res['rows'].append(row)
