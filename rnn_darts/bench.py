@@ -167,13 +167,14 @@ def in_fit(learn, train:bool=True, epoch:int=25, n_epoch:int=50):
     learn.n_epoch, learn.iter, learn.n_iter = n_epoch, 0, 1
     if learn.opt is None: learn.create_opt()
     learn.opt.set_hypers(lr=learn.lr)
-    learn('before_fit')
-    learn.epoch = epoch   # after fastai's TrainEvalCallback has set it to 0
-    learn('before_epoch')
-    learn.model.train(train); learn.training = train
-    learn.dl = learn.dls.train if train else learn.dls.valid
-    learn('before_train' if train else 'before_validate')
+    if learn.wd is not None: learn.opt.set_hypers(wd=learn.wd)   # as `fit` sets them
     try:
+        learn('before_fit')
+        learn.epoch = epoch   # after fastai's TrainEvalCallback has set it to 0
+        learn('before_epoch')
+        learn.model.train(train); learn.training = train
+        learn.dl = learn.dls.train if train else learn.dls.valid
+        learn('before_train' if train else 'before_validate')
         with (nullcontext() if train else torch.no_grad()): yield learn
     finally: learn('after_fit')
 
@@ -425,23 +426,21 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
         learner = partial(bench_learner, device=dev, plan=plan, seed=seed, folder=folder)
         for mode in modes:
             learn = learner(mode, S)
+            step = baseline(learn.model, mode) if baseline is not None and mode in ('first', 'second') else None   # from our model's state, before ours moves it
             with in_fit(learn):
                 fn = learner_step(learn, trn)
-                if baseline is not None and mode in ('first', 'second'):
-                    step = baseline(learn.model, mode)     # built from our model's state, before ours moves it
-                    if torch.device(dev).type == 'cpu':    # interleaved: the same load for both
-                        to, tp = time_pair(fn, lambda: step(trn, val), iters, warmup, dev)
-                        to['ops'], tp['ops'] = count(fn), op_count(lambda: step(trn, val))
-                    else:                                  # separately: a per-row peak memory
-                        to = measure(fn)
-                        tp = measure(lambda: step(trn, val))
-                    log(_row(STEP_NAMES[mode], 'ours', S, to))
-                    log(_row(STEP_NAMES[mode], 'base', S, tp))
-                    res['ratios'][mode] = tp['ms'] / to['ms']
-                    res['ratios_min'][mode] = tp['ms_min'] / to['ms_min']
-                    del step
-                else: log(_row(STEP_NAMES[mode], 'ours', S, measure(fn)))
+                if step is not None and torch.device(dev).type == 'cpu':   # interleaved: the same load for both
+                    to, tp = time_pair(fn, lambda: step(trn, val), iters, warmup, dev)
+                    to['ops'], tp['ops'] = count(fn), op_count(lambda: step(trn, val))
+                else: to = measure(fn)
             learn = fn = None
+            if step is not None and torch.device(dev).type != 'cpu': tp = measure(lambda: step(trn, val))   # separately, our learner gone: a per-row peak memory
+            log(_row(STEP_NAMES[mode], 'ours', S, to))
+            if step is not None:
+                log(_row(STEP_NAMES[mode], 'base', S, tp))
+                res['ratios'][mode] = tp['ms'] / to['ms']
+                res['ratios_min'][mode] = tp['ms_min'] / to['ms_min']
+            step = None
         first = next((r['ms'] for r in res['rows'] if r['name'] == STEP_NAMES['first'] and r['impl'] == 'ours'), None)
         for method in methods:
             learn = learner(method, S)

@@ -4,13 +4,14 @@
 
 # %% ../nbs/10b_check.ipynb #8a45bb4f
 from __future__ import annotations
-import contextlib, io
+import contextlib, io, math
 from dataclasses import dataclass
 import torch
 from fastai.callback.core import Callback, CancelTrainException
 from rnn_darts.core import UsageError, set_seed
 from rnn_darts.config import ARCH_MODES, RELAXATIONS, SearchConfig, check_rules
 from rnn_darts.plan import plan_of
+from rnn_darts.callbacks.speed import tf32_products
 from rnn_darts.data import Corpus, lm_dls, search_stream, numbers_corpus
 from rnn_darts.genotypes import DARTS_V2
 
@@ -40,8 +41,8 @@ PATHS = (
     StepPath('compiled+graphs', dict(compile=True, graphs=True), 'compiled', what="the GPU's default: the compiled step, captured"),
     StepPath('fused', dict(fuse=True), tol=1e-3, what='the training time steps as Triton kernels (rnn_darts.fused)'),
     StepPath('fused+graphs', dict(fuse=True, graphs=True), 'fused', what='the Triton kernels, captured'),
-    StepPath('tf32', dict(precision='tf32'), tol=1e-2, what='the matrix products on TF32 tensor cores (10 bits of mantissa)'),
-    StepPath('bf16', dict(precision='bf16'), tol=5e-2, what='the products in bf16 autocast, fp32 weights (8 bits of mantissa)'),
+    StepPath('tf32', dict(precision='tf32'), tol=3e-2, what='the matrix products on TF32 tensor cores (10 bits of mantissa)'),
+    StepPath('bf16', dict(precision='bf16'), tol=1e-1, what='the products in bf16 autocast, fp32 weights (8 bits of mantissa)'),
 )
 
 def path_named(name:str) -> StepPath:
@@ -97,22 +98,35 @@ def _learner(case:Case, asked:dict, device, corpus:Corpus, sizes:dict, path, cbs
     learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
     return learn
 
+@contextlib.contextmanager
+def _precision_restored(device):
+    "Autocast and the TF32 switches as they were, however a fit ends (fastai calls no `after_fit` when it raises: a failed case must not leave bf16 or TF32 on for the next)"
+    with torch.autocast(torch.device(device).type, enabled=False), tf32_products(torch.backends.cuda.matmul.allow_tf32): yield
+
 def outcome(case:Case, asked:dict, device, corpus:Corpus, batches:int|None, path) -> dict:
-    "One epoch of `case` (its first `batches` training batches, then the validation) with the plan settings `asked`: the weights and α after it, and its losses"
+    """One epoch of `case` (its first `batches` training batches, then the validation) with the plan settings `asked`:
+    how far it moved the weights, α's Adam state (its first moment holds the hypergradients), every number the epoch
+    logged (each batch's loss, the validation's loss and perplexity, the search loss), and the graphs it replayed"""
     set_seed(0)
     learn = _learner(case, asked, device, corpus, TINY, path, [StopAfter(batches)])
-    with contextlib.redirect_stdout(io.StringIO()): learn.fit(1)   # its table and the plan's lines: the check's own table says it
-    m, g = learn.model, learn.cuda_graphs.graphs
-    state = torch.cat([m.flat.data.flatten()] + ([m.alpha.detach().flatten()] if hasattr(m, 'alpha') else [])).float().cpu()
-    return dict(state=state, losses=torch.tensor([float(x) for x in learn.recorder.losses] + [float(learn.recorder.values[-1][1])]),
+    m = learn.model
+    w0 = m.flat.data.clone()
+    with _precision_restored(device), contextlib.redirect_stdout(io.StringIO()): learn.fit(1)   # its table and the plan's lines: the check's own table says it
+    arch, g = getattr(learn, 'arch_param_update', None), learn.cuda_graphs.graphs
+    logged = [float(x) for x in learn.recorder.losses] + [float(v) for v in learn.recorder.values[-1] if isinstance(v, (int, float))]
+    return dict(weights=(m.flat.data - w0).float().cpu(),
+                adam=None if arch is None else arch.arch_opt.state[m.alpha]['exp_avg'].float().cpu(), logged=torch.tensor(logged),
                 graphs=sorted({k[0] for k, e in g.graphs.items() if e.run.captured}) if g is not None else None)
 
 def difference(a:dict, b:dict) -> float:
-    "The largest relative difference of the outcome `a` from `b`: of the weights and α (relative to the largest of `b`'s), and of the losses; inf if either is not finite"
-    def rel(x, y):
+    """The largest relative difference of the outcome `a` from `b`: of the weights' move (by the largest move), of α's
+    Adam moment (by its largest entry), and of each logged number (by itself); inf where a number is not finite"""
+    def rel(x, y, each=False):
         if not (torch.isfinite(x).all() and torch.isfinite(y).all()) or x.shape != y.shape: return float('inf')
-        return ((x - y).abs().max() / y.abs().max().clamp(min=torch.finfo(torch.float32).tiny)).item()
-    return max(rel(a['state'], b['state']), rel(a['losses'], b['losses']))
+        tiny = torch.finfo(torch.float32).tiny
+        return ((x - y).abs() / (y.abs().clamp(min=tiny) if each else y.abs().max().clamp(min=tiny))).max().item() if x.numel() else 0.
+    parts = [rel(a[k], b[k]) for k in ('weights', 'adam') if b[k] is not None]
+    return max(parts + [rel(a['logged'], b['logged'], each=True)])
 
 # %% ../nbs/10b_check.ipynb #b0dcfd83
 def _on_device(asked:dict, device) -> dict:
@@ -154,9 +168,12 @@ def check_path(path:StepPath, device, cases_:list, corpus:Corpus, outcomes:dict,
         if v == 'refused': refused.append((case.name, why)); continue
         if v == 'falls back': notes.append(why); continue
         try:
-            out = run(path, case)
-            d = difference(out, run(path_named(path.ref), case))
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):   # past its limit, dynamo would run the step eager without a word
+                out = run(path, case)
+                d = difference(out, run(path_named(path.ref), case))
         except Exception as e: errors.append((case.name, f"{type(e).__name__}: {' '.join(str(e).split())}")); continue
+        if d == 0 and not path.exact:
+            errors.append((case.name, f"no difference at all from {path.ref}: the path did not run (its step fell back to {path.ref}'s?)")); continue
         missed = path.asked.get('graphs') and sorted(set(graph_kinds(case)) - set(out['graphs']))
         if missed: errors.append((case.name, f"its {', '.join(missed)} steps never ran as graphs: nothing was proven")); continue
         ran.append(case.name); worst = max(worst, d)
@@ -165,7 +182,8 @@ def check_path(path:StepPath, device, cases_:list, corpus:Corpus, outcomes:dict,
     elif refused and not ran and not errors: verdict, why = 'refused', refused[0][1]
     elif off or errors: verdict, why = 'DIFFERS', None
     else: verdict, why = 'equal', None
-    return dict(path=path.name, ref=path.ref, tol=path.tol, exact=path.exact, batches='all' if batches is None else batches, verdict=verdict, why=why,
+    emulated = bool(path.asked.get('graphs')) and torch.device(device).type != 'cuda'
+    return dict(path=path.name, ref=path.ref, tol=path.tol, exact=path.exact, emulated=emulated, batches='all' if batches is None else batches, verdict=verdict, why=why,
                 cases=len(ran), largest=worst if ran else None, off=off, errors=errors, refused=[c for c, _ in refused])
 
 # %% ../nbs/10b_check.ipynb #e8a571b1
@@ -185,29 +203,47 @@ def step_ms(path:StepPath, device, iters:int=3, warmup:int=2, sizes:dict=PAPER, 
     with in_fit(learn): return time_fn(learner_step(learn, batch), iters, warmup, device)['ms']
 
 # %% ../nbs/10b_check.ipynb #4a7c8cee
-def run_check(device, paths=PATHS, bench:bool=False, say=print, folder=None) -> dict:
-    """Every path of `paths` on `device` against the eager step (`check_path`) on every case (`cases`), each path's row
-    said as it ends; with `bench`, each running path's step timed at the paper's shapes. `ok`: no path differs"""
-    import tempfile
+def _json_safe(o):
+    "`o` with every non-finite float as a string ('inf', 'nan'): strict JSON has no Infinity"
+    if isinstance(o, float) and not math.isfinite(o): return str(o)
+    if isinstance(o, dict): return {k: _json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)): return [_json_safe(v) for v in o]
+    return o
+
+def run_check(device, paths=PATHS, bench:bool=False, say=print, folder=None, json_path=None, bench_sizes:dict=PAPER) -> dict:
+    """Every path of `paths` on `device` against its reference (`check_path`) on every case (`cases`), each path's row
+    said as it ends (and the results so far written to `json_path`, so a run cut short keeps them); with `bench`, each
+    path that is equal is timed at `bench_sizes` (the paper's). `ok`: no path differs"""
+    import tempfile, json
+    from rnn_darts.core import write_text_atomic
     with tempfile.TemporaryDirectory() if folder is None else contextlib.nullcontext(folder) as d:
         cs, corpus, outcomes = cases(), tiny_corpus(), {}
-        res = dict(device=str(device), cases=[c.name for c in cs], tiny=TINY, rows=[], bench=None if not bench else dict(case=BENCH_CASE.name, shape=PAPER))
+        res = dict(device=str(device), cases=[c.name for c in cs], tiny=TINY, rows=[], bench=None if not bench else dict(case=BENCH_CASE.name, shape=bench_sizes))
+        def timed(p:StepPath, row:dict|None=None):
+            try: return step_ms(p, device, sizes=bench_sizes, folder=d)
+            except Exception as e:
+                if row is not None: row['bench_error'] = f"{type(e).__name__}: {' '.join(str(e).split())}"
+                return None
         said = False
         for p in paths:
             if p.asked.get('compile') and not said and verdict_of(p, cs[0], device)[0] == 'runs':
                 say(f"({p.name}: Inductor compiles the tiny step first, about a minute{' on a CPU' if torch.device(device).type == 'cpu' else ''} with an empty cache)")
                 said = True
             row = check_path(p, device, cs, corpus, outcomes, d)
-            if bench: row['ms'] = step_ms(p, device, folder=d) if row['verdict'] == 'equal' else None
+            if bench and row['verdict'] == 'equal': row['ms'] = timed(p, row)
             res['rows'].append(row)
             say(row_line(row))
-        if bench: res['eager_ms'] = step_ms(path_named('eager'), device, folder=d)
+            if json_path is not None: write_text_atomic(json.dumps(_json_safe(res), indent=1, default=str) + '\n', json_path)
+        if bench: res['eager_ms'] = timed(path_named('eager'))
     res['ok'] = all(r['verdict'] != 'DIFFERS' for r in res['rows'])
+    if json_path is not None: write_text_atomic(json.dumps(_json_safe(res), indent=1, default=str) + '\n', json_path)
     return res
 
 # %% ../nbs/10b_check.ipynb #28054a3a
 def _verdict_text(r:dict) -> str:
-    if r['verdict'] == 'equal': return f"equal to {r['ref']}, bit for bit" if r['exact'] else f"equal to {r['ref']} within {r['tol']:.0e}"
+    if r['verdict'] == 'equal':
+        if not r['exact']: return f"equal to {r['ref']} within {r['tol']:.0e}"
+        return f"equal to {r['ref']}, bit for bit" + (" (the graphs' bookkeeping, emulated: a CPU captures nothing)" if r.get('emulated') else '')
     if r['verdict'] == 'DIFFERS': return f"DIFFERS from {r['ref']} in {len(r['off']) + len(r['errors'])} of its cases"
     return f"{r['verdict']}: {r['why']}"
 
@@ -218,6 +254,7 @@ def row_line(r:dict) -> str:
     out = [f"{r['path']:<18} {r['cases']:>5} {largest:>12} {ms:>8}  {_verdict_text(r)}"]
     out += [f"    {c}: differs by {d:.1e}, over its limit {r['tol']:.0e}" for c, d in r['off']]
     out += [f"    {c}: {e}" for c, e in r['errors']]
+    if r.get('bench_error'): out.append(f"    timing at the paper's shapes failed: {r['bench_error']}")
     if r['refused'] and r['cases']: out.append(f"    refused for {', '.join(r['refused'])} (the plan's rules)")
     return '\n'.join(out)
 
@@ -225,7 +262,7 @@ def header(device, n_cases:int, bench:bool) -> str:
     "What the check runs, on which device, and its table's columns"
     from rnn_darts.learner import device_name
     t = TINY
-    lines = [f"rnn-darts check on {device} ({device_name(device)}), torch {torch.__version__}: each path against the eager step on "
+    lines = [f"rnn-darts check on {device} ({device_name(device)}), torch {torch.__version__}: each path against its reference (eager; a graphed path, the same path without graphs) on "
              f"{n_cases} cases (α-step kinds × relaxations, SDARTS's perturbations, random search, a derived cell) at nhid {t['nhid']}, "
              f"bs {t['bs']}, bptt {t['bptt']}; exact paths over a whole epoch, the others over its first batch, then a validation",
              *([f"ms/step: the learner's own {BENCH_CASE.name} search step at bs {PAPER['bs']}, bptt {PAPER['bptt']}, nhid {PAPER['nhid']}, "

@@ -99,16 +99,14 @@ def check(
     from rnn_darts.check import PATHS, run_check, cases, header
     names = [p.name for p in PATHS]
     chosen = names if paths is None else [x.strip() for x in paths.split(',') if x.strip()]
+    if not chosen: raise UsageError(f"--paths names no path; paths are {', '.join(names)}")
     for x in chosen: check_choice('--paths', x, names)
     dev = get_device(device)
     set_threads(threads, dev)
     print(header(dev, len(cases()), bench), flush=True)
-    res = run_check(dev, [p for p in PATHS if p.name in chosen], bench=bench, say=lambda line: print(line, flush=True))
-    if bench: print(f"eager: {res['eager_ms']:.0f} ms per step; each path's ms/step above is the same step on that path")
-    if json_path is not None:
-        import json
-        write_text_atomic(json.dumps(res, indent=1, default=str) + '\n', json_path)
-        print(f"results written to {json_path}")
+    res = run_check(dev, [p for p in PATHS if p.name in chosen], bench=bench, say=lambda line: print(line, flush=True), json_path=json_path)
+    if bench and res['eager_ms'] is not None: print(f"eager: {res['eager_ms']:.0f} ms per step; each path's ms/step above is the same step on that path")
+    if json_path is not None: print(f"results written to {json_path}")
     bad = [r['path'] for r in res['rows'] if r['verdict'] == 'DIFFERS']
     if bad: raise UserError(f"check: {', '.join(bad)} {'differs' if len(bad) == 1 else 'differ'} from {'its reference' if len(bad) == 1 else 'their references'} (the lines above say where)")
     return res

@@ -1,9 +1,9 @@
 """`rnn-darts check` (`rnn_darts.check`): the matrix of execution paths × cases (α-step kinds × relaxations, SDARTS's
 perturbations, random search, a derived cell), each path against its reference on this device; the command's table,
 its JSON and its exit status"""
-import json, pytest, torch
+import json, pytest
 from rnn_darts import check
-from rnn_darts.check import PATHS, StepPath, cases, check_path, tiny_corpus, row_line
+from rnn_darts.check import PATHS, StepPath, cases, check_path, tiny_corpus, row_line, run_check, path_named
 from rnn_darts.cli import run_command
 
 @pytest.fixture(scope='module')
@@ -43,3 +43,15 @@ def test_a_path_that_differs_exits_1_naming_the_case(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert e.value.code == 1 and 'DIFFERS from eager in 1 of its cases' in out and 'first/softmax: differs by' in out
     assert err == 'rnn-darts: error: check: lr differs from its reference (the lines above say where)\n'
+
+def test_bench_times_each_equal_path_and_eager(monkeypatch):
+    "--bench: each path that equals its reference gets ms per step as the learner runs it (here at a tiny size), and eager its own"
+    monkeypatch.setattr(check, 'cases', lambda: [c for c in cases() if c.name == 'first/softmax'])
+    res = run_check('cpu', [path_named('bf16'), path_named('tf32')], bench=True, say=lambda line: None, bench_sizes=dict(bs=3, bptt=4, nhid=8, ntoken=30))
+    bf16, tf32 = res['rows']
+    assert bf16['verdict'] == 'equal' and bf16['ms'] > 0 and res['eager_ms'] > 0
+    assert tf32['verdict'] == 'falls back' and 'ms' not in tf32   # nothing of its own ran
+
+def test_no_path_at_all_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e: run_command(['check', '--paths', ' ,'])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith('rnn-darts: error: --paths names no path; paths are graphs, compiled')

@@ -4,18 +4,17 @@
 #
 #   bash tools/gpu-check.sh [OUT]      OUT: the folder for the logs and the JSON (default: gpu-check)
 #
-# Stages, the proof first: `rnn-darts check --bench` (every execution path of the plan against the eager step on every
+# Stages, the proof first: `rnn-darts check --bench` (every execution path of the plan against its reference on every
 # case: CUDA graphs, compiled, compiled + graphs, fused, fused + graphs, TF32, bf16; then each path's search step timed
-# as the learner runs it at the paper's shapes; OUT/check.json); the GPU tier of the tests (pytest --gpu, without
-# test_check.py, which is what the first stage ran); `rnn-darts bench` at the paper's shapes (search bs 256, bptt 35,
-# nhid 300, 10,000 words; derived DARTS_V2 nhid 850, bs 64) as captured CUDA graphs, each row also profiled
-# (OUT/profile-*.txt: kernels per step, the 15 kernels with the most GPU time, how much of the step the GPU is busy,
-# peak memory), then the family's steps; one epoch of the quick search with the defaults (compiled, graphed; epoch
-# times in OUT/quick/run.json). The limits of the tier, the graphed bench and the quick search are what they took on an
-# H200 (2026-11-27: tier 132 s, graphed and eager bench 110 s together, quick search 61 s), with room; the check has not
-# run on a GPU yet (its limit is a guess: Inductor compiles the tiny step and the paper's), nor have the family's and
-# the fused steps. Where fastai is not installed and the checkout holds wheels in .whl/ (see the README's development
-# section), they are installed into /tmp/site first.
+# as the learner runs it at the paper's shapes; OUT/check.json, written after each path); the GPU tier of the tests
+# (pytest --gpu, without test_check.py, which is what the first stage ran); one epoch of the quick search with the
+# defaults (compiled, graphed; epoch times in OUT/quick/run.json); last, in the time left, `rnn-darts bench` at the
+# paper's shapes (search bs 256, bptt 35, nhid 300, 10,000 words; derived DARTS_V2 nhid 850, bs 64) as captured CUDA
+# graphs, each row also profiled (OUT/profile-graphed.txt: kernels per step, the 15 kernels with the most GPU time, how
+# much of the step the GPU is busy, peak memory). The tier's and the quick search's limits are what they took on an
+# H200 (2026-11-27: 132 s and 61 s), with room; the check has not run on a GPU yet, and its limit is a guess (Inductor
+# compiles the tiny step, then the paper's). Where fastai is not installed and the checkout holds wheels in .whl/ (see
+# the README's development section), they are installed into /tmp/site first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check}; mkdir -p "$out"
@@ -46,15 +45,13 @@ stage check 170 $py -m rnn_darts.cli check --device cuda --bench --json-path "$o
 # four workers, so the tier fits its limit: each runs tiny models; without a GPU the tier only skips, so no
 # workers are started (each would import torch and collect every module)
 workers=4; grep -q 'no CUDA device visible' "$out/versions.log" && workers=0
-stage gpu-tier 130 $py -m pytest -q --gpu -n $workers -rs --durations=10 -p no:cacheprovider --ignore tests/test_check.py tests
-bench() { local name=$1 limit=$2; shift 2; stage "$name" "$limit" $py -m rnn_darts.cli bench --device cuda --graphs --iters 3 \
-  --json-path "$out/$name.json" --profile "$out/profile-${name#bench-}.txt" "$@"; }
-bench bench-graphed 70 --methods none
-bench bench-family 35 --modes first
-left=$((470 - (SECONDS - start)))   # the quick search takes what is left of the 8 minutes
+stage gpu-tier 150 $py -m pytest -q --gpu -n $workers -rs --durations=10 -p no:cacheprovider --ignore tests/test_check.py tests
+stage quick-search 75 $py -m rnn_darts.cli search --preset quick --epochs 1 --device cuda --out "$out/quick" --overwrite
+$py -c "import json, sys; r = json.load(open(sys.argv[1])); print('quick search epoch times (s):', r.get('epoch_times'))" \
+  "$out/quick/run.json" 2>/dev/null || echo "quick search: no run.json"
+left=$((470 - (SECONDS - start)))   # the bench takes what is left of the 8 minutes
 if [ "$left" -ge 30 ]; then
-  stage quick-search "$left" $py -m rnn_darts.cli search --preset quick --epochs 1 --device cuda --out "$out/quick" --overwrite
-  $py -c "import json, sys; r = json.load(open(sys.argv[1])); print('quick search epoch times (s):', r.get('epoch_times'))" \
-    "$out/quick/run.json" 2>/dev/null || echo "quick search: no run.json"
-else echo "== quick-search: skipped, $left s left of the 8 minutes"; fi
+  stage bench-graphed "$left" $py -m rnn_darts.cli bench --device cuda --graphs --iters 3 --modes second,first --methods none \
+    --json-path "$out/bench-graphed.json" --profile "$out/profile-graphed.txt"
+else echo "== bench-graphed: skipped, $left s left of the 8 minutes"; fi
 echo "== GPU check done in $((SECONDS - start)) s; logs in $out"
