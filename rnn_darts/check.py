@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from fastai.callback.core import Callback, CancelTrainException
 from rnn_darts.core import UsageError, set_seed
-from rnn_darts.config import ARCH_MODES, RELAXATIONS, SearchConfig, check_rules
-from rnn_darts.plan import plan_of
+from rnn_darts.config import ARCH_MODES, RELAXATIONS, METHODS, SearchConfig, check_rules
+from rnn_darts.plan import plan_of, PRECISIONS
 from rnn_darts.callbacks.speed import tf32_products
 from rnn_darts.data import Corpus, lm_dls, search_stream, numbers_corpus
 from rnn_darts.genotypes import DARTS_V2
@@ -34,7 +34,7 @@ class StepPath:
     @property
     def exact(self) -> bool: return self.tol == 0
 
-EAGER = dict(compile=False, graphs=False, fuse=False, precision='fp32')   # what every path is held to, in the end
+EAGER = dict(compile=False, graphs=False, fuse=False, precision=PRECISIONS[0])   # what every path is held to, in the end
 PATHS = (
     StepPath('graphs', dict(graphs=True), what='each step captured once as a CUDA graph and replayed (a CPU emulates their bookkeeping)'),
     StepPath('compiled', dict(compile=True), tol=1e-3, what='the recurrent time step compiled by Inductor: its sums in another order'),
@@ -188,7 +188,7 @@ def check_path(path:StepPath, device, cases_:list, corpus:Corpus, outcomes:dict,
 
 # %% ../nbs/10b_check.ipynb #e8a571b1
 PAPER = dict(bs=SearchConfig.bs, bptt=SearchConfig.bptt, nhid=SearchConfig.nhid, ntoken=10_000)   # the paper's search step: bs 256, bptt 35, nhid 300, 10,000 words
-BENCH_CASE = Case('DARTS second order', 'search', dict(mode='second'))
+BENCH_CASE = Case('DARTS second order', 'search', dict(METHODS['darts']))
 
 def step_ms(path:StepPath, device, iters:int=3, warmup:int=2, sizes:dict=PAPER, folder='.') -> float|None:
     """ms per step of `BENCH_CASE`'s search step at `sizes` (the paper's) as the learner runs it on `path`, timed as

@@ -18,13 +18,15 @@ ON_A_CPU = {'graphs': 'equal', 'compiled': 'equal', 'compiled+graphs': 'equal', 
 @pytest.mark.parametrize('path', PATHS, ids=lambda p: p.name)
 def test_every_path_equals_its_reference_on_every_case(path, device, shared):
     """Each path of the plan on each case it runs: bit for bit where it promises that (graphs), within its limit where it
-    does not (compiled, fused, TF32, bf16), or the plan's own refusal or fallback. All 7 paths take ~90 s on a CPU (one
-    thread; Inductor compiling the tiny step, a minute more with an empty cache); on a GPU every path must run"""
-    r = check_path(path, device, cases(), shared['corpus'], shared['outcomes'].setdefault(device, {}), shared['folder'])
+    does not (compiled, fused, TF32, bf16), or the plan's own refusal or fallback; on a GPU every path must run. On a CPU
+    the compiled paths run the derived cell only: with an empty Inductor cache (CI's) the search cell's step variants
+    take minutes to compile (4 for them all on 2 cores), and `rnn-darts check` runs them on every case. ~45 s on a CPU"""
+    cs = [c for c in cases() if c.kind == 'train'] if device == 'cpu' and path.asked.get('compile') else cases()
+    r = check_path(path, device, cs, shared['corpus'], shared['outcomes'].setdefault(device, {}), shared['folder'])
     assert r['verdict'] == (ON_A_CPU[path.name] if device == 'cpu' else 'equal'), row_line(r)
     if r['verdict'] == 'equal':
-        refusable = ['random search'] if path.asked.get('compile') or path.asked.get('graphs') else []   # it runs another cell each batch
-        assert (r['refused'], r['cases']) == (refusable, len(cases()) - len(refusable))
+        refusable = ['random search'] if (path.asked.get('compile') or path.asked.get('graphs')) and len(cs) > 1 else []   # it runs another cell each batch
+        assert (r['refused'], r['cases']) == (refusable, len(cs) - len(refusable))
 
 def test_the_command_prints_its_table_and_writes_json(tmp_path, capsys):
     "What does not run on this machine is said in the table with the plan's reason, and the JSON holds the same rows"

@@ -32,7 +32,7 @@ def test_train_with_plain_loss_from_a_preset(tmp_path):
 def test_unknown_command_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e: cli.run_command(['serach'])
     assert e.value.code == 2
-    assert capsys.readouterr().err == "rnn-darts: error: unknown command 'serach' (did you mean search?); commands: search, train, study, evaluate, bench, report\n"
+    assert capsys.readouterr().err == "rnn-darts: error: unknown command 'serach' (did you mean search?); commands: search, train, study, evaluate, bench, check, report\n"
 
 def test_wheel_ships_the_presets(tmp_path):
     "The built wheel holds rnn_darts/settings.ini, the same text as the checkout's settings.ini"
