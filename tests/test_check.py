@@ -6,6 +6,12 @@ from rnn_darts import check
 from rnn_darts.check import PATHS, StepPath, cases, check_path, tiny_corpus, row_line, run_check, path_named
 from rnn_darts.cli import run_command
 
+@pytest.fixture(autouse=True)
+def one_compile_process():
+    "Inductor compiles in this process alone: its pool of compile workers would take the cores from the other worker's signal tests"
+    import torch._inductor.config as ic
+    with ic.patch(compile_threads=1): yield
+
 @pytest.fixture(scope='module')
 def shared(tmp_path_factory):
     "The cases' outcomes, by device, computed once and shared by the paths held to the same reference"
