@@ -4,7 +4,7 @@
 
 # %% ../nbs/10b_check.ipynb #8a45bb4f
 from __future__ import annotations
-import contextlib, io, math
+import contextlib, io, math, time
 from dataclasses import dataclass
 import torch
 from fastai.callback.core import Callback, CancelTrainException
@@ -14,11 +14,12 @@ from rnn_darts.plan import plan_of, PRECISIONS
 from rnn_darts.callbacks.speed import tf32_products
 from rnn_darts.data import Corpus, lm_dls, search_stream, numbers_corpus
 from rnn_darts.genotypes import DARTS_V2
+from rnn_darts.kernels import taps_from
 
 # %% auto #0
-__all__ = ['EAGER', 'PATHS', 'REGULARISERS', 'TINY', 'PAPER', 'BENCH_CASE', 'StepPath', 'path_named', 'Case', 'cases',
-           'tiny_corpus', 'StopAfter', 'outcome', 'difference', 'graph_kinds', 'verdict_of', 'check_path', 'step_ms',
-           'run_check', 'row_line', 'header']
+__all__ = ['EAGER', 'PATHS', 'REGULARISERS', 'TINY', 'TAPS_FROM', 'PAPER', 'BENCH_CASE', 'StepPath', 'path_named', 'Case',
+           'cases', 'tiny_corpus', 'StopAfter', 'outcome', 'difference', 'graph_kinds', 'verdict_of', 'check_path',
+           'step_ms', 'compile_notice', 'run_check', 'row_line', 'header']
 
 # %% ../nbs/10b_check.ipynb #a76b7d27
 @dataclass(frozen=True)
@@ -35,14 +36,14 @@ class StepPath:
     def exact(self) -> bool: return self.tol == 0
 
 EAGER = dict(compile=False, graphs=False, fuse=False, precision=PRECISIONS[0])   # what every path is held to, in the end
-PATHS = (
+PATHS = (   # the quick ones first: Inductor's first compiles take minutes
     StepPath('graphs', dict(graphs=True), what='each step captured once as a CUDA graph and replayed (a CPU emulates their bookkeeping)'),
-    StepPath('compiled', dict(compile=True), tol=1e-3, what='the recurrent time step compiled by Inductor: its sums in another order'),
-    StepPath('compiled+graphs', dict(compile=True, graphs=True), 'compiled', what="the GPU's default: the compiled step, captured"),
-    StepPath('fused', dict(fuse=True), tol=1e-3, what='the training time steps as Triton kernels (rnn_darts.fused)'),
-    StepPath('fused+graphs', dict(fuse=True, graphs=True), 'fused', what='the Triton kernels, captured'),
     StepPath('tf32', dict(precision='tf32'), tol=3e-2, what='the matrix products on TF32 tensor cores (10 bits of mantissa)'),
     StepPath('bf16', dict(precision='bf16'), tol=1e-1, what='the products in bf16 autocast, fp32 weights (8 bits of mantissa)'),
+    StepPath('fused', dict(fuse=True), tol=1e-3, what='the training time steps as Triton kernels (rnn_darts.fused)'),
+    StepPath('fused+graphs', dict(fuse=True, graphs=True), 'fused', what='the Triton kernels, captured'),
+    StepPath('compiled', dict(compile=True), tol=1e-3, what='the recurrent time step compiled by Inductor: its sums in another order'),
+    StepPath('compiled+graphs', dict(compile=True, graphs=True), 'compiled', what="the GPU's default: the compiled step, captured"),
 )
 
 def path_named(name:str) -> StepPath:
@@ -75,6 +76,7 @@ def cases() -> list:
 
 # %% ../nbs/10b_check.ipynb #b220889f
 TINY = dict(emsize=8, nhid=8, bs=4, bptt=4, eval_bs=4, lr=2., checkpoint=False)   # lr 2: a few steps move the weights without amplifying rounding
+TAPS_FROM = 0   # compiled steps tap their weights at any size: the graphs of the paper's sizes, at nhid 8
 
 def tiny_corpus() -> Corpus:
     "The check's corpus: 4 training batches at `TINY`'s sizes, and 4 validation batches (each graph of a shape met again)"
@@ -111,7 +113,7 @@ def outcome(case:Case, asked:dict, device, corpus:Corpus, batches:int|None, path
     learn = _learner(case, asked, device, corpus, TINY, path, [StopAfter(batches)])
     m = learn.model
     w0 = m.flat.data.clone()
-    with _precision_restored(device), contextlib.redirect_stdout(io.StringIO()): learn.fit(1)   # its table and the plan's lines: the check's own table says it
+    with _precision_restored(device), taps_from(TAPS_FROM), contextlib.redirect_stdout(io.StringIO()): learn.fit(1)   # its table and the plan's lines: the check's own table says it
     arch, g = getattr(learn, 'arch_param_update', None), learn.cuda_graphs.graphs
     logged = [float(x) for x in learn.recorder.losses] + [float(v) for v in learn.recorder.values[-1] if isinstance(v, (int, float))]
     return dict(weights=(m.flat.data - w0).float().cpu(),
@@ -156,8 +158,8 @@ def check_path(path:StepPath, device, cases_:list, corpus:Corpus, outcomes:dict,
     """`path` run on each of `cases_` against its reference path (`outcomes`: what has run, by case, path and batches,
     filled as it goes): exact paths over every batch of an epoch, the others over its first batch (DrNAS's Dirichlet draws
     are rejection sampled: once rounding moves α, they consume other random numbers, and the runs part ways). A row:
-    its verdict, the cases that ran and the largest difference, the cases off the limit, and the cases refused"""
-    batches = None if path.exact else 1
+    its verdict, the cases that ran and the largest difference, the cases off the limit, the cases refused, and its seconds"""
+    batches, t0 = None if path.exact else 1, time.perf_counter()
     def run(p:StepPath, case):
         key = (case.name, p.name, batches)
         if key not in outcomes: outcomes[key] = outcome(case, _on_device({**EAGER, **p.asked}, device), device, corpus, batches, folder)
@@ -183,8 +185,9 @@ def check_path(path:StepPath, device, cases_:list, corpus:Corpus, outcomes:dict,
     elif off or errors: verdict, why = 'DIFFERS', None
     else: verdict, why = 'equal', None
     emulated = bool(path.asked.get('graphs')) and torch.device(device).type != 'cuda'
-    return dict(path=path.name, ref=path.ref, tol=path.tol, exact=path.exact, emulated=emulated, batches='all' if batches is None else batches, verdict=verdict, why=why,
-                cases=len(ran), largest=worst if ran else None, off=off, errors=errors, refused=[c for c, _ in refused])
+    return dict(path=path.name, what=path.what, ref=path.ref, tol=path.tol, exact=path.exact, emulated=emulated, batches='all' if batches is None else batches,
+                verdict=verdict, why=why, cases=len(ran), largest=worst if ran else None, off=off, errors=errors, refused=[c for c, _ in refused],
+                seconds=time.perf_counter() - t0)
 
 # %% ../nbs/10b_check.ipynb #e8a571b1
 PAPER = dict(bs=SearchConfig.bs, bptt=SearchConfig.bptt, nhid=SearchConfig.nhid, ntoken=10_000)   # the paper's search step: bs 256, bptt 35, nhid 300, 10,000 words
@@ -210,6 +213,12 @@ def _json_safe(o):
     if isinstance(o, (list, tuple)): return [_json_safe(v) for v in o]
     return o
 
+def compile_notice(p:StepPath, device) -> str:
+    "The line before the first compiled path: its row waits for Inductor's first compiles (measured on a 2-core Xeon with an empty cache)"
+    cpu = torch.device(device).type == 'cpu'
+    return (f"({p.name}: Inductor first compiles the step's graphs, once per machine and torch version, and this row waits for it"
+            + ("; about 3½ minutes on a 2-core CPU with an empty cache, 30 s once cached)" if cpu else ")"))
+
 def run_check(device, paths=PATHS, bench:bool=False, say=print, folder=None, json_path=None, bench_sizes:dict=PAPER) -> dict:
     """Every path of `paths` on `device` against its reference (`check_path`) on every case (`cases`), each path's row
     said as it ends (and the results so far written to `json_path`, so a run cut short keeps them); with `bench`, each
@@ -227,7 +236,7 @@ def run_check(device, paths=PATHS, bench:bool=False, say=print, folder=None, jso
         said = False
         for p in paths:
             if p.asked.get('compile') and not said and verdict_of(p, cs[0], device)[0] == 'runs':
-                say(f"({p.name}: Inductor compiles the tiny step first, about a minute{' on a CPU' if torch.device(device).type == 'cpu' else ''} with an empty cache)")
+                say(compile_notice(p, device))
                 said = True
             row = check_path(p, device, cs, corpus, outcomes, d)
             if bench and row['verdict'] == 'equal': row['ms'] = timed(p, row)
@@ -251,7 +260,8 @@ def row_line(r:dict) -> str:
     "A path's row of the check's table, and a line under it for each case that differs, fails or is refused"
     largest = '-' if r['largest'] is None else '0' if r['largest'] == 0 else f"{r['largest']:.1e}"
     ms = '-' if r.get('ms') is None else f"{r['ms']:.0f}"
-    out = [f"{r['path']:<18} {r['cases']:>5} {largest:>12} {ms:>8}  {_verdict_text(r)}"]
+    secs = '-' if r.get('seconds') is None else f"{r['seconds']:.0f}"
+    out = [f"{r['path']:<18} {r['cases']:>5} {largest:>12} {ms:>8} {secs:>6}  {_verdict_text(r)}"]
     out += [f"    {c}: differs by {d:.1e}, over its limit {r['tol']:.0e}" for c, d in r['off']]
     out += [f"    {c}: {e}" for c, e in r['errors']]
     if r.get('bench_error'): out.append(f"    timing at the paper's shapes failed: {r['bench_error']}")
@@ -264,8 +274,8 @@ def header(device, n_cases:int, bench:bool) -> str:
     t = TINY
     lines = [f"rnn-darts check on {device} ({device_name(device)}), torch {torch.__version__}: each path against its reference (eager; a graphed path, the same path without graphs) on "
              f"{n_cases} cases (α-step kinds × relaxations, SDARTS's perturbations, random search, a derived cell) at nhid {t['nhid']}, "
-             f"bs {t['bs']}, bptt {t['bptt']}; exact paths over a whole epoch, the others over its first batch, then a validation",
+             f"bs {t['bs']}, bptt {t['bptt']}, compiled steps tapped as at the paper's sizes; exact paths over a whole epoch, the others over its first batch, then a validation; s: the path's seconds, its compiles included",
              *([f"ms/step: the learner's own {BENCH_CASE.name} search step at bs {PAPER['bs']}, bptt {PAPER['bptt']}, nhid {PAPER['nhid']}, "
                 f"{PAPER['ntoken']:,} words"] if bench else []),
-             f"{'path':<18} {'cases':>5} {'largest diff':>12} {'ms/step':>8}  verdict"]
+             f"{'path':<18} {'cases':>5} {'largest diff':>12} {'ms/step':>8} {'s':>6}  verdict"]
     return '\n'.join(lines)

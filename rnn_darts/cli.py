@@ -89,7 +89,7 @@ def bench(
 def check(
     device:str=None,
     bench:bool=False,     # also time each path's search step as the learner runs it at the paper's shapes (DARTS second order: bs 256, bptt 35, nhid 300, 10,000 words)
-    paths:str=None,       # paths to check, comma-separated: graphs, compiled, compiled+graphs, fused, fused+graphs, tf32, bf16 (default: all)
+    paths:str=None,       # paths to check, comma-separated: graphs, tf32, bf16, fused, fused+graphs, compiled, compiled+graphs (default: all)
     json_path:str=None,   # also write the results as JSON here
     threads:int=None,
 ):

@@ -5,6 +5,7 @@
 # %% ../nbs/03a_kernels.ipynb #156345de
 from __future__ import annotations
 import ctypes, itertools, json, math, os, time, warnings, weakref
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -15,7 +16,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 # %% auto #0
 __all__ = ['ONEDNN', 'KERNEL', 'MEASURE_S', 'KEEP_FREED_MEMORY', 'TAP_MIN_NUMEL', 'kernel_table', 'machine_key', 'product_key',
            'time_kernels', 'onednn_faster', 'kernel_choices', 'fastest', 'mm_t', 'onednn_mm_t', 'product',
-           'DeferredWeight', 'Deferred', 'StepWeight', 'WeightGroup', 'linear', 'tanh']
+           'DeferredWeight', 'Deferred', 'StepWeight', 'WeightGroup', 'linear', 'tanh', 'taps_from']
 
 # %% ../nbs/03a_kernels.ipynb #68cc1122
 def _onednn_fp32() -> bool:
@@ -350,6 +351,14 @@ def tanh(x):
     return _RationalTanh.apply(x) if torch.compiler.is_compiling() and x.device.type == 'cpu' else torch.tanh(x)
 
 TAP_MIN_NUMEL = 2**17   # compiled steps tap their weights (one `WeightGroup`) if the largest has this many elements: at nhid 64 taps cost 5–15% on a CPU
+
+@contextmanager
+def taps_from(numel:int):
+    "Compiled steps tap their weights from `numel` elements on, inside (`rnn-darts check`: its tiny cells run the graphs the paper's sizes compile)"
+    global TAP_MIN_NUMEL
+    saved, TAP_MIN_NUMEL = TAP_MIN_NUMEL, numel
+    try: yield
+    finally: TAP_MIN_NUMEL = saved
 
 
 def _map(ctx, cls, f):

@@ -320,7 +320,7 @@ def test_commands(capsys):
     fails(capsys, ['bench', '--fuse', '--device', 'cpu'], 2, "--fuse true runs Triton kernels on a GPU; the device is cpu")   # the plan's rule, as the learners'
     fails(capsys, ['bench', '--graphs', '--precision', 'bf16'], 2, "--graphs true with --precision bf16: bf16 autocast's cache of cast weights cannot be captured")
     fails(capsys, ['search', '--precision', 'fp16'], 2, "--precision must be one of fp32, tf32, bf16; got 'fp16'")
-    fails(capsys, ['check', '--paths', 'graphs,jit'], 2, "--paths must be one of graphs, compiled, compiled+graphs, fused, fused+graphs, tf32, bf16; got 'jit'")
+    fails(capsys, ['check', '--paths', 'graphs,jit'], 2, "--paths must be one of graphs, tf32, bf16, fused, fused+graphs, compiled, compiled+graphs; got 'jit'")
     fails(capsys, ['check', '--threads', '0'], 2, '--threads must be an integer >= 1')
 
 def test_one_line_by_subprocess(tmp_path):

@@ -499,6 +499,8 @@ def test_compiled_forwards_tap_their_weights_only_if_the_largest_is_big():
         m.loss(torch.randint(0, 50, (2, 3)), torch.randint(0, 50, (2, 3)))
         return set(calls), 8 * 2 * nhid * nhid >= kernels.TAP_MIN_NUMEL   # node 0's successors: the largest weight
     assert tapped_steps(64) == ({'plain'}, False) and tapped_steps(128) == ({'tapped'}, True)
+    with kernels.taps_from(0): assert tapped_steps(8)[0] == {'tapped'}   # rnn-darts check's tiny cells: the paper's graphs
+    assert tapped_steps(8)[0] == {'plain'}   # and the threshold put back
 
 def _mark_accumulators(loss):
     "Tag every gradient accumulator `loss` reaches (a node's metadata lives as long as the node)"

@@ -5,7 +5,7 @@
 #   bash tools/gpu-check.sh [OUT]      OUT: the folder for the logs and the JSON (default: gpu-check)
 #
 # Stages, the proof first: `rnn-darts check --bench` (every execution path of the plan against its reference on every
-# case: CUDA graphs, compiled, compiled + graphs, fused, fused + graphs, TF32, bf16; then each path's search step timed
+# case: CUDA graphs, TF32, bf16, fused, fused + graphs, compiled, compiled + graphs; then each path's search step timed
 # as the learner runs it at the paper's shapes; OUT/check.json, written after each path); the GPU tier of the tests
 # (pytest --gpu, without test_check.py, which is what the first stage ran); one epoch of the quick search with the
 # defaults (compiled, graphed; epoch times in OUT/quick/run.json); last, in the time left, `rnn-darts bench` at the
