@@ -24,9 +24,9 @@ from fastai.callback.progress import ProgressCallback
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'FAMILY', 'STEP_NAMES', 'mem_kind',
            'time_fn', 'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'handed_graphs',
            'bound_updater', 'arch_hypergrad', 'search_step', 'precision_context', 'in_fit', 'random_corpus',
-           'bench_learner', 'learner_step', 'kernel_profile', 'profiler_log_off', 'launch_count', 'step_profile',
-           'profile_lines', 'precision_agreement', 'cpu_kernels', 'write_json', 'run_bench', 'profile_text',
-           'print_table']
+           'run_learner', 'bench_learner', 'learner_step', 'kernel_profile', 'profiler_log_off', 'launch_count',
+           'step_profile', 'profile_lines', 'precision_agreement', 'cpu_kernels', 'write_json', 'run_bench',
+           'profile_text', 'print_table']
 
 # %% ../nbs/10_bench.ipynb #8c25303b
 _S, _T = SearchConfig(), TrainConfig()   # the paper's search and training settings
@@ -186,29 +186,34 @@ def random_corpus(ntoken:int, tokens:int, seed:int=0):
     vocab = [f"w{i}" for i in range(ntoken)]
     return Corpus(vocab, {w: i for i, w in enumerate(vocab)}, ids(), ids(), ids(), name='random ids')
 
-def bench_learner(what:str, shape:dict, device, plan, eval_bs:int|None=None, seed:int=0, folder='.'):
-    """The learner whose batches a row times, built as a run builds it (`search_learner`, `train_learner`: the paper's
-    settings and callbacks) at `shape` on random ids, running `plan`: `what` is a mode (second, first, exact, random;
-    'weight': first order without its α step), a method of the family, or 'derived' (DARTS_V2, NT-ASGD's). Random search
-    runs eager, as its plan's rules have it"""
+def run_learner(kind:str, corpus, sizes:dict, device, folder='.', cbs=(), **settings):
+    """The learner a run builds on `corpus`, with `sizes` (bs, bptt, eval_bs, ...) and `settings`, without its progress
+    bar: `kind` 'search' (`search_learner`; λ_max's own eager passes off, but in random search, which has none) or 'train'
+    (`train_learner` of the default genotype, DARTS_V2)"""
     from rnn_darts.data import lm_dls, search_stream
     from rnn_darts.learner import search_learner, train_learner
+    s = dict(sizes, **settings)
+    dls = lm_dls(corpus, s['bs'], s['bptt'], phase=kind, eval_bs=s['eval_bs'], device=device)
+    if kind == 'train': learn = train_learner(dls, _T.genotype, device=device, path=folder, cbs=list(cbs), **s)
+    else:
+        if s.get('mode') != 'random': s.setdefault('curvature', False)
+        learn = search_learner(dls, search_stream(corpus, s['bs'], device=device), device=device, path=folder, cbs=list(cbs), **s)
+    learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
+    return learn
+
+def bench_learner(what:str, shape:dict, device, plan, eval_bs:int|None=None, seed:int=0, folder='.'):
+    """The learner whose batches a row times (`run_learner`: the paper's settings and callbacks) at `shape` on random
+    ids, running `plan`: `what` is a mode (second, first, exact, random; 'weight': first order without its α step), a
+    method of the family, or 'derived' (DARTS_V2, NT-ASGD's). Random search runs eager, as its plan's rules have it"""
     n = shape['bs'] * (shape['bptt'] + 1) * 4
     corpus = random_corpus(shape['ntoken'], max(n, (eval_bs or 1) * (shape['bptt'] + 1) * 4), seed)
-    ebs = eval_bs or shape['bs']
-    sizes = dict(emsize=shape['nhid'], nhid=shape['nhid'], bs=shape['bs'], bptt=shape['bptt'], eval_bs=ebs, checkpoint=False)
+    sizes = dict(emsize=shape['nhid'], nhid=shape['nhid'], bs=shape['bs'], bptt=shape['bptt'], eval_bs=eval_bs or shape['bs'], checkpoint=False)
     torch.manual_seed(seed)
-    if what == 'derived':
-        dls = lm_dls(corpus, shape['bs'], shape['bptt'], phase='train', eval_bs=ebs, device=device)
-        learn = train_learner(dls, _T.genotype, plan=plan, device=device, path=folder, **sizes)
-    else:
-        dls = lm_dls(corpus, shape['bs'], shape['bptt'], phase='search', eval_bs=ebs, device=device)
-        kw = dict(method=what) if what in METHOD_FAMILY else dict(mode='first' if what == 'weight' else what)
-        if what == 'random': plan = replace(plan, compile=False, graphs=False)
-        learn = search_learner(dls, search_stream(corpus, shape['bs'], device=device), plan=plan, device=device, path=folder,
-                               **({} if what == 'random' else dict(curvature=False)), **kw, **sizes)
-        if what == 'weight': learn.remove_cb(learn.arch_param_update)
-    learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
+    if what == 'derived': return run_learner('train', corpus, sizes, device, folder, plan=plan)
+    kw = dict(method=what) if what in METHOD_FAMILY else dict(mode='first' if what == 'weight' else what)
+    if what == 'random': plan = replace(plan, compile=False, graphs=False)
+    learn = run_learner('search', corpus, sizes, device, folder, plan=plan, **kw)
+    if what == 'weight': learn.remove_cb(learn.arch_param_update)
     return learn
 
 def learner_step(learn, batch):

@@ -12,8 +12,7 @@ from rnn_darts.core import UsageError, set_seed
 from rnn_darts.config import ARCH_MODES, RELAXATIONS, METHODS, SearchConfig, check_rules
 from rnn_darts.plan import plan_of, PRECISIONS
 from rnn_darts.callbacks.speed import tf32_products
-from rnn_darts.data import Corpus, lm_dls, search_stream, numbers_corpus
-from rnn_darts.genotypes import DARTS_V2
+from rnn_darts.data import Corpus, numbers_corpus
 from rnn_darts.kernels import taps_from
 
 # %% auto #0
@@ -90,15 +89,9 @@ class StopAfter(Callback):
         if self.training and self.n is not None and self.iter + 1 >= self.n: raise CancelTrainException()
 
 def _learner(case:Case, asked:dict, device, corpus:Corpus, sizes:dict, path, cbs=()):
-    "The learner of `case` with the plan settings `asked` on `device`, as `search_learner` and `train_learner` make it"
-    from rnn_darts.learner import search_learner, train_learner
-    s = dict(sizes, **case.settings, **asked)
-    if case.kind == 'search' and s.get('mode') != 'random': s.setdefault('curvature', False)   # λ_max's own passes are eager on every path
-    dls = lm_dls(corpus, bs=s['bs'], bptt=s['bptt'], phase=case.kind, eval_bs=s['eval_bs'], device=device)
-    if case.kind == 'search': learn = search_learner(dls, search_stream(corpus, s['bs'], device=device), path=path, device=device, cbs=list(cbs), **s)
-    else: learn = train_learner(dls, DARTS_V2, path=path, device=device, cbs=list(cbs), **s)
-    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
-    return learn
+    "The learner of `case` with the plan settings `asked` on `device`, as a run builds it (`run_learner`)"
+    from rnn_darts.bench import run_learner
+    return run_learner(case.kind, corpus, sizes, device, path, cbs, **case.settings, **asked)
 
 @contextlib.contextmanager
 def _precision_restored(device):
@@ -148,9 +141,6 @@ def verdict_of(path:StepPath, case:Case, device) -> tuple:
     try: plan = plan_of(s, device, lambda k: '--' + k, world=1, command=case.kind, emulate='emulate' if cpu and s['graphs'] else False)
     except UsageError as e: return 'refused', str(e)
     if plan.notes: return 'falls back', plan.notes[0]
-    if plan.fuse:
-        import importlib.util
-        if importlib.util.find_spec('triton') is None: return 'refused', "--fuse true runs Triton kernels, and Triton is not installed (it comes with torch's CUDA wheels)"
     return 'runs', None
 
 # %% ../nbs/10b_check.ipynb #cad0b982

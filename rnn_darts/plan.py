@@ -29,6 +29,10 @@ def _bf16_missing(dev) -> str|None:
     if dev.type == 'cuda' and not torch.cuda.is_bf16_supported(): return f"the GPU {torch.cuda.get_device_name(dev)} does not support bfloat16"
     return None
 
+def _triton_missing(dev) -> bool:
+    import importlib.util
+    return dev.type == 'cuda' and importlib.util.find_spec('triton') is None
+
 def _on(f:dict, kind:str|None=None) -> bool:
     "Whether the facts `f` know their device (a config's checks do not), and it is not CUDA if `kind` is 'cpu'"
     return f['device'] is not None and (kind is None or f['device'].type != 'cuda')
@@ -46,6 +50,8 @@ class Rule:
 RULES = (
     Rule('fuse needs a GPU', 'refused', lambda f: f['fuse'] and _on(f, 'cpu'),
          lambda f: f"{f['name']('fuse')} true runs Triton kernels on a GPU; the device is {f['device']} (a CPU runs them in Triton's interpreter, for tests only)"),
+    Rule('fuse needs Triton', 'refused', lambda f: f['fuse'] and _on(f) and _triton_missing(f['device']),
+         lambda f: f"{f['name']('fuse')} true runs Triton kernels, and Triton is not installed (it comes with torch's CUDA wheels: pip install triton)"),
     Rule('fuse is fp32 or tf32', 'refused', lambda f: f['fuse'] and f['precision'] == 'bf16',
          lambda f: f"{f['name']('fuse')} true runs its kernels in fp32 or tf32; {f['name']('precision')} bf16 autocasts the products, which they do not"),
     Rule('bf16 needs bfloat16', 'refused', lambda f: f['precision'] == 'bf16' and _on(f) and _bf16_missing(f['device']),

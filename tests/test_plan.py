@@ -20,6 +20,7 @@ REFUSED = {   # rule -> the flags that meet it on this CPU
 FALLBACKS = {'graphs need a GPU': ['--graphs', 'true'], 'tf32 needs tensor cores': ['--precision', 'tf32']}
 ELSEWHERE = {   # rules a CPU and one process cannot meet, and where they are proven
     'bf16 needs bfloat16': 'a GPU without bfloat16 (plan_of with a stand-in below)',
+    'fuse needs Triton': 'a GPU without Triton (plan_of with a stand-in below)',
     'graphs, one process': 'several processes (plan_of with world=2 below)',
     'graphs need the fused loss': 'a Python-only setting (fused_loss=False, below)',
 }
@@ -56,11 +57,15 @@ def test_fallbacks_are_said_once_and_run_json_records_what_ran(tmp_path, capsys)
     assert len(info['plan']['notes']) == 2
 
 def test_the_rules_a_cpu_cannot_meet(monkeypatch):
-    "bf16 on a GPU without it is refused; several processes and an unfused loss turn graphs off with one line; the defaults on CUDA"
+    "bf16 on a GPU without it, and fuse on one without Triton, are refused; several processes and an unfused loss turn graphs off with one line; the defaults on CUDA"
     import torch
     monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: False)
     monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d=None: 'Old GPU')
     with pytest.raises(UsageError, match='precision bf16: the GPU Old GPU does not support bfloat16; use fp32 or tf32'): plan_of(dict(precision='bf16'), 'cuda')
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'triton' else find_spec(name, *a))
+    with pytest.raises(UsageError, match="fuse true runs Triton kernels, and Triton is not installed"): plan_of(dict(fuse=True), 'cuda')
     monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: True)   # a GPU with bf16, for the defaults below
     assert plan_of(dict(graphs=True), 'cuda', world=2).notes == ('CUDA graphs off: not with several processes yet; the steps run eager',)
     p = plan_of(dict(graphs=True, fused_loss=False), 'cuda', world=1)
