@@ -6,7 +6,7 @@
 from __future__ import annotations
 from dataclasses import dataclass, field, fields, asdict
 from functools import partial, wraps
-from rnn_darts.core import UsageError, check_number, check_choice
+from rnn_darts.core import UsageError, check_number, check_choice, PAPER_OPS, PAPER_NODES
 from rnn_darts.plan import PRECISIONS, check_plan_rules   # the execution plan's: its table's rules that need no device are a config's too
 
 RELAXATIONS = ('softmax', 'sigmoid', 'gdas', 'snas', 'drnas')   # `rnn_darts.relax`
@@ -35,13 +35,14 @@ IDENTITY = ('relax', 'mode', 'perturb', 'select')   # what makes a method itself
 # %% auto #0
 __all__ = ['RELAXATIONS', 'MODES', 'ARCH_MODES', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS', 'FAMILY',
            'IDENTITY', 'CONFIGS', 'setting', 'redefault', 'records_given', 'RunConfig', 'SearchConfig', 'TrainConfig',
-           'StudyConfig', 'configured', 'check_value', 'check_fields', 'with_method', 'check_rules', 'has_all',
-           'check_random']
+           'StudyConfig', 'configured', 'ops_text', 'check_value', 'check_fields', 'with_method', 'check_rules',
+           'has_all', 'check_random']
 
 # %% ../nbs/00a_config.ipynb #fed0f08a
 def setting(default, help:str|None=None, check=None):
     """A config field: its `default`; the command line's `help` (None: no flag, a preset or Python sets it); its `check`:
-    'pos_int', 'nonneg_int', 'bptt' (an int >= 2), 'pos_float', 'nonneg_float', 'prob' (in [0, 1)) or a tuple of choices"""
+    'pos_int', 'nonneg_int', 'bptt' (an int >= 2), 'pos_float', 'nonneg_float', 'prob' (in [0, 1)), 'ops' (registered
+    op names, comma-separated: `rnn_darts.ops`) or a tuple of choices"""
     return field(default=default, metadata=dict(help=help, check=check))
 
 def redefault(cls, name:str, default):
@@ -106,6 +107,7 @@ class RunConfig:
     given = read = frozenset()   # not fields: what its maker gave (`records_given`) and what of it `of` read from a settings dict
 
     def __post_init__(self):   # a config checks itself as it is made: each value its field's check, then the rules between settings
+        if 'ops' in vars(self): object.__setattr__(self, 'ops', ops_text(self.ops))   # Python may give a sequence
         check_fields(type(self), vars(self))
         check_rules(vars(self))
 
@@ -188,6 +190,9 @@ class SearchConfig(RunConfig):
     curvature: bool = setting(True, 'λ_max of the validation Hessian in α after every epoch, logged as lambda_max (default: on)')
     curvature_windows: int = setting(9, 'validation windows of 16 rows λ_max is measured on, each alone; the median is logged (default: 9)', 'pos_int')
     early_stop: bool = setting(False, "DARTS-ES: stop when λ_max's 5-epoch average grows more than 1.3x over 4 epochs; α and weights go back 6 epochs")
+    ops: str = setting(','.join(PAPER_OPS), "the candidate ops of every edge, comma-separated, besides the implicit none (the paper's four; "
+                       "an unknown name lists the others built in; rnn_darts.ops.register_op adds your own)", 'ops')
+    nodes: int = setting(PAPER_NODES, 'nodes of the cell', 'pos_int')
 
     def __post_init__(self):   # the method's settings where its maker gave none; then every check, once
         for k, v in with_method(vars(self), self.given.__contains__).items(): object.__setattr__(self, k, v)
@@ -207,6 +212,8 @@ class TrainConfig(RunConfig):
     asgd: bool = setting(False, 'average from the start')
     test_bs: int = setting(1, 'test batch size (checked against the test split before training starts)', 'pos_int')
     genotype: str = setting('DARTS_V2', 'genotype JSON file (from search), or a published name: DARTS_V2, DARTS_V1, ENAS')
+    ops: str = setting('', "the ops the genotype may use, comma-separated (default: any registered op)", 'ops')
+    nodes: int|None = setting(None, "the nodes the genotype must have (default: its own)", 'pos_int')
 
 @dataclass(frozen=True)
 class StudyConfig:
@@ -237,9 +244,20 @@ def configured(cls, config, caller:str, settings:dict):
                         f"settings go by keyword ({caller}(..., nhid=...))")
     return (config or cls()).updated(caller, **settings)   # a config checks itself as it is made
 
+def ops_text(ops) -> str:
+    "An op set as a setting holds it: the names comma-separated, without spaces ('' stays '': a training's genotype's own ops)"
+    items = ops.split(',') if isinstance(ops, str) else [str(x) for x in ops]
+    return ','.join(x.strip() for x in items if x.strip())
+
 def check_value(name:str, v, check):
-    "Raise a `UsageError` naming `name` unless `v` passes `check` (a config field's: 'pos_int', 'nonneg_int', 'bptt', 'pos_float', 'nonneg_float', 'prob', or choices)"
+    "Raise a `UsageError` naming `name` unless `v` passes `check` (a config field's: 'pos_int', 'nonneg_int', 'bptt', 'pos_float', 'nonneg_float', 'prob', 'ops', or choices)"
     if isinstance(check, tuple): return check_choice(name, v, check)
+    if check == 'ops':
+        if not isinstance(v, str): raise UsageError(f"{name} is a comma-separated list of op names, got {v!r}")
+        if v.strip() and v != ','.join(PAPER_OPS):
+            from rnn_darts.ops import ops_of   # here: the registry's functions import torch
+            ops_of(v, name)
+        return
     if check == 'prob':
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
             raise UsageError(f"{name} is a dropout probability and must be in [0, 1), got {v!r}")

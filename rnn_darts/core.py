@@ -9,11 +9,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['HOLD_ENV', 'HOLD_LIMIT', 'RENAMED', 'UserError', 'UsageError', 'foreign_warnings_off', 'get_device', 'cpu_name',
-           'set_seed', 'rng_states', 'set_rng_states', 'check_positive', 'check_prob', 'check_bptt', 'check_number',
-           'check_choice', 'naming', 'write_text_atomic', 'hold_at', 'fmt_time', 'run_seconds', 'packaged_settings',
-           'read_ini', 'settings_candidates', 'find_settings', 'renamed_hint', 'read_preset', 'option_type',
-           'options_of']
+__all__ = ['PAPER_OPS', 'PAPER_NODES', 'HOLD_ENV', 'HOLD_LIMIT', 'RENAMED', 'UserError', 'UsageError', 'foreign_warnings_off',
+           'get_device', 'cpu_name', 'set_seed', 'rng_states', 'set_rng_states', 'check_positive', 'check_prob',
+           'check_bptt', 'check_number', 'check_choice', 'naming', 'write_text_atomic', 'hold_at', 'fmt_time',
+           'run_seconds', 'packaged_settings', 'read_ini', 'settings_candidates', 'find_settings', 'renamed_hint',
+           'read_preset', 'option_type', 'options_of']
 
 # %% ../nbs/00_core.ipynb #c0e11a02
 class UserError(ValueError):
@@ -23,6 +23,9 @@ class UserError(ValueError):
 class UsageError(UserError):
     "A bad flag or preset value: exit status 2, like argparse's own usage errors"
     exit_code = 2
+
+PAPER_OPS = ('tanh', 'relu', 'sigmoid', 'identity')   # DARTS's candidate ops (`rnn_darts.ops`; `none` is implicit: α's column 0)
+PAPER_NODES = 8                                        # the nodes of its cell
 
 _OURS = r'rnn_darts(\.|$)'   # warnings raised in (or attributed to) this project's modules
 

@@ -4,20 +4,26 @@
 
 # %% ../nbs/02_genotypes.ipynb #c34e6fde
 from __future__ import annotations
-import json
+import json, math
 from collections import namedtuple
 from pathlib import Path
 import torch
-from rnn_darts.core import write_text_atomic
+from rnn_darts.core import UsageError, write_text_atomic, PAPER_NODES
+from rnn_darts.ops import OPS, PAPER_OPS, ops_of
 
 # %% auto #0
-__all__ = ['Genotype', 'PRIMITIVES', 'STEPS', 'DARTS_V1', 'DARTS_V2', 'ENAS', 'GENOTYPES', 'check_genotype', 'genotype_to_dict',
-           'save_genotype', 'genotype_from_dict', 'load_genotype', 'edge_slices', 'derive_genotype', 'sample_genotype']
+__all__ = ['Genotype', 'PRIMITIVES', 'STEPS', 'DARTS_V1', 'DARTS_V2', 'ENAS', 'GENOTYPES', 'primitives', 'check_genotype',
+           'genotype_to_dict', 'save_genotype', 'genotype_from_dict', 'load_genotype', 'edge_slices', 'n_edges',
+           'nodes_of', 'derive_genotype', 'sample_genotype', 'check_in_space']
 
 # %% ../nbs/02_genotypes.ipynb #7b8c84fd
 Genotype = namedtuple('Genotype', 'recurrent concat')
-PRIMITIVES = ['none', 'tanh', 'relu', 'sigmoid', 'identity']
-STEPS = 8  # nodes of the search cell
+PRIMITIVES = ['none', *PAPER_OPS]   # α's columns in the paper's space: `none`, then its ops (`rnn_darts.ops`)
+STEPS = PAPER_NODES  # nodes of the search cell, by default (`--nodes`)
+
+def primitives(ops=PAPER_OPS) -> list:
+    "α's columns for the op set `ops`: `none`, then the set in its order"
+    return ['none', *ops]
 
 DARTS_V1 = Genotype(recurrent=[('relu', 0), ('relu', 1), ('tanh', 2), ('relu', 3), ('relu', 4), ('identity', 1),
                                ('relu', 5), ('relu', 1)], concat=tuple(range(1, 9)))
@@ -28,8 +34,8 @@ ENAS = Genotype(recurrent=[('tanh', 0), ('tanh', 1), ('relu', 1), ('tanh', 3), (
 GENOTYPES = dict(DARTS_V1=DARTS_V1, DARTS_V2=DARTS_V2, DARTS=DARTS_V2, ENAS=ENAS)
 
 # %% ../nbs/02_genotypes.ipynb #a419e187
-def check_genotype(g, where:str='genotype') -> Genotype:
-    "Validate `g` and return it as a `Genotype` of tuples; errors name `where`, the node and the problem"
+def check_genotype(g, where:str='genotype', ops=None) -> Genotype:
+    "Validate `g` and return it as a `Genotype` of tuples, its ops registered ones (of the set `ops` if given); errors name `where`, the node and the problem"
     try: recurrent, concat = g
     except (TypeError, ValueError): raise ValueError(f"{where}: expected (recurrent, concat), got {g!r}") from None
     if not recurrent: raise ValueError(f"{where}: the cell has no nodes")
@@ -37,8 +43,10 @@ def check_genotype(g, where:str='genotype') -> Genotype:
     for i, node in enumerate(recurrent):
         try: op, pred = node
         except (TypeError, ValueError): raise ValueError(f"{where}: node {i+1} must be (op, predecessor), got {node!r}") from None
-        if op not in PRIMITIVES[1:]:
-            raise ValueError(f"{where}: node {i+1} has unknown op {op!r}; ops are {PRIMITIVES[1:]}")
+        if not isinstance(op, str) or op not in OPS:
+            raise ValueError(f"{where}: node {i+1} has unknown op {op!r}; ops are {list(OPS)} (rnn_darts.ops.register_op adds your own)")
+        if ops is not None and op not in ops:
+            raise ValueError(f"{where}: node {i+1} uses op {op!r}, which its op set lacks ({', '.join(ops)})")
         if isinstance(pred, bool) or not isinstance(pred, int) or not 0 <= pred <= i:
             raise ValueError(f"{where}: node {i+1} has predecessor {pred!r}; it must be an earlier node, 0..{i}")
         rec.append((op, pred))
@@ -52,18 +60,21 @@ def check_genotype(g, where:str='genotype') -> Genotype:
     return Genotype(tuple(rec), tuple(concat))
 
 # %% ../nbs/02_genotypes.ipynb #2437434f
-def genotype_to_dict(g) -> dict:
-    g = check_genotype(g)
-    return dict(recurrent=[list(n) for n in g.recurrent], concat=list(g.concat))
+def genotype_to_dict(g, ops=None) -> dict:
+    "`g` as JSON's types; with `ops`, the op set it was derived from (a search's), which a loader checks it against"
+    g = check_genotype(g, ops=ops)
+    return dict(recurrent=[list(n) for n in g.recurrent], concat=list(g.concat), **({} if ops is None else dict(ops=list(ops))))
 
-def save_genotype(g, path):
-    "Write `g` as JSON to `path`, atomically (an error names it)"
-    write_text_atomic(json.dumps(genotype_to_dict(g), indent=1) + '\n', path)
+def save_genotype(g, path, ops=None):
+    "Write `g` (and its search's op set `ops`) as JSON to `path`, atomically (an error names it)"
+    write_text_atomic(json.dumps(genotype_to_dict(g, ops), indent=1) + '\n', path)
 
 def genotype_from_dict(d, where='genotype') -> Genotype:
-    if not isinstance(d, dict) or set(d) != {'recurrent', 'concat'}:
-        raise ValueError(f"{where}: expected an object with keys 'recurrent' and 'concat', got {d!r:.200}")
-    return check_genotype((d['recurrent'], d['concat']), where)
+    "The genotype of `d` ('recurrent', 'concat' and, from a search, its op set 'ops'; written before ops were data, the paper's)"
+    if not isinstance(d, dict) or not {'recurrent', 'concat'} <= set(d) <= {'recurrent', 'concat', 'ops'}:
+        raise ValueError(f"{where}: expected an object with keys 'recurrent' and 'concat' (and, from a search, 'ops'), got {d!r:.200}")
+    ops = ops_of(d['ops'], f"{where}: ops") if 'ops' in d else None
+    return check_genotype((d['recurrent'], d['concat']), where, ops)
 
 def load_genotype(src) -> Genotype:
     "A genotype from a JSON file, a search's run folder (its `genotype.json`), a JSON string, or a published name (`DARTS_V2`, `ENAS`, ...)"
@@ -91,19 +102,37 @@ def edge_slices(steps:int=STEPS):
     for i in range(steps): res.append(slice(start, start + i + 1)); start += i + 1
     return res
 
-def derive_genotype(weights, steps:int=STEPS, concat=None) -> Genotype:
-    "The DARTS rule on mixing weights `weights` of shape (edges, ops): per node, the best non-`none` op on its best edge"
-    w = torch.as_tensor(weights).detach().float().cpu()[:, 1:]   # drop `none`
-    rec = []
+def n_edges(steps:int) -> int: return steps * (steps + 1) // 2
+
+def nodes_of(n_rows:int) -> int:
+    "The nodes of a cell whose α has `n_rows` rows (edges: 1 + 2 + ... + nodes)"
+    steps = int(round((math.sqrt(8 * n_rows + 1) - 1) / 2))
+    if n_edges(steps) != n_rows: raise ValueError(f"{n_rows} weight rows is not 1+2+...+n for any n")
+    return steps
+
+def derive_genotype(weights, steps:int|None=None, concat=None, ops=PAPER_OPS) -> Genotype:
+    "The DARTS rule on mixing weights `weights` of shape (edges, 1 + ops): per node, the best non-`none` op on its best edge"
+    w = torch.as_tensor(weights).detach().float().cpu()
+    steps = nodes_of(len(w)) if steps is None else steps
+    if tuple(w.shape) != (n_edges(steps), 1 + len(ops)):
+        raise ValueError(f"mixing weights of shape {tuple(w.shape)}: a cell of {steps} nodes over the ops {', '.join(ops)} has ({n_edges(steps)}, {1 + len(ops)})")
+    w, rec = w[:, 1:], []   # drop `none`
     for sl in edge_slices(steps):
-        best, ops = w[sl].max(dim=1)
+        best, col = w[sl].max(dim=1)
         pred = int(best.argmax())
-        rec.append((PRIMITIVES[1 + int(ops[pred])], pred))
+        rec.append((ops[int(col[pred])], pred))
     return Genotype(tuple(rec), tuple(concat or range(1, steps + 1)))
 
 # %% ../nbs/02_genotypes.ipynb #1c9775fa
-def sample_genotype(steps:int=STEPS, generator:torch.Generator|None=None) -> Genotype:
-    "A cell drawn uniformly: each node one earlier node and one op other than `none`, independently; the mean of all nodes"
-    ops = torch.randint(1, len(PRIMITIVES), (steps,), generator=generator).tolist()
+def sample_genotype(steps:int=STEPS, generator:torch.Generator|None=None, ops=PAPER_OPS) -> Genotype:
+    "A cell drawn uniformly: each node one earlier node and one op of `ops`, independently; the mean of all nodes"
+    cols = torch.randint(1, 1 + len(ops), (steps,), generator=generator).tolist()
     preds = [int(torch.randint(0, i + 1, (), generator=generator)) for i in range(steps)]
-    return Genotype(tuple((PRIMITIVES[o], p) for o, p in zip(ops, preds)), tuple(range(1, steps + 1)))
+    return Genotype(tuple((ops[o - 1], p) for o, p in zip(cols, preds)), tuple(range(1, steps + 1)))
+
+def check_in_space(g:Genotype, ops=None, nodes:int|None=None, name=str):
+    "Refuse, naming the setting by `name(key)`, a genotype with another number of nodes than `nodes`, or an op the set `ops` lacks (each if given)"
+    if nodes is not None and len(g.recurrent) != nodes:
+        raise UsageError(f"{name('nodes')} {nodes}: the genotype has {len(g.recurrent)} nodes")
+    lack = sorted({op for op, _ in g.recurrent} - set(ops or OPS))
+    if lack: raise UsageError(f"{name('ops')}: the genotype uses {', '.join(lack)}, which the set lacks ({', '.join(ops)})")

@@ -26,7 +26,8 @@ from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name, na
 from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, check_random, TEMPERED
 from rnn_darts.plan import plan_of
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
-from rnn_darts.genotypes import load_genotype, genotype_to_dict
+from rnn_darts.genotypes import load_genotype, genotype_to_dict, check_in_space
+from rnn_darts.ops import ops_of
 from rnn_darts.callbacks.arch import ArchParamUpdate, Temperature
 from rnn_darts.callbacks.perturb import Perturbation
 from rnn_darts.pt_select import PtSelection
@@ -44,8 +45,8 @@ from rnn_darts.callbacks.divergence import DivergenceGuard, FiniteValidation
 from rnn_darts.callbacks.graphs import CudaGraphs, EMULATIONS
 
 # %% auto #0
-__all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'run_genotype', 'RunInfo', 'SeqCrossEntropy', 'search_learner',
-           'search_parts', 'train_learner', 'eval_weights', 'evaluate', 'VocabDLs', 'load_preset']
+__all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'space_ops', 'run_genotype', 'RunInfo', 'SeqCrossEntropy',
+           'search_learner', 'search_parts', 'train_learner', 'eval_weights', 'evaluate', 'VocabDLs', 'load_preset']
 
 # %% ../nbs/07_learner.ipynb #237f3218
 class DartsLearner(Learner):
@@ -88,6 +89,10 @@ def device_name(device) -> str:
     d = torch.device(device)
     return torch.cuda.get_device_name(d) if d.type == 'cuda' else f"cpu: {cpu_name()}"
 
+def space_ops(model) -> tuple|None:
+    "The op set a search's cell was chosen from (a genotype file records it), None for a derived cell's training"
+    return model.ops if isinstance(model, (DartsRnnSearch, DartsRnnShared)) else None
+
 def run_genotype(learn):
     "The run's cell: derived from α (DARTS), chosen by DARTS-PT (once it has run), the chosen candidate (random search: None until `choose_cell`), or the one trained"
     rnd, pt = getattr(learn, 'random_arch', None), getattr(learn, 'pt_selection', None)
@@ -117,7 +122,7 @@ class RunInfo(TrainEpochEnd):
         sw = getattr(self.learn, 'asgd_switch', None)
         if sw is not None and sw.active: i['asgd_epoch'] = sw.switch_epoch
         g = run_genotype(self.learn)
-        i['genotype'] = None if g is None else genotype_to_dict(g)
+        i['genotype'] = None if g is None else genotype_to_dict(g, space_ops(self.model))
         i['plan'] = self.ran()
         if rank_distrib() == 0: write_json_atomic(i, Path(self.path)/self.fname)
     def ran(self) -> dict|None:
@@ -165,7 +170,7 @@ def _learner(dls, model, c:RunConfig, path, device, command:str, plan=None):
     model.to(dev)
     model.fused_loss = c.fused_loss
     emulate = c.graphs if c.graphs in EMULATIONS else False
-    plan = plan or plan_of({**c.asdict(), 'graphs': True if emulate else c.graphs}, dev, command=command, emulate=emulate)
+    plan = plan or plan_of({**c.asdict(), 'graphs': True if emulate else c.graphs, 'ops': model.ops}, dev, command=command, emulate=emulate)
     if plan.compile is True: model.cell.compile_step()
     if plan.fuse: model.cell.fuse_step()
     cg = CudaGraphs(bool(plan.graphs), emulate=emulate)
@@ -187,7 +192,8 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resu
     rnd = c.mode == 'random'
     check_random(vars(c), given=lambda k: k in c.given and k not in c.read)   # a keyword here or the config's, not a preset's key
     n = _ntoken(dls, ntoken)
-    model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c)) if rnd else DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax)
+    space = dict(steps=c.nodes, ops=c.ops)
+    model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c), **space) if rnd else DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax, **space)
     learn, cg = _learner(dls, model, c, path, device, 'search', plan)
     own = search_parts(c, search_dl, cg)
     learn.metrics += [ValueMetric(cb.search_loss, 'search_loss') for cb in own if isinstance(cb, ArchParamUpdate)]
@@ -212,7 +218,9 @@ def train_learner(dls, genotype, config:TrainConfig|None=None, path='.', resume=
                   **settings) -> DartsLearner:
     "A `Learner` that trains the cell `genotype` from scratch with NT-ASGD, with the settings of `config` (default: the paper's, `TrainConfig`), any of them overridden by keyword"
     c = configured(TrainConfig, config, 'train_learner', settings)
-    model = DartsRnn(_ntoken(dls, ntoken), load_genotype(genotype), c.emsize, c.nhid, **_dropouts(c))
+    g = load_genotype(genotype)
+    check_in_space(g, ops_of(c.ops) if c.ops else None, c.nodes)
+    model = DartsRnn(_ntoken(dls, ntoken), g, c.emsize, c.nhid, **_dropouts(c))
     learn, cg = _learner(dls, model, c, path, device, 'train', plan)
     learn.add_cbs(_common_cbs(c, resume, cg) + [ASGDSwitch(c.nonmono, start=c.asgd)] + list(L(cbs)))
     return learn

@@ -9,7 +9,8 @@ from contextlib import contextmanager
 from functools import lru_cache
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
-from rnn_darts.genotypes import PRIMITIVES, STEPS, Genotype, check_genotype, derive_genotype, edge_slices
+from rnn_darts.genotypes import STEPS, Genotype, check_genotype, derive_genotype, edge_slices, n_edges
+from rnn_darts.ops import PAPER_OPS, op_fn, ops_of, mix_order, mixed_op
 from rnn_darts import kernels
 from rnn_darts.kernels import mm_t, fastest, linear, tanh, Deferred, DeferredWeight, WeightGroup, StepWeight, _Tapped, _map, _collect
 from rnn_darts.config import SearchConfig, TrainConfig, check_rules
@@ -18,8 +19,8 @@ from rnn_darts.loss import linear_cross_entropy
 from rnn_darts.relax import RELAXATION_CLASSES, gumbel_
 
 # %% auto #0
-__all__ = ['ACTS', 'MaskBank', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm', 'DartsCellSearch', 'LanguageModel',
-           'DartsRnn', 'DartsRnnSearch', 'DartsRnnShared', 'n_weights']
+__all__ = ['MaskBank', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm', 'DartsCellSearch', 'LanguageModel', 'DartsRnn',
+           'DartsRnnSearch', 'DartsRnnShared', 'n_weights']
 
 # %% ../nbs/03_model.ipynb #6679dd87
 class MaskBank:
@@ -39,8 +40,6 @@ class MaskBank:
         finally: self.frozen, self.cache = False, {}
 
 # %% ../nbs/03_model.ipynb #b5c901dc
-ACTS = dict(tanh=tanh, relu=torch.relu, sigmoid=torch.sigmoid, identity=lambda x: x)
-
 @lru_cache(None)
 def _own_steps(cls) -> tuple:
     """`PackedCell._plain_step` and `_tapped_step` as functions with code objects of `cls`'s own. `torch.compile` keeps
@@ -135,6 +134,9 @@ class PackedCell(nn.Module):
         import importlib.util
         if importlib.util.find_spec('triton') is None:
             raise ModuleNotFoundError("fuse_step runs Triton kernels, and Triton is not installed: it comes with torch's CUDA wheels (pip install triton)")
+        from rnn_darts.plan import fused_lacks
+        lack = fused_lacks(self.ops, 'search' if isinstance(self, DartsCellSearch) else 'derived')
+        if lack: raise ValueError(f"fuse_step: {lack}")
         self._fused = True
         return self
 
@@ -183,11 +185,16 @@ class DartsCell(PackedCell):
         super().__init__(ninp, nhid, n, dropoutx, dropouth, None if shared else [by_pred.index(i) for i in range(1, n + 1)])
         self.use(g)
 
+    @property
+    def ops(self) -> tuple:
+        "The ops the cell runs: its genotype's, each once, in order"
+        return tuple(dict.fromkeys(op for op, _ in self.genotype.recurrent))
+
     def use(self, genotype):
         "Run `genotype` (of as many nodes) from the next forward on, with the same weights: node `i` multiplies by `W(i)`"
         g = check_genotype(genotype)
         if len(g.recurrent) != self.n_nodes: raise ValueError(f"this cell has {self.n_nodes} nodes; the genotype has {len(g.recurrent)}")
-        self.genotype = g
+        self.genotype, self.acts = g, tuple(op_fn(op) for op, _ in g.recurrent)
         self.kids = {p: [i for i in _by_predecessor(g) if g.recurrent[i - 1][1] == p] for p in range(self.n_nodes + 1)}
         return self
 
@@ -216,7 +223,7 @@ class DartsCell(PackedCell):
             chs = linear(s if mh is None else s * mh, W).split(n2, dim=-1)
             for i, ch in zip(kids, chs):
                 c, hh = ch.chunk(2, dim=-1)
-                states[i] = s + c.sigmoid() * (ACTS[self.genotype.recurrent[i - 1][0]](hh) - s)
+                states[i] = s + c.sigmoid() * (self.acts[i - 1](hh) - s)
         return torch.stack([states[i] for i in self.genotype.concat]).mean(0)
 
 # %% ../nbs/03_model.ipynb #08c5a066
@@ -255,9 +262,12 @@ class NodeNorm(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 class DartsCellSearch(PackedCell):
-    "The DARTS search cell: every node mixes all earlier nodes through all primitives"
-    def __init__(self, ninp, nhid, dropoutx=0., dropouth=0., steps=STEPS):
+    "The DARTS search cell: every node mixes all earlier nodes through all the ops of its set `ops` (`rnn_darts.ops`)"
+    def __init__(self, ninp, nhid, dropoutx=0., dropouth=0., steps=STEPS, ops=PAPER_OPS):
         super().__init__(ninp, nhid, steps, dropoutx, dropouth)
+        self.ops = ops_of(ops)
+        self.order = mix_order(self.ops)   # the order `mixed_op` adds the ops in
+        self.fns = tuple(op_fn(self.ops[k]) for k in self.order)
         self.bn = NodeNorm(steps + 1, nhid)   # s0 and every node: their own running statistics
         self.probs = None   # the mixing weights of a forward not given `probs` (a cell run on its own)
         offs = [s.start for s in edge_slices(steps)]
@@ -285,10 +295,10 @@ class DartsCellSearch(PackedCell):
         return search_runner(self, ctx)
 
     def prepare(self, ctx):
-        "Per node j, the weights (tanh, relu, sigmoid, identity; each (downstream, 1)) and non-`none` sum of the edges leaving j"
+        "Per node j, the weights of the edges leaving j (each op's (downstream, 1), in `mixed_op`'s order) and their non-`none` sum"
         W0hT, Wsuf, leaving, update_stats = ctx
         w = [p.t()[1:, :, None] for p in leaving.split(list(range(self.n_nodes, 0, -1)))]
-        return W0hT, Wsuf, tuple(tuple(p.unbind(0)) for p in w), tuple(p.sum(0) for p in w), update_stats
+        return W0hT, Wsuf, tuple(tuple(p[k] for k in self.order) for p in w), tuple(p.sum(0) for p in w), update_stats
 
     def step(self, xw_t, h, mh, ctx):
         W0hT, Wsuf, edge_w, edge_sum, update_stats = ctx
@@ -297,8 +307,7 @@ class DartsCellSearch(PackedCell):
         rest, total = None, 0
         for j in range(steps):
             c, hh = linear(s if mh is None else s * mh, Wsuf[j]).view(s.shape[0], steps - j, 2 * n).split(n, dim=-1)
-            p_tanh, p_relu, p_sig, p_id = edge_w[j]
-            mix = torch.addcmul(torch.addcmul(torch.addcmul(hh * p_id, tanh(hh), p_tanh), hh.relu(), p_relu), hh.sigmoid(), p_sig)
+            mix = mixed_op(hh, self.fns, edge_w[j])
             ps = edge_sum[j] * s[:, None]
             term = torch.addcmul(ps, c.sigmoid(), mix - ps)
             acc = term if rest is None else rest + term
@@ -396,16 +405,20 @@ class DartsRnn(LanguageModel):
         self.flatten_()
 
     def genotype(self) -> Genotype: return self.cell.genotype
+    @property
+    def ops(self) -> tuple: return self.cell.ops
 
 class DartsRnnSearch(LanguageModel):
     "A language model around the DARTS search cell, with architecture parameters α (edges × ops)"
     def __init__(self, ntoken, emsize=_S.emsize, nhid=_S.nhid, dropout=_S.dropout, dropouth=_S.dropouth, dropoutx=_S.dropoutx,
-                 dropouti=_S.dropouti, dropoute=_S.dropoute, steps=STEPS, relax=_S.relax):
+                 dropouti=_S.dropouti, dropoute=_S.dropoute, steps=STEPS, relax=_S.relax, ops=PAPER_OPS):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
+        check_positive('steps', steps)
         if relax not in RELAXATION_CLASSES: raise ValueError(f"relax must be one of {', '.join(map(repr, RELAXATION_CLASSES))}, got {relax!r}")
-        super().__init__(ntoken, emsize, nhid, DartsCellSearch(emsize, nhid, dropoutx, dropouth, steps), dropout, dropouti, dropoute)
-        self.steps, self.relax, self.relaxation = steps, relax, RELAXATION_CLASSES[relax](steps)
-        self.alpha = nn.Parameter(1e-3 * torch.randn(steps * (steps + 1) // 2, len(PRIMITIVES)))
+        cell = DartsCellSearch(emsize, nhid, dropoutx, dropouth, steps, ops)
+        super().__init__(ntoken, emsize, nhid, cell, dropout, dropouti, dropoute)
+        self.steps, self.ops, self.relax, self.relaxation = steps, cell.ops, relax, RELAXATION_CLASSES[relax](steps, 1 + len(cell.ops))
+        self.alpha = nn.Parameter(1e-3 * torch.randn(n_edges(steps), 1 + len(self.ops)))   # edges × (`none`, then the ops)
         if self.relaxation.tau is not None: self.register_buffer('tau', torch.tensor(1.))   # set each epoch by `Temperature`
         self.mixing_hook = None   # while set, a function of the mixing weights that replaces them (SDARTS's perturbation, DARTS-PT's projection)
         self.flatten_()
@@ -427,24 +440,26 @@ class DartsRnnSearch(LanguageModel):
     def cell_inputs(self, update_stats=True, stream=None): return dict(probs=self.mixing_weights(stream), update_stats=update_stats)
     def genotype(self) -> Genotype:
         "The DARTS rule applied to the current mixing weights"
-        return derive_genotype(self.arch_weights(), self.steps)
+        return derive_genotype(self.arch_weights(), self.steps, ops=self.ops)
 
 class DartsRnnShared(LanguageModel):
-    "The search space with weight sharing (random search, Li & Talwalkar 2019): the search cell's matrices, one per node, running one discrete cell at a time (`use`)"
+    "The search space with weight sharing (random search, Li & Talwalkar 2019): the search cell's matrices, one per node, running one discrete cell of the op set `ops` at a time (`use`)"
     def __init__(self, ntoken, emsize=_S.emsize, nhid=_S.nhid, dropout=_S.dropout, dropouth=_S.dropouth, dropoutx=_S.dropoutx,
-                 dropouti=_S.dropouti, dropoute=_S.dropoute, steps=STEPS):
+                 dropouti=_S.dropouti, dropoute=_S.dropoute, steps=STEPS, ops=PAPER_OPS):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
-        chain = Genotype(tuple(('tanh', i) for i in range(steps)), tuple(range(1, steps + 1)))   # until the first `use`
+        check_positive('steps', steps)
+        ops = ops_of(ops)
+        chain = Genotype(tuple((ops[0], i) for i in range(steps)), tuple(range(1, steps + 1)))   # until the first `use`
         super().__init__(ntoken, emsize, nhid, DartsCell(emsize, nhid, chain, dropoutx, dropouth, shared=True), dropout, dropouti, dropoute)
-        self.steps = steps
+        self.steps, self.ops = steps, ops
         self.flatten_()
 
     def genotype(self) -> Genotype:
         "The cell the next forward runs"
         return self.cell.genotype
     def use(self, genotype):
-        "Run `genotype` (of `steps` nodes) from the next forward on"
-        self.cell.use(genotype)
+        "Run `genotype` (of `steps` nodes, its ops of the set) from the next forward on"
+        self.cell.use(check_genotype(genotype, ops=self.ops))
         return self
 
 # %% ../nbs/03_model.ipynb #572f47b4

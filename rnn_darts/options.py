@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect, os
 from dataclasses import fields, asdict
 from pathlib import Path
-from rnn_darts.core import UsageError, UserError, read_preset, option_type
+from rnn_darts.core import UsageError, UserError, read_preset, option_type, PAPER_NODES
 from rnn_darts.config import CONFIGS, METHODS, check_rules, check_random, check_value, with_method
 
 # %% auto #0
@@ -70,7 +70,7 @@ CONTROL_HELP = dict(
 SWITCHES = ('resume', 'overwrite')   # given or not (the other booleans take true|false)
 # The order `-h` lists the flags of `rnn-darts search | train` in; a command lists those it has
 FLAG_ORDER = ('genotype', 'preset', 'settings', 'data', 'files', 'unk', 'url', 'out', 'device', 'resume', 'overwrite', 'override', 'threads',
-              'epochs', 'seed', 'bs', 'bptt', 'eval_bs', 'test_bs', 'n_train', 'n_eval', 'emsize', 'nhid', 'lr', 'wd', 'clip', 'dropout', 'dropouth',
+              'epochs', 'seed', 'bs', 'bptt', 'eval_bs', 'test_bs', 'n_train', 'n_eval', 'emsize', 'nhid', 'nodes', 'ops', 'lr', 'wd', 'clip', 'dropout', 'dropouth',
               'dropoutx', 'dropouti', 'dropoute', 'nonmono', 'asgd', 'mode', 'candidates', 'top', 'curvature', 'curvature_windows',
               'early_stop', 'method', 'arch_lr', 'arch_wd', 'relax', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay',
               'dirichlet_kl', 'perturb', 'epsilon', 'select', 'pt_tune', 'op_decay', 'on_nan', 'compile', 'graphs', 'fuse', 'checkpoint_every', 'precision', 'arch_bf16', 'tensorboard')
@@ -155,7 +155,7 @@ def check_fits(corpus, s:dict, command:str, src:dict|None=None, split:str|None=N
 
 def memory_estimate(s:dict, ntoken:int, command:str) -> dict:
     "A lower bound, in bytes, of the memory a run needs: weights with gradients and optimizer copies, and activations"
-    e, h, bs, T, nodes = s['emsize'], s['nhid'], s['bs'], s['bptt'], 8
+    e, h, bs, T, nodes = s['emsize'], s['nhid'], s['bs'], s['bptt'], s.get('nodes') or PAPER_NODES
     n_w = ntoken * e + (e + h) * 2 * h + nodes * h * 2 * h
     copies = 4 if command == 'search' else 3   # weights, gradients, and the unrolled step's backup / ASGD's average (+ α's passes)
     return dict(weights=4 * n_w * copies, activations=4 * (bs * T * h * nodes * 2 + s['eval_bs'] * T * ntoken))

@@ -11,7 +11,7 @@ from rnn_darts.core import UsageError, check_choice
 PRECISIONS = ('fp32', 'tf32', 'bf16')   # of the matrix products: fp32, TF32 tensor cores, bf16 autocast (fp32 weights)
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'RULES', 'tf32_missing', 'Rule', 'rule', 'facts', 'verdicts', 'ExecutionPlan', 'plan_of',
+__all__ = ['PRECISIONS', 'RULES', 'tf32_missing', 'fused_lacks', 'Rule', 'rule', 'facts', 'verdicts', 'ExecutionPlan', 'plan_of',
            'check_plan_rules']
 
 # %% ../nbs/00b_plan.ipynb #8b570841
@@ -33,6 +33,21 @@ def _triton_missing(dev) -> bool:
     import importlib.util
     return dev.type == 'cuda' and importlib.util.find_spec('triton') is None
 
+def fused_lacks(ops, kind:str) -> str|None:
+    "Why the fused kernels (`rnn_darts.fused`) cannot run the ops `ops` of a `kind` cell ('search': mixing them all; 'derived'), or None"
+    from rnn_darts.ops import OPS, PAPER_OPS   # here: `rnn-darts -h` and a config's checks import no torch
+    ops = tuple(ops)
+    if kind == 'search':
+        return None if ops == PAPER_OPS else f"the fused search kernels mix the paper's ops in its order ({', '.join(PAPER_OPS)}), not {', '.join(ops)}"
+    lack = [o for o in ops if OPS[o].triton is None]
+    return f"the fused kernels have no form of {', '.join(lack)}" if lack else None
+
+def _ops_of(s:dict) -> tuple|None:
+    "The ops a cell of the settings `s` runs (a comma list or a sequence; None where not said: the paper's, or a genotype's)"
+    ops = s.get('ops')
+    ops = tuple(x.strip() for x in ops.split(',') if x.strip()) if isinstance(ops, str) else ops
+    return tuple(ops) if ops else None
+
 def _on(f:dict, kind:str|None=None) -> bool:
     "Whether the facts `f` know their device (a config's checks do not), and it is not CUDA if `kind` is 'cpu'"
     return f['device'] is not None and (kind is None or f['device'].type != 'cuda')
@@ -52,6 +67,8 @@ RULES = (
          lambda f: f"{f['name']('fuse')} true runs Triton kernels on a GPU; the device is {f['device']} (a CPU runs them in Triton's interpreter, for tests only)"),
     Rule('fuse needs Triton', 'refused', lambda f: f['fuse'] and _on(f) and _triton_missing(f['device']),
          lambda f: f"{f['name']('fuse')} true runs Triton kernels, and Triton is not installed (it comes with torch's CUDA wheels: pip install triton)"),
+    Rule('fuse runs its ops', 'falls back', lambda f: f['fuse'] and _on(f) and f['ops'] is not None and fused_lacks(f['ops'], f['kind']),
+         lambda f: f"{f['name']('fuse')} off: {fused_lacks(f['ops'], f['kind'])} ({f['name']('ops')}); the steps run unfused", dict(fuse=False)),
     Rule('fuse is fp32 or tf32', 'refused', lambda f: f['fuse'] and f['precision'] == 'bf16',
          lambda f: f"{f['name']('fuse')} true runs its kernels in fp32 or tf32; {f['name']('precision')} bf16 autocasts the products, which they do not"),
     Rule('bf16 needs bfloat16', 'refused', lambda f: f['precision'] == 'bf16' and _on(f) and _bf16_missing(f['device']),
@@ -76,14 +93,16 @@ def rule(name:str) -> Rule:
     "The row of `RULES` called `name` (a hand-built learner's callbacks ask the table's own rule)"
     return next(r for r in RULES if r.name == name)
 
-def facts(s:dict, device, name=str, world:int|None=None, emulate=False) -> dict:
-    "What the table's rules read: the settings asked (`s`: compile, graphs, fuse, precision, mode, fused_loss), the device, the processes"
+def facts(s:dict, device, name=str, world:int|None=None, emulate=False, command:str='search') -> dict:
+    """What the table's rules read: the settings asked (`s`: compile, graphs, fuse, precision, mode, fused_loss, ops), the
+    device, the processes; `kind`: the cell's, 'search' (mixing its ops) or 'derived' (a training's, random search's)"""
     world = int(os.environ.get('WORLD_SIZE', 1)) if world is None else world
     if device is not None:
         import torch
         device = torch.device(device)
     return dict(compile=s.get('compile'), graphs=s.get('graphs'), fuse=bool(s.get('fuse')), precision=s.get('precision') or PRECISIONS[0],
-                mode=s.get('mode'), fused_loss=s.get('fused_loss', True), device=device, world=world, emulate=emulate, name=name)
+                mode=s.get('mode'), fused_loss=s.get('fused_loss', True), device=device, world=world, emulate=emulate, name=name,
+                ops=_ops_of(s), kind='derived' if command == 'train' or s.get('mode') == 'random' else 'search')
 
 def verdicts(f:dict, rules=RULES) -> list:
     "The rules of `rules` that apply to the facts `f`, each as (rule, its line)"
@@ -118,7 +137,7 @@ def plan_of(s:dict, device, name=str, world:int|None=None, command:str='search',
     note. Defaults: compiled and graphed on CUDA (graphs not with bf16 autocast, nor for random search); on a CPU a search
     compiles once its fit is long ('auto'), a training runs eager"""
     check_choice(name('precision'), s.get('precision') or PRECISIONS[0], PRECISIONS)
-    f = facts(s, device, name, world, emulate)
+    f = facts(s, device, name, world, emulate, command)
     notes = []
     for r, line in verdicts(f):
         if r.verdict == 'refused': raise UsageError(line)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/09_plot.ipynb #be9eb756
 from __future__ import annotations
-import html, io, json, math, os, shutil, subprocess, warnings
+import html, io, json, math, os, shutil, subprocess, warnings, zlib
 from pathlib import Path
 import numpy as np, pandas as pd
 import matplotlib as mpl
@@ -16,18 +16,25 @@ from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch, Rectangl
 from matplotlib.path import Path as MplPath
 from matplotlib.transforms import Bbox
 from rnn_darts.core import naming, write_text_atomic, fmt_time, run_seconds
-from rnn_darts.genotypes import (Genotype, PRIMITIVES, check_genotype, load_genotype, edge_slices,
+from rnn_darts.genotypes import (Genotype, check_genotype, load_genotype, edge_slices, nodes_of, primitives,
                                  derive_genotype, genotype_from_dict)
+from rnn_darts.ops import OPS, PAPER_OPS
 
 # %% auto #0
-__all__ = ['OP_COLORS', 'FORMATS', 'LABEL_AT', 'VALID_BELOW_TRAIN', 'COMPARISON_COLUMNS', 'ShownFigure', 'dot_path',
-           'genotype_dot', 'cell_layout', 'genotype_png', 'plot_genotype', 'load_history', 'entry_genotype',
-           'alpha_matrix', 'edge_names', 'plot_alphas', 'genotype_gif', 'log_frame', 'plot_curves', 'plot_curvature',
-           'plot_candidates', 'run_summary', 'write_report', 'plot_study', 'write_study_report', 'search_comparison',
-           'plot_search_comparison', 'write_search_comparison']
+__all__ = ['OP_COLORS', 'FORMATS', 'LABEL_AT', 'VALID_BELOW_TRAIN', 'COMPARISON_COLUMNS', 'op_color', 'ShownFigure', 'dot_path',
+           'genotype_dot', 'cell_layout', 'genotype_png', 'plot_genotype', 'load_history', 'entry_ops',
+           'entry_genotype', 'alpha_matrix', 'edge_names', 'plot_alphas', 'genotype_gif', 'log_frame', 'plot_curves',
+           'plot_curvature', 'plot_candidates', 'run_summary', 'write_report', 'plot_study', 'write_study_report',
+           'search_comparison', 'plot_search_comparison', 'write_search_comparison']
 
 # %% ../nbs/09_plot.ipynb #ccbf2eea
 OP_COLORS = {'none': '#9e9e9e', 'tanh': '#1f77b4', 'relu': '#d62728', 'sigmoid': '#2ca02c', 'identity': '#9467bd'}
+
+def op_color(op:str) -> str:
+    "The colour `op` is drawn in: the paper's ops and `none` their own, any other one of tab20b's by its place in the registry"
+    if op in OP_COLORS: return OP_COLORS[op]
+    k = list(OPS).index(op) if op in OPS else zlib.crc32(op.encode())
+    return mpl.colors.to_hex(mpl.colormaps['tab20b'](k % 20))
 FORMATS = ('png', 'svg', 'pdf')
 
 def _fmt_of(path) -> str:
@@ -83,7 +90,7 @@ def genotype_dot(genotype, title:str|None=None) -> str:
         lines.append(f'  "{i}" [shape=circle, style=filled, fillcolor="{"#d9d9d9" if i else "#c7e9c0"}"];')
     lines += ['  "x_t" -> "0" [color="#555555"];', '  "h_{t-1}" -> "0" [color="#555555"];']
     for i, (op, pred) in enumerate(g.recurrent, 1):
-        lines.append(f'  "{pred}" -> "{i}" [label="{op}", color="{OP_COLORS[op]}", fontcolor="{OP_COLORS[op]}", penwidth=2];')
+        lines.append(f'  "{pred}" -> "{i}" [label="{op}", color="{op_color(op)}", fontcolor="{op_color(op)}", penwidth=2];')
     for c in g.concat: lines.append(f'  "{c}" -> "h_t" [color="#999999", style=dashed];')
     lines.append('}')
     return '\n'.join(lines) + '\n'
@@ -161,7 +168,7 @@ def _draw_cell(ax, g:Genotype, title=None):
         return arr, pos[a], pos[b], rad
     arrows = [edge('x_t', 0, '#555555')[0], edge('h_{t-1}', 0, '#555555')[0]]
     arrows += [edge(c, 'h_t', '#aaaaaa', lw=0.8, ls='--')[0] for c in g.concat]
-    labelled = [(*edge(pred, i, OP_COLORS[op], lw=2), op, OP_COLORS[op]) for i, (op, pred) in enumerate(g.recurrent, 1)]
+    labelled = [(*edge(pred, i, op_color(op), lw=2), op, op_color(op)) for i, (op, pred) in enumerate(g.recurrent, 1)]
     _place_labels(ax, labelled, nodes.values(), arrows)
     if title: ax.set_title(title)
 
@@ -221,10 +228,9 @@ def load_history(history) -> list:
         if 'weights' not in h: raise ValueError(f"history entry {k} has no 'weights'")
     return history
 
-def _steps_of(n_rows:int) -> int:
-    steps = int(round((math.sqrt(8 * n_rows + 1) - 1) / 2))
-    if steps * (steps + 1) // 2 != n_rows: raise ValueError(f"{n_rows} weight rows is not 1+2+...+n for any n")
-    return steps
+def entry_ops(h:dict) -> tuple:
+    "The op set of a history entry: its genotype's record, or (written before ops were data) the paper's"
+    return tuple((h.get('genotype') or {}).get('ops') or PAPER_OPS)
 
 def _entry(history, epoch:int) -> dict:
     if epoch < 0:
@@ -238,7 +244,7 @@ def entry_genotype(h:dict) -> Genotype:
     "The genotype of one history entry (derived from its weights if it holds none)"
     if h.get('genotype'): return genotype_from_dict(h['genotype'], f"history epoch {h.get('epoch')}")
     w = np.asarray(h['weights'], dtype=float)
-    return derive_genotype(w, _steps_of(len(w)))
+    return derive_genotype(w, nodes_of(len(w)), ops=entry_ops(h))
 
 def alpha_matrix(history, epoch:int=-1) -> np.ndarray:
     "The mixing weights of `epoch` (an epoch number, or a negative index from the end) as an (edges, ops) array"
@@ -254,7 +260,8 @@ def plot_alphas(history, epoch:int=-1, path=None):
     history = load_history(history)
     h = _entry(history, epoch)
     w = np.asarray(h['weights'], dtype=float)
-    steps = _steps_of(len(w)); ops = PRIMITIVES[:w.shape[1]] if w.shape[1] <= len(PRIMITIVES) else list(range(w.shape[1]))
+    cols = primitives(entry_ops(h))
+    steps = nodes_of(len(w)); ops = cols if w.shape[1] == len(cols) else list(range(w.shape[1]))
     gens = [entry_genotype(e) for e in history]
     right = max(2.5, 0.3 * len(history))
     fig = _figure(4.5 + right + 2, max(6, 0.24 * len(w) + 1.5))
@@ -278,9 +285,9 @@ def plot_alphas(history, epoch:int=-1, path=None):
     ax.set_title(f"mixing weights, epoch {h.get('epoch', epoch)}\n(red: derived choice)", fontsize=10)
     # winning op per node per epoch
     ax2 = fig.add_subplot(gs[1])
-    win = np.array([[PRIMITIVES.index(op) for op, _ in gg.recurrent] for gg in gens]).T   # (nodes, epochs)
-    cmap = ListedColormap([OP_COLORS[o] for o in PRIMITIVES])
-    ax2.imshow(win, aspect='auto', cmap=cmap, vmin=-0.5, vmax=len(PRIMITIVES) - 0.5, interpolation='nearest')
+    win = np.array([[cols.index(op) for op, _ in gg.recurrent] for gg in gens]).T   # (nodes, epochs)
+    cmap = ListedColormap([op_color(o) for o in cols])
+    ax2.imshow(win, aspect='auto', cmap=cmap, vmin=-0.5, vmax=len(cols) - 0.5, interpolation='nearest')
     eps = [e.get('epoch', k) for k, e in enumerate(history)]
     step = max(1, len(eps) // 15)
     ax2.set_xticks(range(0, len(eps), step), eps[::step]); ax2.set_xlabel('epoch')
@@ -288,7 +295,7 @@ def plot_alphas(history, epoch:int=-1, path=None):
     if len(eps) <= 40:
         for k, gg in enumerate(gens):
             for i, (op, pred) in enumerate(gg.recurrent): ax2.text(k, i, str(pred), ha='center', va='center', fontsize=7, color='white')
-    ax2.legend(handles=[Patch(color=OP_COLORS[o], label=o) for o in PRIMITIVES[1:]], loc='upper left',
+    ax2.legend(handles=[Patch(color=op_color(o), label=o) for o in cols[1:]], loc='upper left',
                bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
     ax2.set_title("winning op per node\n(number: its predecessor)", fontsize=10)
     fig.alphas, fig.winners = w, win

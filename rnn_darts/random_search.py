@@ -9,7 +9,8 @@ from pathlib import Path
 import pandas as pd, torch
 from fastprogress.fastprogress import progress_bar
 from fastai.torch_core import rank_distrib
-from rnn_darts.genotypes import PRIMITIVES, sample_genotype, genotype_to_dict, save_genotype
+from rnn_darts.genotypes import sample_genotype, genotype_to_dict, save_genotype
+from rnn_darts.ops import PAPER_OPS
 from rnn_darts.data import batchify
 from rnn_darts.callbacks.logs import write_json_atomic
 from rnn_darts.core import write_text_atomic, hold_at
@@ -27,16 +28,16 @@ def default_candidates(n_batches:int) -> int:
     "The reference's number of cells to score after `n_batches` training batches: 1,000 per 10,000, here at least 100"
     return max(100, n_batches // 10)
 
-def space_size(steps:int) -> int:
-    "How many cells of `steps` nodes there are: an op (not `none`) and one earlier node for each"
-    return (len(PRIMITIVES) - 1) ** steps * math.factorial(steps)
+def space_size(steps:int, ops=PAPER_OPS) -> int:
+    "How many cells of `steps` nodes there are: an op of `ops` and one earlier node for each"
+    return len(ops) ** steps * math.factorial(steps)
 
-def draw_candidates(n:int, steps:int, seed:int) -> list:
-    "`n` distinct cells drawn uniformly (`sample_genotype`) from a generator seeded with `seed`"
-    if n > space_size(steps): raise ValueError(f"candidates ({n}) exceeds the {space_size(steps)} cells of {steps} nodes")
+def draw_candidates(n:int, steps:int, seed:int, ops=PAPER_OPS) -> list:
+    "`n` distinct cells of the ops `ops` drawn uniformly (`sample_genotype`) from a generator seeded with `seed`"
+    if n > space_size(steps, ops): raise ValueError(f"candidates ({n}) exceeds the {space_size(steps, ops)} cells of {steps} nodes")
     gen, seen, res = torch.Generator().manual_seed(seed), set(), []
     while len(res) < n:
-        g = sample_genotype(steps, gen)
+        g = sample_genotype(steps, gen, ops)
         if g not in seen: seen.add(g); res.append(g)
     return res
 
@@ -111,7 +112,7 @@ def choose_cell(learn, candidates:int|None=None, top:int|None=None, show:bool=Tr
     if st and writer: print(f"{prog}: continuing the scoring ({len(scr)} of {n} cells screened, {len(full)} of {top} in full)")
     def save():
         if writer: write_json_atomic(dict(key=key, screen=scr, full=full), prog); hold_at(f"{path.name} scores saved")   # the kill tests' hold
-    cells, training, t0 = draw_candidates(n, model.steps, rnd.seed + 2), model.training, time.time()
+    cells, training, t0 = draw_candidates(n, model.steps, rnd.seed + 2, model.ops), model.training, time.time()
     show = show and writer
     if show: print(f"scoring {n} cells with the shared weights: all on the valid split in {screen.shape[0]} rows of "
                    f"{screen.shape[1]} tokens, then the best {top} on the full split ({vdl.data.shape[0]} rows)")
@@ -126,7 +127,7 @@ def choose_cell(learn, candidates:int|None=None, top:int|None=None, show:bool=Tr
     rnd.chosen = win; model.use(win)
     if writer:
         write_text_atomic(df.to_csv(index=False), path/'candidates.csv')
-        save_genotype(win, path/'genotype.json')
+        save_genotype(win, path/'genotype.json', model.ops)
     if show:
         bad = sum(not math.isfinite(v) for v in scr.values())
         print(f"chose {cell_text(win)}: valid loss {df.valid_loss[0]:.4f}, perplexity {df.valid_ppl[0]:.2f} "

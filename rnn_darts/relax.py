@@ -30,9 +30,9 @@ def straight_through(soft, dim=-1):
     return one_hot_argmax(soft.detach(), dim) - soft.detach() + soft
 
 # %% ../nbs/03d_relax.ipynb #c8e1f4f2
-def node_pairs(steps:int=STEPS) -> torch.Tensor:
-    "(nodes, width) indices into α.flatten() of each node's (incoming edge, op ≠ none) pairs, padded with −1"
-    k = len(PRIMITIVES)
+def node_pairs(steps:int=STEPS, columns:int=len(PRIMITIVES)) -> torch.Tensor:
+    "(nodes, width) indices into α.flatten() (`columns` a row: `none` and the ops) of each node's (incoming edge, op ≠ none) pairs, padded with −1"
+    k = columns
     rows = [[e * k + o for e in range(sl.start, sl.stop) for o in range(1, k)] for sl in edge_slices(steps)]
     width = max(map(len, rows))
     return torch.tensor([r + [-1] * (width - len(r)) for r in rows])
@@ -55,7 +55,7 @@ def from_nodes(w, slots, like):
 class Relaxation:
     "Softmax over each edge's ops (DARTS): the base of all relaxations, deterministic"
     name, tau, stochastic = 'softmax', None, False   # tau: the paper's (first, last) temperature, if it has one
-    def __init__(self, steps:int=STEPS): self.steps = steps
+    def __init__(self, steps:int=STEPS, columns:int=len(PRIMITIVES)): self.steps, self.columns = steps, columns
     def probs(self, alpha): return F.softmax(alpha, dim=-1)
     def sample(self, alpha, tau=None, noise=None): return self.probs(alpha)
     def evaluate(self, alpha): return self.probs(alpha)
@@ -71,9 +71,9 @@ class Sigmoid(Relaxation):
 class Gdas(Relaxation):
     "GDAS: per node, a Gumbel-max one-hot over its (predecessor, op ≠ none) pairs, the Gumbel-softmax gradient at τ"
     name, tau, stochastic = 'gdas', (10., 0.1), True   # its scripts' --tau_max, --tau_min
-    def __init__(self, steps:int=STEPS):
-        super().__init__(steps)
-        self.pairs = node_pairs(steps)
+    def __init__(self, steps:int=STEPS, columns:int=len(PRIMITIVES)):
+        super().__init__(steps, columns)
+        self.pairs = node_pairs(steps, columns)
         self.slots = pair_slots(self.pairs)
     def _on(self, alpha):
         "The index tensors on α's device (copied there once, at the first forward: eager, before any capture)"

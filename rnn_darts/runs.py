@@ -14,7 +14,7 @@ from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources,
                                check_settings, check_fits, check_memory, command_flags, flag_default, flags_signature, setting_name)
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'RESUME_FREE', 'ARGV', 'load_corpus', 'corpus_key', 'run_files', 'RunLock', 'read_run_json',
+__all__ = ['RUN_FILES', 'RESUME_FREE', 'SPACE', 'ARGV', 'load_corpus', 'corpus_key', 'run_files', 'RunLock', 'read_run_json',
            'settings_diff', 'data_changes', 'prepare_run_dir', 'record_overrides_cb', 'idle_cores', 'set_threads',
            'exit_if_interrupted', 'method_text', 'search', 'cell_name', 'train', 'evaluate_run']
 
@@ -44,6 +44,7 @@ def corpus_key(s:dict) -> tuple:
 # %% ../nbs/07b_runs.ipynb #c11c0005
 RUN_FILES = ('run.json', 'log.csv', 'history.json', 'genotype.json', 'candidates.csv', 'checkpoints')
 RESUME_FREE = ('epochs', 'out', 'device', 'threads', 'checkpoint_every', 'tensorboard')   # settings a resumed run may change without --override
+SPACE = ('ops', 'nodes')   # settings that shape α and the weights: a resumed run never changes them, --override or not
 
 def run_files(out) -> list:
     "The files of a run that the folder `out` holds"
@@ -115,6 +116,9 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
                 raise UsageError(f"--epochs {s['epochs']}: {out} has done {done} epochs; --epochs is the total with --resume, so give "
                                  f"{done} or more (a run is never cut back)")
             changes = settings_diff(info['settings'], s)
+            for k in SPACE:
+                if k in changes: raise UsageError(f"--resume: {out} ran --{k} {changes[k][0]}, not {changes[k][1]}: its α and weights have "
+                                                  f"that space's shape, so it cannot go on in another (not even with --override); drop --{k}, or start a new --out")
             moved = data_changes(info.get('data'), data or {})
             if moved and not override:
                 k, (a, b) = next(iter(moved.items()))
@@ -193,13 +197,17 @@ def _prepare(command, flags:dict) -> _Run:
     if r.s['data'] not in ('numbers', 'ptb') and not os.path.lexists(r.s['data']):   # said before the seconds of importing torch and fastai
         raise FileNotFoundError(f"corpus folder {Path(r.s['data'])} does not exist")
     dev = get_device(c['device'])
-    r.plan = plan_of(r.s, dev, lambda k: setting_name(k, r.src), command=command)   # a refused combination: one line; the learner runs this plan
+    name = lambda k: setting_name(k, r.src)
+    if command == 'train':
+        from rnn_darts.genotypes import load_genotype, check_in_space
+        from rnn_darts.ops import ops_of
+        r.genotype = load_genotype(r.s['genotype'])
+        check_in_space(r.genotype, ops_of(r.s['ops'], name('ops')) if r.s['ops'] else None, r.s['nodes'], name)
+    cell_ops = tuple(dict.fromkeys(op for op, _ in r.genotype.recurrent)) if command == 'train' else r.s['ops']
+    r.plan = plan_of({**r.s, 'ops': cell_ops}, dev, name, command=command)   # a refused combination: one line; the learner runs this plan
     if r.s['tensorboard']:
         from rnn_darts.callbacks.tensorboard import summary_writer_class
         summary_writer_class()   # installed, before the run folder is made
-    if command == 'train':
-        from rnn_darts.genotypes import load_genotype
-        r.genotype = load_genotype(r.s['genotype'])
     from rnn_darts.distrib import setup_distrib
     r.rank, world, r.dev = setup_distrib(device=str(dev))
     r.threads = set_threads(c['threads'], r.dev)
@@ -267,16 +275,16 @@ def search(**flags):
         if rnd:
             from rnn_darts.random_search import choose_cell
             t0, df = time.time(), choose_cell(learn)
-            if r.rank == 0: _report_end(learn, out, dict(genotype=genotype_to_dict(learn.random_arch.chosen),
+            if r.rank == 0: _report_end(learn, out, dict(genotype=genotype_to_dict(learn.random_arch.chosen, learn.model.ops),
                                         candidates=dict(n=len(df), top=int(df.valid_loss.notna().sum()), seconds=time.time() - t0,
                                                         valid_loss=float(df.valid_loss[0]))))
         elif r.rank == 0:
             g = run_genotype(learn)
-            save_genotype(g, out/'genotype.json')
+            save_genotype(g, out/'genotype.json', learn.model.ops)
             print(f"genotype: {g}\nwritten to {out/'genotype.json'}")
             es = getattr(getattr(learn, 'curvature_stop', None), 'stopped', None)
             pt = getattr(learn, 'pt_selection', None)
-            _report_end(learn, out, dict(genotype=genotype_to_dict(g), early_stop=es, **({} if pt is None else dict(pt_select=pt.record))))
+            _report_end(learn, out, dict(genotype=genotype_to_dict(g, learn.model.ops), early_stop=es, **({} if pt is None else dict(pt_select=pt.record))))
         cleanup_distrib()
         return learn
     finally: r.close()

@@ -7,12 +7,15 @@ a fresh model and loads a `state_dict` copy of the updated weights, the finite d
 clipping loops over the parameter list. Every test that checks the project's math against a plain implementation
 imports it from here; it is not part of the installed package.
 """
+import math
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.genotypes import PRIMITIVES, STEPS
+from rnn_darts.ops import PAPER_OPS
 from rnn_darts.model import DartsRnnSearch, NodeNorm
 from rnn_darts.bench import STEP
 
-ACT = dict(tanh=torch.tanh, relu=torch.relu, sigmoid=torch.sigmoid, identity=lambda x: x)
+ACT = dict(tanh=torch.tanh, relu=torch.relu, sigmoid=torch.sigmoid, identity=lambda x: x,   # the paper's, then others by their formulas
+           gelu=lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))), silu=lambda x: x / (1 + torch.exp(-x)))
 
 def _masked(x, m): return x if m is None else x * m
 
@@ -21,8 +24,8 @@ def plain_init(x_t, h, W0, mx=None, mh=None):
     c0, h0 = (torch.cat([_masked(x_t, mx), _masked(h, mh)], -1) @ W0).chunk(2, -1)
     return h + c0.sigmoid() * (h0.tanh() - h)
 
-def plain_search_step(x_t, h, W0, Ws, probs, mx=None, mh=None, norm=lambda s, i: s):
-    "One time step of the search cell: every node mixes every earlier node through `probs` = softmax(α), one matmul per edge, one term per op"
+def plain_search_step(x_t, h, W0, Ws, probs, mx=None, mh=None, norm=lambda s, i: s, ops=PAPER_OPS):
+    "One time step of the search cell: every node mixes every earlier node through `probs` = softmax(α) (columns: none, then `ops`), one matmul per edge, one term per op"
     states = [norm(plain_init(x_t, h, W0, mx, mh), 0)]
     row = 0
     for i in range(1, len(Ws) + 1):
@@ -30,8 +33,7 @@ def plain_search_step(x_t, h, W0, Ws, probs, mx=None, mh=None, norm=lambda s, i:
         for j in range(i):
             c, hh = (_masked(states[j], mh) @ Ws[i - 1]).chunk(2, -1)
             c = c.sigmoid()
-            for k, op in enumerate(PRIMITIVES):
-                if op == 'none': continue
+            for k, op in enumerate(ops, 1):   # column 0, `none`, adds nothing
                 s = s + probs[row + j, k] * (states[j] + c * (ACT[op](hh) - states[j]))
         row += i
         states.append(norm(s, i))

@@ -2,7 +2,8 @@
 import copy, math, tempfile
 from pathlib import Path
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
-from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V1, DARTS_V2, ENAS
+from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V1, DARTS_V2, ENAS, Genotype
+from rnn_darts.ops import PAPER_OPS
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsCell, DartsCellSearch
 from rnn_darts.flat import FlatParams, FlatModule
 import rnn_darts.kernels as kernels
@@ -19,12 +20,15 @@ COMPILED_STEPS = 3   # the cell of the tests that compile with Inductor (compile
 
 def batch_bn(s): return F.batch_norm(s, None, None, training=True, eps=1e-5)
 
+SPACES = [(PAPER_OPS, STEPS), (('tanh', 'gelu', 'identity', 'silu', 'relu'), 3)]   # the paper's; other ops (identity not first), 3 nodes
+
 @pytest.mark.parametrize('training', [False, True])
-def test_search_cell_equals_plain(training):
+@pytest.mark.parametrize('ops,steps', SPACES)
+def test_search_cell_equals_plain(training, ops, steps):
     torch.manual_seed(0)
     ninp = nhid = 6; bs, T = 5, 4
-    cell = DartsCellSearch(ninp, nhid, dropoutx=0.3, dropouth=0.4).train(training)
-    probs = F.softmax(torch.randn(36, 5), -1).requires_grad_()
+    cell = DartsCellSearch(ninp, nhid, dropoutx=0.3, dropouth=0.4, steps=steps, ops=ops).train(training)
+    probs = F.softmax(torch.randn(steps * (steps + 1) // 2, 1 + len(ops)), -1).requires_grad_()
     x, h0 = torch.randn(T, bs, ninp), torch.randn(bs, nhid)
     from rnn_darts.model import MaskBank
     bank = MaskBank()
@@ -34,15 +38,15 @@ def test_search_cell_equals_plain(training):
         mx, mh = (bank.cache[('train', 'x')], bank.cache[('train', 'h')]) if training else (ones, ones)
         fresh = lambda s: s / (1 + 1e-5) ** 0.5                           # fresh running stats: mean 0, var 1
         bn = batch_bn if training else (lambda s: fresh(s) / fresh(s).pow(2).mean().sqrt().clamp(min=1))   # eval: mean square at most 1
-        Ws = [cell.W(i) for i in range(1, 9)]
-        ref = run_plain(lambda xt, h: plain_search_step(xt, h, cell.W0, Ws, probs, mx, mh, lambda s, i: bn(s)), x, h0)
+        Ws = [cell.W(i) for i in range(1, steps + 1)]
+        ref = run_plain(lambda xt, h: plain_search_step(xt, h, cell.W0, Ws, probs, mx, mh, lambda s, i: bn(s), ops), x, h0)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     # gradients w.r.t. the mixing weights and the packed block agree too
     g1 = torch.autograd.grad(out.pow(2).sum(), [probs, cell.block])
     g2 = torch.autograd.grad(ref.pow(2).sum(), [probs, cell.block])
     for a, b in zip(g1, g2): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
-@pytest.mark.parametrize('genotype', [DARTS_V1, DARTS_V2, ENAS])
+@pytest.mark.parametrize('genotype', [DARTS_V1, DARTS_V2, ENAS, Genotype((('gelu', 0), ('silu', 1), ('relu', 1)), (1, 2, 3))])
 def test_derived_cell_equals_plain(genotype):
     torch.manual_seed(1)
     ninp = nhid = 5; bs, T = 3, 4

@@ -23,6 +23,7 @@ ELSEWHERE = {   # rules a CPU and one process cannot meet, and where they are pr
     'fuse needs Triton': 'a GPU without Triton (plan_of with a stand-in below)',
     'graphs, one process': 'several processes (plan_of with world=2 below)',
     'graphs need the fused loss': 'a Python-only setting (fused_loss=False, below)',
+    'fuse runs its ops': 'a GPU with Triton (plan_of with a stand-in below)',
 }
 
 def test_every_rule_of_the_table_is_proven_here():
@@ -66,6 +67,14 @@ def test_the_rules_a_cpu_cannot_meet(monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'triton' else find_spec(name, *a))
     with pytest.raises(UsageError, match="fuse true runs Triton kernels, and Triton is not installed"): plan_of(dict(fuse=True), 'cuda')
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: object() if name == 'triton' else find_spec(name, *a))
+    p = plan_of(dict(fuse=True, ops='tanh,relu,sigmoid,identity,gelu'), 'cuda', world=1)   # the search kernels: the paper's set only
+    assert p.fuse is False and p.notes == ("fuse off: the fused search kernels mix the paper's ops in its order (tanh, relu, sigmoid, "
+                                           "identity), not tanh, relu, sigmoid, identity, gelu (ops); the steps run unfused",)
+    assert plan_of(dict(fuse=True, ops='relu,tanh,sigmoid,identity'), 'cuda', world=1).fuse is False   # α's columns in another order
+    assert plan_of(dict(fuse=True, ops=('relu', 'tanh')), 'cuda', world=1, command='train').fuse is True   # a derived cell: any op with a Triton form
+    p = plan_of(dict(fuse=True, ops=('relu', 'gelu', 'silu')), 'cuda', world=1, command='train')
+    assert p.fuse is False and 'the fused kernels have no form of gelu, silu' in p.notes[0]
     monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: True)   # a GPU with bf16, for the defaults below
     assert plan_of(dict(graphs=True), 'cuda', world=2).notes == ('CUDA graphs off: not with several processes yet; the steps run eager',)
     p = plan_of(dict(graphs=True, fused_loss=False), 'cuda', world=1)

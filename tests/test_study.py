@@ -102,7 +102,8 @@ def test_study_runs_every_stage_and_tells_the_truth(done):
         if r.method != 'reference':
             src = json.loads((s/r.stage.removeprefix('short-')/'run.json').read_text())
             assert math.isclose(r.search_seconds, sum(src['epoch_times']) + (src.get('candidates') or {}).get('seconds', 0))
-            assert json.loads(r.genotype) == json.loads((s/r.stage.removeprefix('short-')/'genotype.json').read_text())
+            written = json.loads((s/r.stage.removeprefix('short-')/'genotype.json').read_text())
+            assert written.pop('ops') == ['tanh', 'relu', 'sigmoid', 'identity'] and json.loads(r.genotype) == written   # the cell; its search's op set in its file
     searched = df[df.method != 'reference']
     assert df.selected.sum() == 1 and df.selected[searched.short_valid_loss.idxmin()]          # the best searched cell
     w = df[df.selected].iloc[0]

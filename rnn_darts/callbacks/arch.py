@@ -8,7 +8,6 @@ from contextlib import nullcontext
 from functools import partial
 import torch, torch.nn.functional as F
 from fastai.callback.core import Callback
-from rnn_darts.genotypes import PRIMITIVES
 from rnn_darts.config import SearchConfig, check_rules, ARCH_MODES
 from rnn_darts.relax import dirichlet_kl, linear_schedule
 from rnn_darts.callbacks.training import SeqLenLR, check_flat_opt
@@ -96,7 +95,7 @@ def op_param_counts(model):
     c = model.__dict__.get('_op_counts')
     if c is None or c.device != model.alpha.device:
         n = model.nhid
-        c = model.__dict__['_op_counts'] = torch.tensor([0. if op == 'none' else float(n * 2 * n + 1) for op in PRIMITIVES], device=model.alpha.device)
+        c = model.__dict__['_op_counts'] = torch.tensor([0.] + [float(n * 2 * n + 1)] * len(model.ops), device=model.alpha.device)
     return c
 
 def op_decay_grad(model, op_decay):

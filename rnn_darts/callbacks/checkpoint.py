@@ -10,6 +10,7 @@ import torch
 from fastai.torch_core import rank_distrib
 from rnn_darts.core import rng_states, set_rng_states, naming
 from rnn_darts.genotypes import genotype_to_dict
+from rnn_darts.ops import PAPER_OPS
 from rnn_darts.callbacks.epochs import TrainEpochEnd, best_tracker, in_lr_find
 from rnn_darts.config import RunConfig
 
@@ -23,14 +24,15 @@ def model_meta(model) -> dict:
     "What must match for a checkpoint to load into `model`"
     kind = 'search' if hasattr(model, 'alpha') else 'shared' if hasattr(model, 'use') else 'derived'
     d = dict(kind=kind, ntoken=model.ntoken, emsize=model.emsize, nhid=model.nhid)
-    if kind == 'search': d.update(steps=model.steps, relax=model.relax)
-    elif kind == 'shared': d['steps'] = model.steps   # any cell of that many nodes runs on its weights
+    if kind == 'search': d.update(steps=model.steps, relax=model.relax, ops=list(model.ops))
+    elif kind == 'shared': d.update(steps=model.steps, ops=list(model.ops))   # any cell of that many nodes, of those ops, runs on its weights
     else: d['genotype'] = genotype_to_dict(model.genotype())
     return d
 
 def check_meta(saved:dict, model, where) -> None:
     "Raise, saying what differs, if a checkpoint saved from `saved` cannot load into `model`"
     cur = model_meta(model)
+    if cur['kind'] != 'derived': saved = {'ops': list(PAPER_OPS), **saved}   # saved before ops were data: the paper's
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, model {cur.get(k)!r}" for k in sorted(set(saved) | set(cur)) if saved.get(k) != cur.get(k)]
     if diffs: raise ValueError(f"{where} does not fit this model ({'; '.join(diffs)})")
 

@@ -29,9 +29,10 @@ class RandomArch(Callback):
             raise ValueError("RandomArch runs a model with shared weights and no α (DartsRnnShared: search_learner(mode='random') builds one)")
     def before_validate(self): self.val_gen = torch.Generator().manual_seed(self.seed + 1)
     def before_batch(self):
-        if self.training: self.model.use(sample_genotype(self.model.steps, self.gen))
-        elif self.chosen is not None: self.model.use(self.chosen)
-        else: self.model.use(sample_genotype(self.model.steps, self.val_gen))
+        m = self.model
+        if self.training: m.use(sample_genotype(m.steps, self.gen, m.ops))
+        elif self.chosen is not None: m.use(self.chosen)
+        else: m.use(sample_genotype(m.steps, self.val_gen, m.ops))
 
     def ckpt_state(self): return dict(seed=self.seed, gen=self.gen.get_state())
     def load_ckpt_state(self, d): self.seed = d['seed']; self.gen.set_state(d['gen'])
