@@ -9,16 +9,17 @@ from dataclasses import dataclass
 import torch
 from fastai.callback.core import Callback, CancelTrainException
 from rnn_darts.core import UsageError, set_seed
-from rnn_darts.config import ARCH_MODES, RELAXATIONS, METHODS, SearchConfig, check_rules
+from rnn_darts.config import ARCH_MODES, RELAXATIONS, METHODS, SearchConfig, TrainConfig, check_rules
+from rnn_darts.genotypes import cell_ops, load_genotype
 from rnn_darts.plan import plan_of, PRECISIONS
 from rnn_darts.callbacks.speed import tf32_products
 from rnn_darts.data import Corpus, numbers_corpus
 from rnn_darts.kernels import taps_from
 
 # %% auto #0
-__all__ = ['EAGER', 'PATHS', 'REGULARISERS', 'TINY', 'TAPS_FROM', 'PAPER', 'BENCH_CASE', 'StepPath', 'path_named', 'Case',
-           'cases', 'tiny_corpus', 'StopAfter', 'outcome', 'difference', 'graph_kinds', 'verdict_of', 'check_path',
-           'step_ms', 'compile_notice', 'run_check', 'row_line', 'header']
+__all__ = ['EAGER', 'PATHS', 'REGULARISERS', 'SPACE', 'ADDED_OP', 'GELU_CELL', 'TINY', 'TAPS_FROM', 'PAPER', 'BENCH_CASE',
+           'StepPath', 'path_named', 'Case', 'cases', 'tiny_corpus', 'StopAfter', 'outcome', 'difference',
+           'graph_kinds', 'verdict_of', 'check_path', 'step_ms', 'compile_notice', 'run_check', 'row_line', 'header']
 
 # %% ../nbs/10b_check.ipynb #a76b7d27
 @dataclass(frozen=True)
@@ -65,12 +66,21 @@ def _allowed(s:dict) -> bool:
     except UsageError: return False
     return True
 
+SPACE = dict(nodes=5, edge_norm=True)   # a space of the user's: fewer nodes, PC-DARTS's edge normalisation, and (`ADDED_OP`) an op beyond the paper's
+ADDED_OP = dict(ops='tanh,relu,sigmoid,identity,gelu')
+GELU_CELL = '{"recurrent": [["gelu", 0], ["relu", 1], ["gelu", 1], ["tanh", 2], ["identity", 3]], "concat": [1, 2, 3, 4, 5]}'
+
 def cases() -> list:
     """Every α-step kind × every relaxation (with a regulariser of the family), every α-step kind with each of SDARTS's
-    perturbations, random search, and a derived cell's training under NT-ASGD: the combinations `check_rules` allows"""
+    perturbations, random search, a derived cell's training under NT-ASGD, and the user's space (5 nodes and edge
+    normalisation, with the paper's ops, which the fused kernels run, and with gelu; a derived cell with gelu): the
+    combinations `check_rules` allows"""
     out = [Case(f"{m}/{r}", 'search', dict(mode=m, relax=r, **REGULARISERS.get(r, {}))) for r in RELAXATIONS for m in ARCH_MODES]
     out += [Case(f"{m}/softmax+{p}", 'search', dict(mode=m, perturb=p)) for p in ('random', 'adversarial') for m in ARCH_MODES]
     out += [Case('random search', 'search', dict(mode='random')), Case('derived DARTS_V2', 'train', dict(asgd=True))]
+    out += [Case('5 nodes, edge norm (second)', 'search', dict(METHODS['darts'], **SPACE)),
+            Case('+gelu, 5 nodes, edge norm (first/gdas)', 'search', dict(mode='first', relax='gdas', **SPACE, **ADDED_OP)),
+            Case('derived, gelu', 'train', dict(genotype=GELU_CELL))]
     return [c for c in out if _allowed(c.settings)]
 
 # %% ../nbs/10b_check.ipynb #b220889f
@@ -137,6 +147,7 @@ def graph_kinds(case:Case) -> tuple:
 def verdict_of(path:StepPath, case:Case, device) -> tuple:
     "What the plan says of `path` for `case` on `device`: ('runs', None), ('falls back', why) or ('refused', why)"
     s = {**case.settings, **EAGER, **path.asked}
+    if case.kind == 'train': s['ops'] = cell_ops(load_genotype(s.get('genotype', TrainConfig.genotype)))   # what a derived cell runs: its genotype's ops
     cpu = torch.device(device).type != 'cuda'
     try: plan = plan_of(s, device, lambda k: '--' + k, world=1, command=case.kind, emulate='emulate' if cpu and s['graphs'] else False)
     except UsageError as e: return 'refused', str(e)
@@ -158,7 +169,7 @@ def check_path(path:StepPath, device, cases_:list, corpus:Corpus, outcomes:dict,
     for case in cases_:
         v, why = verdict_of(path, case, device)
         if v == 'refused': refused.append((case.name, why)); continue
-        if v == 'falls back': notes.append(why); continue
+        if v == 'falls back': notes.append((case.name, why)); continue
         try:
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):   # past its limit, dynamo would run the step eager without a word
                 out = run(path, case)
@@ -170,13 +181,14 @@ def check_path(path:StepPath, device, cases_:list, corpus:Corpus, outcomes:dict,
         if missed: errors.append((case.name, f"its {', '.join(missed)} steps never ran as graphs: nothing was proven")); continue
         ran.append(case.name); worst = max(worst, d)
         if d > path.tol: off.append((case.name, d))
-    if notes and not ran: verdict, why = 'falls back', notes[0]
+    if notes and not ran: verdict, why = 'falls back', notes[0][1]
     elif refused and not ran and not errors: verdict, why = 'refused', refused[0][1]
     elif off or errors: verdict, why = 'DIFFERS', None
     else: verdict, why = 'equal', None
     emulated = bool(path.asked.get('graphs')) and torch.device(device).type != 'cuda'
     return dict(path=path.name, what=path.what, ref=path.ref, tol=path.tol, exact=path.exact, emulated=emulated, batches='all' if batches is None else batches,
                 verdict=verdict, why=why, cases=len(ran), largest=worst if ran else None, off=off, errors=errors, refused=[c for c, _ in refused],
+                fell_back=[c for c, _ in notes],
                 seconds=time.perf_counter() - t0)
 
 # %% ../nbs/10b_check.ipynb #e8a571b1
@@ -207,7 +219,7 @@ def compile_notice(p:StepPath, device) -> str:
     "The line before the first compiled path: its row waits for Inductor's first compiles (measured on a 2-core Xeon with an empty cache)"
     cpu = torch.device(device).type == 'cpu'
     return (f"({p.name}: Inductor first compiles the step's graphs, once per machine and torch version, and this row waits for it"
-            + ("; about 3½ minutes on a 2-core CPU with an empty cache, 30 s once cached)" if cpu else ")"))
+            + ("; about 8 minutes on a 2-core CPU with an empty cache, 1 once cached)" if cpu else ")"))
 
 def run_check(device, paths=PATHS, bench:bool=False, say=print, folder=None, json_path=None, bench_sizes:dict=PAPER) -> dict:
     """Every path of `paths` on `device` against its reference (`check_path`) on every case (`cases`), each path's row
@@ -263,7 +275,7 @@ def header(device, n_cases:int, bench:bool) -> str:
     from rnn_darts.learner import device_name
     t = TINY
     lines = [f"rnn-darts check on {device} ({device_name(device)}), torch {torch.__version__}: each path against its reference (eager; a graphed path, the same path without graphs) on "
-             f"{n_cases} cases (α-step kinds × relaxations, SDARTS's perturbations, random search, a derived cell) at nhid {t['nhid']}, "
+             f"{n_cases} cases (α-step kinds × relaxations, SDARTS's perturbations, random search, a derived cell, the user's space: 5 nodes, edge normalisation, gelu) at nhid {t['nhid']}, "
              f"bs {t['bs']}, bptt {t['bptt']}, compiled steps tapped as at the paper's sizes; exact paths over a whole epoch, the others over its first batch, then a validation; s: the path's seconds, its compiles included",
              *([f"ms/step: the learner's own {BENCH_CASE.name} search step at bs {PAPER['bs']}, bptt {PAPER['bptt']}, nhid {PAPER['nhid']}, "
                 f"{PAPER['ntoken']:,} words"] if bench else []),

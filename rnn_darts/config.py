@@ -15,7 +15,7 @@ ARCH_MODES = MODES[:-1]                                             # the modes 
 TEMPERED, DRAWN = ('gdas', 'snas'), ('gdas', 'snas', 'drnas')  # the relaxations with a temperature; those that draw their weights
 ALPHA_PARTS = ('relax', 'zero_one', 'op_decay', 'early_stop', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay', 'dirichlet_kl', 'perturb', 'epsilon',
                'select', 'pt_tune')   # what α's search does
-ALPHA_ONLY = ALPHA_PARTS + ('arch_lr', 'arch_wd', 'arch_bf16', 'same_masks', 'curvature', 'curvature_windows')   # the settings of α, which random search has not
+ALPHA_ONLY = ALPHA_PARTS + ('edge_norm', 'arch_lr', 'arch_wd', 'arch_bf16', 'same_masks', 'curvature', 'curvature_windows')   # the settings of α, which random search has not
 METHODS = {   # name -> the settings of its parts (on the defaults of `SearchConfig`)
     'second': dict(mode='second'), 'first': dict(mode='first'), 'exact': dict(mode='exact'), 'random': dict(mode='random'),
     'darts': dict(mode='second'),                                  # DARTS (Liu et al., ICLR 2019), its second order
@@ -193,6 +193,8 @@ class SearchConfig(RunConfig):
     ops: str = setting(','.join(PAPER_OPS), "the candidate ops of every edge, comma-separated, besides the implicit none (the paper's four; "
                        "an unknown name lists the others built in; rnn_darts.ops.register_op adds your own)", 'ops')
     nodes: int = setting(PAPER_NODES, 'nodes of the cell', 'pos_int')
+    edge_norm: bool = setting(False, "PC-DARTS's edge normalisation: each node weighs its incoming edges by a softmax over a β per edge, "
+                              "learned with α; the cell is derived from each edge's weight times its op's (Xu et al., ICLR 2020)")
 
     def __post_init__(self):   # the method's settings where its maker gave none; then every check, once
         for k, v in with_method(vars(self), self.given.__contains__).items(): object.__setattr__(self, k, v)

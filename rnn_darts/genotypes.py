@@ -14,7 +14,7 @@ from rnn_darts.ops import OPS, PAPER_OPS, ops_of
 # %% auto #0
 __all__ = ['Genotype', 'PRIMITIVES', 'STEPS', 'DARTS_V1', 'DARTS_V2', 'ENAS', 'GENOTYPES', 'primitives', 'check_genotype',
            'genotype_to_dict', 'save_genotype', 'genotype_from_dict', 'load_genotype', 'edge_slices', 'n_edges',
-           'nodes_of', 'derive_genotype', 'sample_genotype', 'check_in_space']
+           'nodes_of', 'derive_genotype', 'sample_genotype', 'cell_ops', 'check_in_space']
 
 # %% ../nbs/02_genotypes.ipynb #7b8c84fd
 Genotype = namedtuple('Genotype', 'recurrent concat')
@@ -130,9 +130,13 @@ def sample_genotype(steps:int=STEPS, generator:torch.Generator|None=None, ops=PA
     preds = [int(torch.randint(0, i + 1, (), generator=generator)) for i in range(steps)]
     return Genotype(tuple((ops[o - 1], p) for o, p in zip(cols, preds)), tuple(range(1, steps + 1)))
 
+def cell_ops(g:Genotype) -> tuple:
+    "The ops a cell runs, each once, in the order its nodes first use them"
+    return tuple(dict.fromkeys(op for op, _ in g.recurrent))
+
 def check_in_space(g:Genotype, ops=None, nodes:int|None=None, name=str):
     "Refuse, naming the setting by `name(key)`, a genotype with another number of nodes than `nodes`, or an op the set `ops` lacks (each if given)"
     if nodes is not None and len(g.recurrent) != nodes:
         raise UsageError(f"{name('nodes')} {nodes}: the genotype has {len(g.recurrent)} nodes")
-    lack = sorted({op for op, _ in g.recurrent} - set(ops or OPS))
+    lack = sorted(set(cell_ops(g)) - set(ops or OPS))
     if lack: raise UsageError(f"{name('ops')}: the genotype uses {', '.join(lack)}, which the set lacks ({', '.join(ops)})")

@@ -193,7 +193,7 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resu
     check_random(vars(c), given=lambda k: k in c.given and k not in c.read)   # a keyword here or the config's, not a preset's key
     n = _ntoken(dls, ntoken)
     space = dict(steps=c.nodes, ops=c.ops)
-    model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c), **space) if rnd else DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax, **space)
+    model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c), **space) if rnd else DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax, edge_norm=c.edge_norm, **space)
     learn, cg = _learner(dls, model, c, path, device, 'search', plan)
     own = search_parts(c, search_dl, cg)
     learn.metrics += [ValueMetric(cb.search_loss, 'search_loss') for cb in own if isinstance(cb, ArchParamUpdate)]

@@ -9,14 +9,14 @@ from contextlib import contextmanager
 from functools import lru_cache
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
-from rnn_darts.genotypes import STEPS, Genotype, check_genotype, derive_genotype, edge_slices, n_edges
+from rnn_darts.genotypes import STEPS, Genotype, cell_ops, check_genotype, derive_genotype, edge_slices, n_edges
 from rnn_darts.ops import PAPER_OPS, op_fn, ops_of, mix_order, mixed_op
 from rnn_darts import kernels
 from rnn_darts.kernels import mm_t, fastest, linear, tanh, Deferred, DeferredWeight, WeightGroup, StepWeight, _Tapped, _map, _collect
 from rnn_darts.config import SearchConfig, TrainConfig, check_rules
 from rnn_darts.flat import FlatModule
 from rnn_darts.loss import linear_cross_entropy
-from rnn_darts.relax import RELAXATION_CLASSES, gumbel_
+from rnn_darts.relax import RELAXATION_CLASSES, EdgeNorm, gumbel_
 
 # %% auto #0
 __all__ = ['MaskBank', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm', 'DartsCellSearch', 'LanguageModel', 'DartsRnn',
@@ -186,9 +186,7 @@ class DartsCell(PackedCell):
         self.use(g)
 
     @property
-    def ops(self) -> tuple:
-        "The ops the cell runs: its genotype's, each once, in order"
-        return tuple(dict.fromkeys(op for op, _ in self.genotype.recurrent))
+    def ops(self) -> tuple: return cell_ops(self.genotype)
 
     def use(self, genotype):
         "Run `genotype` (of as many nodes) from the next forward on, with the same weights: node `i` multiplies by `W(i)`"
@@ -411,35 +409,48 @@ class DartsRnn(LanguageModel):
 class DartsRnnSearch(LanguageModel):
     "A language model around the DARTS search cell, with architecture parameters α (edges × ops)"
     def __init__(self, ntoken, emsize=_S.emsize, nhid=_S.nhid, dropout=_S.dropout, dropouth=_S.dropouth, dropoutx=_S.dropoutx,
-                 dropouti=_S.dropouti, dropoute=_S.dropoute, steps=STEPS, relax=_S.relax, ops=PAPER_OPS):
+                 dropouti=_S.dropouti, dropoute=_S.dropoute, steps=STEPS, relax=_S.relax, ops=PAPER_OPS, edge_norm=False):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
         check_positive('steps', steps)
         if relax not in RELAXATION_CLASSES: raise ValueError(f"relax must be one of {', '.join(map(repr, RELAXATION_CLASSES))}, got {relax!r}")
         cell = DartsCellSearch(emsize, nhid, dropoutx, dropouth, steps, ops)
         super().__init__(ntoken, emsize, nhid, cell, dropout, dropouti, dropoute)
         self.steps, self.ops, self.relax, self.relaxation = steps, cell.ops, relax, RELAXATION_CLASSES[relax](steps, 1 + len(cell.ops))
-        self.alpha = nn.Parameter(1e-3 * torch.randn(n_edges(steps), 1 + len(self.ops)))   # edges × (`none`, then the ops)
+        self.edge_norm = EdgeNorm(steps) if edge_norm else None
+        # edges × (`none`, the ops; with edge normalisation, then β): one tensor, so every α step, its Adam and its graphs move β too
+        self.alpha = nn.Parameter(1e-3 * torch.randn(n_edges(steps), 1 + len(self.ops) + bool(edge_norm)))
         if self.relaxation.tau is not None: self.register_buffer('tau', torch.tensor(1.))   # set each epoch by `Temperature`
         self.mixing_hook = None   # while set, a function of the mixing weights that replaces them (SDARTS's perturbation, DARTS-PT's projection)
         self.flatten_()
 
     def arch_parameters(self): return [self.alpha]
+    def op_alpha(self, a=None):
+        "α's op columns (of `a`, by default the model's): all of α, or all but β's column under edge normalisation"
+        a = self.alpha if a is None else a
+        return a if self.edge_norm is None else a[:, :-1]
+    def edge_weights(self):
+        "Each edge's weight under edge normalisation (per node, the softmax of β over its incoming edges); None without it"
+        return None if self.edge_norm is None else self.edge_norm.weights(self.alpha[:, -1])
+    def _edge_normed(self, w):
+        e = self.edge_weights()
+        return w if e is None else w * e[:, None]
     def arch_weights(self):
-        "The relaxation's deterministic mixing weights (`probs`): softmax(α) over ops (DARTS), sigmoid(α) (Fair DARTS), ... (`rnn_darts.relax`)"
-        return self.relaxation.probs(self.alpha)
+        "The relaxation's deterministic mixing weights (`probs`): softmax(α) over ops (DARTS), sigmoid(α) (Fair DARTS), ... (`rnn_darts.relax`), times the edges' weights under edge normalisation"
+        return self._edge_normed(self.relaxation.probs(self.op_alpha()))
     def mixing_weights(self, stream=None):
         """The weights a forward on `stream` mixes by: in training the relaxation's sample, whose noise the passes of one
-        architecture step share as they share dropout masks (`frozen_masks`); in evaluation its `evaluate`; then `mixing_hook`"""
-        r, a = self.relaxation, self.alpha
+        architecture step share as they share dropout masks (`frozen_masks`); in evaluation its `evaluate`; then `mixing_hook`;
+        then, under edge normalisation, each edge times its weight"""
+        r, a = self.relaxation, self.op_alpha()
         if not self.training: w = r.evaluate(a)
         elif not r.stochastic: w = r.probs(a)
         else:
             shape = r.noise_shape(a)
             w = r.sample(a, getattr(self, 'tau', None), None if shape is None else self.masks.draw((stream, 'relax'), shape, a, gumbel_))
-        return w if self.mixing_hook is None else self.mixing_hook(w)
+        return self._edge_normed(w if self.mixing_hook is None else self.mixing_hook(w))
     def cell_inputs(self, update_stats=True, stream=None): return dict(probs=self.mixing_weights(stream), update_stats=update_stats)
     def genotype(self) -> Genotype:
-        "The DARTS rule applied to the current mixing weights"
+        "The DARTS rule applied to the current mixing weights (under edge normalisation, PC-DARTS's: each edge ranked by its weight times its op's)"
         return derive_genotype(self.arch_weights(), self.steps, ops=self.ops)
 
 class DartsRnnShared(LanguageModel):

@@ -70,7 +70,7 @@ CONTROL_HELP = dict(
 SWITCHES = ('resume', 'overwrite')   # given or not (the other booleans take true|false)
 # The order `-h` lists the flags of `rnn-darts search | train` in; a command lists those it has
 FLAG_ORDER = ('genotype', 'preset', 'settings', 'data', 'files', 'unk', 'url', 'out', 'device', 'resume', 'overwrite', 'override', 'threads',
-              'epochs', 'seed', 'bs', 'bptt', 'eval_bs', 'test_bs', 'n_train', 'n_eval', 'emsize', 'nhid', 'nodes', 'ops', 'lr', 'wd', 'clip', 'dropout', 'dropouth',
+              'epochs', 'seed', 'bs', 'bptt', 'eval_bs', 'test_bs', 'n_train', 'n_eval', 'emsize', 'nhid', 'nodes', 'ops', 'edge_norm', 'lr', 'wd', 'clip', 'dropout', 'dropouth',
               'dropoutx', 'dropouti', 'dropoute', 'nonmono', 'asgd', 'mode', 'candidates', 'top', 'curvature', 'curvature_windows',
               'early_stop', 'method', 'arch_lr', 'arch_wd', 'relax', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay',
               'dirichlet_kl', 'perturb', 'epsilon', 'select', 'pt_tune', 'op_decay', 'on_nan', 'compile', 'graphs', 'fuse', 'checkpoint_every', 'precision', 'arch_bf16', 'tensorboard')

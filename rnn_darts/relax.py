@@ -10,9 +10,9 @@ from torch.distributions import Dirichlet, kl_divergence
 from rnn_darts.genotypes import PRIMITIVES, STEPS, edge_slices
 
 # %% auto #0
-__all__ = ['RELAXATION_CLASSES', 'gumbel_', 'gumbel_like', 'one_hot_argmax', 'straight_through', 'node_pairs', 'per_node',
-           'pair_slots', 'from_nodes', 'Relaxation', 'Sigmoid', 'Gdas', 'Snas', 'dirichlet_concentration', 'Drnas',
-           'dirichlet_kl', 'linear_schedule']
+__all__ = ['RELAXATION_CLASSES', 'gumbel_', 'gumbel_like', 'one_hot_argmax', 'straight_through', 'node_pairs', 'node_edges',
+           'NodeTable', 'per_node', 'pair_slots', 'from_nodes', 'Relaxation', 'Sigmoid', 'Gdas', 'Snas',
+           'dirichlet_concentration', 'Drnas', 'EdgeNorm', 'dirichlet_kl', 'linear_schedule']
 
 # %% ../nbs/03d_relax.ipynb #42c245a4
 def gumbel_(t):
@@ -36,6 +36,17 @@ def node_pairs(steps:int=STEPS, columns:int=len(PRIMITIVES)) -> torch.Tensor:
     rows = [[e * k + o for e in range(sl.start, sl.stop) for o in range(1, k)] for sl in edge_slices(steps)]
     width = max(map(len, rows))
     return torch.tensor([r + [-1] * (width - len(r)) for r in rows])
+
+def node_edges(steps:int=STEPS) -> torch.Tensor:
+    "(nodes, nodes) indices of each node's incoming edges (α's rows), padded with −1"
+    return torch.tensor([list(range(sl.start, sl.stop)) + [-1] * (steps - sl.stop + sl.start) for sl in edge_slices(steps)])
+
+class NodeTable:
+    "A (nodes, width) index table into a tensor's flattened entries (`node_pairs`, `node_edges`) and its `pair_slots`, moved to the tensor's device once, at the first forward (eager, before any capture)"
+    def __init__(self, pairs): self.pairs, self.slots = pairs, pair_slots(pairs)
+    def on(self, like) -> tuple:
+        if self.pairs.device != like.device: self.pairs, self.slots = self.pairs.to(like.device), tuple(t.to(like.device) for t in self.slots)
+        return self.pairs, self.slots
 
 def per_node(alpha, pairs):
     "α's entries by node (nodes, width), padding at −∞ (no host read: a CUDA graph can hold it)"
@@ -73,13 +84,9 @@ class Gdas(Relaxation):
     name, tau, stochastic = 'gdas', (10., 0.1), True   # its scripts' --tau_max, --tau_min
     def __init__(self, steps:int=STEPS, columns:int=len(PRIMITIVES)):
         super().__init__(steps, columns)
-        self.pairs = node_pairs(steps, columns)
-        self.slots = pair_slots(self.pairs)
-    def _on(self, alpha):
-        "The index tensors on α's device (copied there once, at the first forward: eager, before any capture)"
-        if self.pairs.device != alpha.device: self.pairs, self.slots = self.pairs.to(alpha.device), tuple(t.to(alpha.device) for t in self.slots)
-        return self.pairs, self.slots
-    def noise_shape(self, alpha): return tuple(self.pairs.shape)
+        self.table = NodeTable(node_pairs(steps, columns))
+    def _on(self, alpha): return self.table.on(alpha)
+    def noise_shape(self, alpha): return tuple(self.table.pairs.shape)
     def probs(self, alpha):
         p, s = self._on(alpha)
         return from_nodes(F.softmax(per_node(alpha, p), -1), s, alpha)
@@ -107,7 +114,17 @@ class Drnas(Relaxation):
         return c / c.sum(-1, keepdim=True)
     def sample(self, alpha, tau=None, noise=None): return Dirichlet(dirichlet_concentration(alpha), validate_args=False).rsample()   # no checks: they read the device
 
-RELAXATION_CLASSES = {r.name: r for r in (Relaxation, Sigmoid, Gdas, Snas, Drnas)}   # name -> class; the names are `rnn_darts.config.RELAXATIONS`
+RELAXATION_CLASSES = {r.name: r for r in (Relaxation, Sigmoid, Gdas, Snas, Drnas)}
+
+# %% ../nbs/03d_relax.ipynb #8e49a242
+class EdgeNorm:
+    """PC-DARTS's edge normalisation (Xu et al., ICLR 2020, their β): per node, softmax weights over its incoming edges
+    from β, one per edge; a node's edges are multiplied by them, whatever mixes the ops on each"""
+    def __init__(self, steps:int=STEPS): self.table = NodeTable(node_edges(steps))
+    def weights(self, beta):
+        "Each edge's weight (edges,): the softmax of β over the edges that enter its node"
+        pairs, slots = self.table.on(beta)
+        return from_nodes(F.softmax(per_node(beta, pairs), -1), slots, beta)   # name -> class; the names are `rnn_darts.config.RELAXATIONS`
 
 # %% ../nbs/03d_relax.ipynb #5f552e34
 def dirichlet_kl(alpha, prior:float=1.):

@@ -44,7 +44,7 @@ def corpus_key(s:dict) -> tuple:
 # %% ../nbs/07b_runs.ipynb #c11c0005
 RUN_FILES = ('run.json', 'log.csv', 'history.json', 'genotype.json', 'candidates.csv', 'checkpoints')
 RESUME_FREE = ('epochs', 'out', 'device', 'threads', 'checkpoint_every', 'tensorboard')   # settings a resumed run may change without --override
-SPACE = ('ops', 'nodes')   # settings that shape α and the weights: a resumed run never changes them, --override or not
+SPACE = ('ops', 'nodes', 'edge_norm')   # settings that shape α and the weights: a resumed run never changes them, --override or not
 
 def run_files(out) -> list:
     "The files of a run that the folder `out` holds"
@@ -116,9 +116,10 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
                 raise UsageError(f"--epochs {s['epochs']}: {out} has done {done} epochs; --epochs is the total with --resume, so give "
                                  f"{done} or more (a run is never cut back)")
             changes = settings_diff(info['settings'], s)
-            for k in SPACE:
-                if k in changes: raise UsageError(f"--resume: {out} ran --{k} {changes[k][0]}, not {changes[k][1]}: its α and weights have "
-                                                  f"that space's shape, so it cannot go on in another (not even with --override); drop --{k}, or start a new --out")
+            for k in (k for k in SPACE if k in changes):
+                flag = '--' + k.replace('_', '-')
+                raise UsageError(f"--resume: {out} ran {flag} {changes[k][0]}, not {changes[k][1]}: its α and weights have that space's "
+                                 f"shape, so it cannot go on in another (not even with --override); give its {flag}, or start a new --out")
             moved = data_changes(info.get('data'), data or {})
             if moved and not override:
                 k, (a, b) = next(iter(moved.items()))
@@ -199,12 +200,11 @@ def _prepare(command, flags:dict) -> _Run:
     dev = get_device(c['device'])
     name = lambda k: setting_name(k, r.src)
     if command == 'train':
-        from rnn_darts.genotypes import load_genotype, check_in_space
+        from rnn_darts.genotypes import load_genotype, check_in_space, cell_ops
         from rnn_darts.ops import ops_of
         r.genotype = load_genotype(r.s['genotype'])
         check_in_space(r.genotype, ops_of(r.s['ops'], name('ops')) if r.s['ops'] else None, r.s['nodes'], name)
-    cell_ops = tuple(dict.fromkeys(op for op, _ in r.genotype.recurrent)) if command == 'train' else r.s['ops']
-    r.plan = plan_of({**r.s, 'ops': cell_ops}, dev, name, command=command)   # a refused combination: one line; the learner runs this plan
+    r.plan = plan_of({**r.s, 'ops': cell_ops(r.genotype) if command == 'train' else r.s['ops']}, dev, name, command=command)   # a refused combination: one line; the learner runs this plan
     if r.s['tensorboard']:
         from rnn_darts.callbacks.tensorboard import summary_writer_class
         summary_writer_class()   # installed, before the run folder is made

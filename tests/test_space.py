@@ -1,8 +1,9 @@
 """The search space is the user's (issue 76): a set of ops (built in or registered), any number of nodes, through the
 command line and Python; α's shape, the genotype, the run's files and the pictures follow the space; what cannot be
 done in it is refused in one line; what was written before the space was data still loads, as the paper's."""
-import json
+import json, math
 import pytest, torch
+from rnn_darts.config import METHODS
 from rnn_darts import cli
 from rnn_darts.ops import OPS, PAPER_OPS, register_op
 from rnn_darts.genotypes import (DARTS_V2, Genotype, check_in_space, derive_genotype, load_genotype, primitives,
@@ -13,7 +14,9 @@ from rnn_darts.callbacks.arch import op_param_counts
 from rnn_darts.callbacks.checkpoint import check_meta, model_meta
 from rnn_darts.pt_select import decided_genotype, node_pairs_of
 from rnn_darts.random_search import draw_candidates, space_size
+from rnn_darts.model import DartsRnnSearch
 from tests.test_arch import small_learner
+from tests._reference import plain_search_step, run_plain
 from tests.test_cli_errors import NUM, fails
 
 def swish(x): return x * torch.sigmoid(x)
@@ -74,27 +77,115 @@ def test_a_genotype_file_with_an_op_its_set_lacks_is_refused(tmp_path):
     (['search', '--ops', 'tanh,cosh'], ["--ops: unknown op 'cosh'; the ops are " + ', '.join(OPS)]),
     (['search', '--ops', 'none,tanh'], ["--ops: 'none' is every edge's implicit op"]),
     (['search', '--nodes', '0'], ['--nodes']),
+    (['search', '--mode', 'random', '--edge-norm', 'true'], ['--edge-norm applies to the architecture weights α, which random search (mode random) does not have']),
     (['train', '--genotype', 'DARTS_V2', '--ops', 'tanh,relu'], ['--ops: the genotype uses identity, sigmoid, which the set lacks (tanh, relu)']),
     (['train', '--genotype', 'DARTS_V2', '--nodes', '5'], ['--nodes 5: the genotype has 8 nodes']),
 ])
 def test_a_space_the_run_cannot_have_is_one_line(capsys, argv, parts, tmp_path):
     fails(capsys, [*argv, *NUM, '--out', str(tmp_path/'run')], 2, *parts)
 
+# ---------------------------------------------------------------- edge normalisation (PC-DARTS's β)
+def plain_edge_weights(beta, steps):
+    "Per node, softmax of β over its incoming edges, written the plain way"
+    out, start = [], 0
+    for i in range(1, steps + 1): out.append(torch.softmax(beta[start:start + i], 0)); start += i
+    return torch.cat(out)
+
+@pytest.mark.parametrize('relax', ['softmax', 'sigmoid', 'gdas'])
+def test_edge_normalisation_equals_plain(relax):
+    "The cell's output under edge normalisation equals the plain cell mixing by relax(α) times the per-node softmax of β; and so do their gradients in α and β"
+    torch.manual_seed(0)
+    m = DartsRnnSearch(30, 6, 6, 0., 0., 0., 0., 0., steps=3, relax=relax, ops=('tanh', 'gelu'), edge_norm=True).eval()
+    assert tuple(m.alpha.shape) == (6, 4)
+    with torch.no_grad(): m.alpha.normal_()
+    m.alpha.requires_grad_(True)
+    x, h0 = torch.randn(4, 5, 6), torch.randn(5, 6)
+    out, _ = m.cell(x, h0, m.masks, 'valid', probs=m.mixing_weights('valid'), update_stats=False)
+    r = RELAXATION_CLASSES[relax](3, 3)
+    probs = r.evaluate(m.alpha[:, :3]) * plain_edge_weights(m.alpha[:, 3], 3)[:, None]
+    fresh = lambda s: s / (1 + 1e-5) ** 0.5
+    bn = lambda s, i: fresh(s) / fresh(s).pow(2).mean().sqrt().clamp(min=1)
+    ref = run_plain(lambda xt, h: plain_search_step(xt, h, m.cell.W0, [m.cell.W(i) for i in (1, 2, 3)], probs, norm=bn, ops=('tanh', 'gelu')), x, h0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    ga, gr = (torch.autograd.grad(o.pow(2).sum(), m.alpha)[0] for o in (out, ref))
+    assert ga[:, 3].abs().sum() > 0 or relax == 'gdas'
+    torch.testing.assert_close(ga, gr, rtol=1e-4, atol=1e-6)
+
+def test_edge_normalisation_derives_by_edge_weight_times_op_weight():
+    "PC-DARTS's rule: node 2's edge from node 1 has the larger op weight, the edge from node 0 the far larger β: the edge from 0 wins"
+    m = DartsRnnSearch(30, 6, 6, steps=2, ops=('tanh', 'relu'), edge_norm=True)
+    with torch.no_grad():
+        m.alpha.zero_()
+        m.alpha[1, 1] = 1.; m.alpha[2, 2] = 2.   # node 2: tanh on edge 0→2, relu (stronger) on edge 1→2
+        m.alpha[1, 3] = 3.                       # β of edge 0→2
+    w = torch.softmax(m.alpha[:, :3], -1) * plain_edge_weights(m.alpha[:, 3], 2)[:, None]
+    assert w[1, 1] > w[2, 2] and torch.softmax(m.alpha[1:3, :3], -1)[1, 2] > torch.softmax(m.alpha[1:3, :3], -1)[0, 1]
+    assert m.genotype().recurrent[1] == ('tanh', 0)
+    torch.testing.assert_close(m.arch_weights(), w)
+
+def test_beta_hypergradient_first_order_equals_finite_differences():
+    "∇β of the validation loss (first order), against central differences in float64"
+    from rnn_darts.callbacks.arch import arch_grad, hypergrad
+    learn, c = small_learner('first', ops='tanh,relu,gelu', nodes=3, edge_norm=True, dropout=0., dropouth=0., dropoutx=0., dropouti=0.)
+    m = learn.model.double()
+    trn = val = next(iter(learn.dls.train))
+    trn = tuple(t for t in trn)
+    with torch.no_grad(): m.alpha.normal_()
+    m.reset()
+    g, _ = arch_grad(m, trn, val, lambda t, v: hypergrad(m, t, v, mode='first'))
+    def loss():
+        m.reset()
+        with torch.no_grad(): return float(m.loss(*val, stream='search', advance=False, update_stats=False))
+    eps = 1e-6
+    for e in range(6):
+        with torch.no_grad(): m.alpha[e, -1] += eps
+        up = loss()
+        with torch.no_grad(): m.alpha[e, -1] -= 2 * eps
+        down = loss()
+        with torch.no_grad(): m.alpha[e, -1] += eps
+        assert abs((up - down) / (2 * eps) - float(g[e, -1])) <= 1e-6 + 1e-4 * abs(float(g[e, -1])), e
+
+def test_beta_second_order_hypergradient_equals_the_exact_one():
+    "The unrolled step's β part: with its finite-difference Hessian-vector product, as with autograd's double backward (exact), float64"
+    from rnn_darts.callbacks.arch import arch_grad, hypergrad
+    learn, c = small_learner('second', ops='tanh,relu,gelu', nodes=3, edge_norm=True, dropout=0., dropouth=0., dropoutx=0., dropouti=0.)
+    m = learn.model.double()
+    it = iter(learn.dls.train); trn, val = next(it), next(it)
+    with torch.no_grad(): m.alpha.normal_()
+    def g(mode):
+        m.reset()
+        return arch_grad(m, trn, val, lambda t, v: hypergrad(m, t, v, mode=mode, lr=2., wd=0., clip=None))[0]
+    fd, ex = g('second'), g('exact')
+    assert ex[0, -1] == 0 and ex[1:, -1].abs().min() > 0   # node 1 has one edge: its weight is 1, whatever β
+    assert torch.nn.functional.cosine_similarity(fd[:, -1], ex[:, -1], dim=0) >= 0.99   # as α's (tests/test_arch.py): finite differences are approximate
+
+@pytest.mark.parametrize('method', [m for m in METHODS if m not in ('darts', 'random')])
+def test_edge_normalisation_composes_with_every_method(method):
+    "Each method (so each α step kind: second, first, exact, mixed, single) learns β beside α, one Adam over one tensor, its logs finite"
+    learn, _ = small_learner(METHODS[method].get('mode', 'first'), method=method, ops='tanh,relu', nodes=3, edge_norm=True, pt_tune=1)
+    before = learn.model.alpha.detach().clone()
+    learn.fit(1)
+    moved = (learn.model.alpha.detach() - before).abs()
+    assert moved[1:, -1].min() > 0 and moved[:, :-1].max() > 0
+    assert all(math.isfinite(v) for v in learn.recorder.values[-1])
+    assert len(learn.model.genotype().recurrent) == 3
+
 @pytest.mark.slow
 def test_a_new_space_end_to_end_on_the_command_line(tmp_path, capsys):
     "search with gelu and 5 nodes, then train, evaluate and report; a resume in another space is refused, --override or not"
     out, ops = tmp_path/'search', ['tanh', 'relu', 'sigmoid', 'identity', 'gelu']
-    cli.run_command(['search', *NUM, '--ops', ','.join(ops), '--nodes', '5', '--curvature', 'false', '--out', str(out)])
+    cli.run_command(['search', *NUM, '--ops', ','.join(ops), '--nodes', '5', '--edge-norm', 'true', '--curvature', 'false', '--out', str(out)])
     g = json.loads((out/'genotype.json').read_text())
     assert g['ops'] == ops and len(g['recurrent']) == 5 and g['concat'] == [1, 2, 3, 4, 5]
     s = json.loads((out/'run.json').read_text())['settings']
     assert (s['ops'], s['nodes']) == (','.join(ops), 5)
     h = json.loads((out/'history.json').read_text())
     assert len(h[-1]['weights']) == 15 and len(h[-1]['weights'][0]) == 6
-    same = ['--ops', ','.join(ops)]
-    for flags, k in ((['--ops', 'tanh,relu', '--nodes', '5'], 'ops'), ([*same, '--nodes', '4'], 'nodes'), ([*same, '--nodes', '4', '--override', 'true'], 'nodes')):
+    same = ['--ops', ','.join(ops), '--nodes', '5', '--edge-norm', 'true']
+    for flags, k in ((['--ops', 'tanh,relu', '--nodes', '5', '--edge-norm', 'true'], 'ops'), ([*same, '--nodes', '4'], 'nodes'),
+                     ([*same, '--nodes', '4', '--override', 'true'], 'nodes'), ([*same, '--edge-norm', 'false'], 'edge_norm')):
         fails(capsys, ['search', *NUM, *flags, '--curvature', 'false', '--resume', '--epochs', '2', '--out', str(out)], 2,
-              f"--resume: {out} ran --{k} ", "cannot go on in another (not even with --override)")
+              f"--resume: {out} ran --{k.replace('_', '-')} ", "cannot go on in another (not even with --override)")
     capsys.readouterr()
     cli.run_command(['train', *NUM, '--genotype', str(out), '--out', str(tmp_path/'train')])
     assert 'test loss' in capsys.readouterr().out

@@ -95,7 +95,8 @@ def op_param_counts(model):
     c = model.__dict__.get('_op_counts')
     if c is None or c.device != model.alpha.device:
         n = model.nhid
-        c = model.__dict__['_op_counts'] = torch.tensor([0.] + [float(n * 2 * n + 1)] * len(model.ops), device=model.alpha.device)
+        c = model.__dict__['_op_counts'] = torch.tensor([0.] + [float(n * 2 * n + 1)] * len(model.ops) + [0.] * (model.edge_norm is not None),
+                                                        device=model.alpha.device)   # β's column (edge normalisation) does not decay
     return c
 
 def op_decay_grad(model, op_decay):
@@ -197,7 +198,7 @@ def arch_step(model, opt, trn, val, mode=SearchConfig.mode, lr=SearchConfig.lr, 
     grad_fn = grad_fn or partial(hypergrad, model, mode=mode, lr=lr, wd=wd, clip=clip)
     g, loss = arch_grad(model, trn, val, grad_fn, same_masks, arch_bf16)
     if reduce is not None: g = reduce(g)
-    if penalty is not None: g = g + penalty_grad(model.alpha, penalty)
+    if penalty is not None: g = g + penalty_grad(model.alpha, lambda a: penalty(model.op_alpha(a)))   # the regularisers see the ops' columns
     ok = guarded_adam_step(opt, model.alpha, g, op_decay_grad(model, op_decay) if op_decay else None)
     return loss, ok
 

@@ -70,7 +70,7 @@ class Perturbation(Callback):
     def perturbed(self):
         "This batch's perturbed mixing weights"
         m = self.model
-        w = F.softmax(m.alpha.detach(), -1)
+        w = F.softmax(m.op_alpha().detach(), -1)
         if self.kind == 'random': return random_mixing(w, self.eps)
         m.eval()
         try: return pgd_mixing(self.attack_loss(self.xb[0], self.yb[0]), w, self.eps, self.steps)
