@@ -4,6 +4,7 @@
 
 # %% ../nbs/03e_fused.ipynb #614da380
 from __future__ import annotations
+import weakref
 from functools import lru_cache
 import torch
 import triton, triton.language as tl
@@ -433,9 +434,11 @@ class FusedSearchStep(torch.autograd.Function):
 
 
 # %% ../nbs/03e_fused.ipynb #50c12aa7
+_PLANS = weakref.WeakKeyDictionary()   # cell -> {(genotype, device): its FusedPlan}: kept here, not on the cell, and gone with it
+
 def plan_of(cell, device) -> FusedPlan:
     "The cell's `FusedPlan` for its genotype on `device`, made once"
-    plans = cell.__dict__.setdefault('_fused_plans', {})
+    plans = _PLANS.setdefault(cell, {})
     key = (cell.genotype, str(device))
     if key not in plans: plans[key] = FusedPlan(cell, device)
     return plans[key]

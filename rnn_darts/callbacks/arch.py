@@ -91,12 +91,11 @@ def hypergrad(model, trn, val, mode=SearchConfig.mode, lr=SearchConfig.lr, wd=0.
 
 # %% ../../nbs/04_arch.ipynb #c55f570d
 def op_param_counts(model):
-    "AutoRA's count per primitive: the weights an op of an edge uses, plus one for being an op; `none`: 0. Made once per model and device: a step copies nothing from the host (CUDA graphs)"
-    c = model.__dict__.get('_op_counts')
-    if c is None or c.device != model.alpha.device:
-        n = model.nhid
-        c = model.__dict__['_op_counts'] = torch.tensor([0.] + [float(n * 2 * n + 1)] * len(model.ops) + [0.] * (model.edge_norm is not None),
-                                                        device=model.alpha.device)   # β's column (edge normalisation) does not decay
+    "AutoRA's count per primitive, one per column of α: the weights an op of an edge uses, plus one for being an op; `none` (and β's column, under edge normalisation) 0. Filled on α's device: a step copies nothing from the host (CUDA graphs)"
+    n, a = model.nhid, model.alpha
+    c = a.new_full((a.shape[1],), float(n * 2 * n + 1))
+    c[0] = 0.
+    if model.edge_norm is not None: c[-1] = 0.
     return c
 
 def op_decay_grad(model, op_decay):

@@ -77,12 +77,15 @@ class AutoCompile(Callback):
 class CompileNotice(Callback):
     "A line when the first training (or validation) batch of a newly compiled step is still running after `quiet` seconds, as it compiles, and its time when it ends; nothing when Inductor's cache makes it quick"
     order = AutoCompile.order + 1   # after AutoCompile has decided
-    def __init__(self, quiet:float=10.): self.quiet, self.timer, self.said = quiet, None, []
+    def __init__(self, quiet:float=10.): self.quiet, self.timer, self.said, self.watched = quiet, None, [], (None, set())
 
     def watch(self, phase:str):
-        cell = self.learn.model.cell
-        if cell._compiled is None or phase in cell._compile_watched or rank_distrib(): return
-        cell._compile_watched.add(phase)
+        "Time the first `phase` batch of the cell's compiled step (once per step: `compile_step` makes a new one, watched again)"
+        step = self.learn.model.cell._compiled
+        if step is None or rank_distrib(): return
+        if self.watched[0] is not step: self.watched = (step, set())
+        if phase in self.watched[1]: return
+        self.watched[1].add(phase)
         self.t0, self.said = time.perf_counter(), []
         self.timer = threading.Timer(self.quiet, self.say, args=(phase,))
         self.timer.daemon = True; self.timer.start()
