@@ -281,7 +281,7 @@ def plot_alphas(history, epoch:int=-1, path=None):
             for c in range(w.shape[1]):
                 ax.text(c, r, f"{w[r, c]:.3f}", ha='center', va='center', fontsize=7,
                         color='black' if w[r, c] > (lo + hi) / 2 else 'white')
-    fig.colorbar(im, ax=ax, fraction=0.06, pad=0.02, label=h.get('relax', 'softmax') + '(α)')
+    fig.colorbar(im, ax=ax, fraction=0.06, pad=0.02, label=h.get('relax', 'softmax') + '(α)' + (" × the edge's weight (β)" if h.get('edge_norm') else ''))
     ax.set_title(f"mixing weights, epoch {h.get('epoch', epoch)}\n(red: derived choice)", fontsize=10)
     # winning op per node per epoch
     ax2 = fig.add_subplot(gs[1])

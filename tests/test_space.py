@@ -195,5 +195,6 @@ def test_a_new_space_end_to_end_on_the_command_line(tmp_path, capsys):
     from rnn_darts.plot import plot_alphas
     fig = plot_alphas(h)
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == primitives(ops) and fig.winners.shape == (5, 1)
+    assert "softmax(α) × the edge's weight (β)" in [a.get_ylabel() for a in fig.axes]   # what the heatmap shows under edge normalisation
     text = (out/'report'/'report.md').read_text()
     assert 'gelu' in text and (out/'report'/'alphas.png').is_file()

@@ -32,7 +32,7 @@ class GenotypeLogger(TrainEpochEnd):
         g = m.genotype()
         curv = getattr(self.learn, 'curvature', None)   # λ_max of this epoch, if measured (`rnn_darts.callbacks.curvature`)
         self.history.append(dict(epoch=self.epoch, genotype=genotype_to_dict(g, m.ops), weights=m.arch_weights().detach().cpu().tolist(),
-                                 relax=m.relax, **({} if curv is None else dict(lambda_max=curv.value, lambda_max_windows=getattr(curv, 'per_window', [])))))
+                                 relax=m.relax, **({} if m.edge_norm is None else dict(edge_norm=True)), **({} if curv is None else dict(lambda_max=curv.value, lambda_max_windows=getattr(curv, 'per_window', [])))))
         if self.fname and rank_distrib() == 0: write_json_atomic(self.history, self.path/self.fname)
         if self.show: print(f"epoch {self.epoch}: genotype = {g}")
     def ckpt_state(self): return dict(history=self.history)

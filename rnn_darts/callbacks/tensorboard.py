@@ -62,7 +62,8 @@ class TensorBoardLog(TrainEpochEnd):
         "α's heatmap, as the report draws it, and the derived cell, as text and diagram"
         from rnn_darts.plot import plot_alphas
         g = m.genotype()
-        entry = dict(epoch=e, genotype=genotype_to_dict(g, m.ops), weights=m.arch_weights().detach().cpu().tolist(), relax=m.relax)
+        entry = dict(epoch=e, genotype=genotype_to_dict(g, m.ops), weights=m.arch_weights().detach().cpu().tolist(), relax=m.relax,
+                     **({} if m.edge_norm is None else dict(edge_norm=True)))
         self.writer.add_figure('alpha', plot_alphas([entry]), e)   # closes the figure
         self.writer.add_text('cell', str(g), e)
         if self.diagram: self.add_diagram(g, e)
