@@ -207,7 +207,7 @@ def _prepare(command, flags:dict) -> _Run:
     r.plan = plan_of({**r.s, 'ops': cell_ops(r.genotype) if command == 'train' else r.s['ops']}, dev, name, command=command)   # a refused combination: one line; the learner runs this plan
     if r.s['tensorboard']:
         from rnn_darts.callbacks.tensorboard import summary_writer_class
-        summary_writer_class()   # installed, before the run folder is made
+        summary_writer_class(r.s['tensorboard'])   # installed, and a folder it can write, before the run folder is made
     from rnn_darts.distrib import setup_distrib
     r.rank, world, r.dev = setup_distrib(device=str(dev))
     r.threads = set_threads(c['threads'], r.dev)

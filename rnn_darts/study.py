@@ -286,7 +286,7 @@ def run_study(
         check_ray(ray)   # installed, and the cluster answers, before anything is written
     if s['tensorboard']:
         from rnn_darts.callbacks.tensorboard import summary_writer_class
-        summary_writer_class()   # installed, before anything is written
+        summary_writer_class(s['tensorboard'])   # installed, and a folder it can write, before anything is written
     for k in ('search_preset', 'train_preset'):   # both presets exist, before anything runs
         from rnn_darts.options import known_options, setting_name
         try: read_preset(s[k], known_options(), find_settings(settings, s[k]))

@@ -73,3 +73,13 @@ def test_a_failing_dot_turns_the_diagrams_off_and_the_run_goes_on(tmp_path, caps
     assert "TensorBoard: no cell diagrams from here on (dot -Tpng failed: no fonts)" in capsys.readouterr().out
     ea = events(board)
     assert steps(ea, 'valid_loss') == [0, 1] and 'cell diagram' not in ea.Tags()['images']
+
+def test_a_path_that_cannot_be_a_folder_is_one_line_before_any_run_folder(tmp_path, capsys):
+    "--tensorboard naming a file, or a path under one: exit 2, one line naming the file, no run folder made (issue 80: it was an 80-line traceback and a folder holding only .lock)"
+    (tmp_path/'notes.txt').write_text('mine')
+    for logdir in (tmp_path/'notes.txt', tmp_path/'notes.txt'/'tb'):
+        with pytest.raises(SystemExit) as e: cli.run_command(['search', *TINY, '--out', str(tmp_path/'s'), '--tensorboard', str(logdir)])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err == (f"rnn-darts: error: --tensorboard {logdir}: {tmp_path/'notes.txt'} is a file; "
+                                             "name a folder for TensorBoard's event files"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['notes.txt'] and (tmp_path/'notes.txt').read_text() == 'mine'

@@ -7,7 +7,7 @@ from __future__ import annotations
 import io, math
 from pathlib import Path
 from fastai.torch_core import rank_distrib
-from rnn_darts.core import UserError
+from rnn_darts.core import UserError, UsageError
 from rnn_darts.genotypes import genotype_to_dict
 from rnn_darts.model import DartsRnn
 from rnn_darts.callbacks.epochs import TrainEpochEnd
@@ -19,10 +19,15 @@ __all__ = ['TB_INSTALL', 'summary_writer_class', 'TensorBoardLog']
 # %% ../../nbs/05f_tensorboard.ipynb #45dbb3dc
 TB_INSTALL = "pip install 'rnn-darts[tensorboard]' (in a checkout: pip install -e '.[tensorboard]')"
 
-def summary_writer_class():
-    "torch's `SummaryWriter`, or one line saying how to install TensorBoard (a `UserError`)"
+def summary_writer_class(log_dir=None):
+    """torch's `SummaryWriter`, or one line saying how to install TensorBoard (a `UserError`); given `log_dir`, one line
+    (a `UsageError`) where it cannot be a folder: it, or a folder above it, is a file"""
     try: from torch.utils.tensorboard import SummaryWriter
     except ImportError: raise UserError(f"--tensorboard needs TensorBoard, an optional extra of rnn-darts: {TB_INSTALL}") from None
+    if log_dir is not None:
+        p = Path(log_dir)
+        f = next((q for q in (p, *p.parents) if q.exists() and not q.is_dir()), None)
+        if f is not None: raise UsageError(f"--tensorboard {p}: {f} is a file; name a folder for TensorBoard's event files")
     return SummaryWriter
 
 def _scalar(v) -> float|None:
@@ -37,7 +42,7 @@ class TensorBoardLog(TrainEpochEnd):
     "Each epoch: the row's numbers and the learning rate as scalars, α as an image and the cell as text (searches), the cell's diagram where `dot` is present; the settings as hparams at the fit's end"
     order = GenotypeLogger.order + 1   # after the epoch's row, λ_max and the genotype are known
     def __init__(self, log_dir, diagram:bool|None=None):
-        self.log_dir, self.writer, self.cls = Path(log_dir), None, summary_writer_class()
+        self.log_dir, self.writer, self.cls = Path(log_dir), None, summary_writer_class(log_dir)
         if diagram is None:
             from rnn_darts.plot import dot_path
             diagram = dot_path() is not None
