@@ -104,6 +104,8 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
     out = Path(out)
     if resume and overwrite: raise UsageError("--resume continues the run in the folder and --overwrite deletes it: give one of them")
     if out.exists() and not out.is_dir(): raise UsageError(f"--out {out} is a file, not a folder")
+    if resume and not run_files(out):   # nothing to continue: said before the folder is made or locked
+        raise UsageError(f"--resume: {out} holds no run to continue (no run.json, log or checkpoint); drop --resume to start one there")
     out.mkdir(parents=True, exist_ok=True)
     lock, changes = RunLock(out).acquire(), {}
     try:

@@ -411,3 +411,10 @@ def test_every_flag_has_help_and_its_default(cmd):
         if a.option_strings and d not in (None, '', False) and a.dest not in ('out', 'device', 'threads', 'op_decay', 'unk'):
             shown = str(d).lower() if isinstance(d, bool) else str(d)
             assert f'(default: {shown}' in a.help, (cmd, a.dest, a.help)
+
+def test_resume_where_there_is_no_run_is_one_line_and_makes_nothing(capsys, tmp_path):
+    "--resume asks to continue a run: where the folder holds none (or does not exist), exit 2 naming it, no folder made, nothing run (issue 80)"
+    for out in (tmp_path/'never', tmp_path/'empty'):
+        if out.name == 'empty': out.mkdir()
+        fails(capsys, ['search', *NUM, '--out', str(out), '--resume'], 2, f"--resume: {out} holds no run to continue")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['empty'] and not any((tmp_path/'empty').iterdir())
