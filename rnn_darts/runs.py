@@ -131,6 +131,9 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
             if changes and not override:
                 raise UsageError(f"--resume: these settings differ from {out/'run.json'}: {_fmt_changes(changes)}; "
                                  f"drop the flags, or pass --override true to continue with the new values")
+            if info.get('finished') and s.get('epochs') == done:   # nothing to continue: said before any file is touched
+                raise UsageError(f"--resume: {out} has finished its {done} epoch{'s' * (done != 1)}; to extend it, give --epochs M "
+                                 f"(the total, above {done}) with --resume")
             if changes: print(f"--override: continuing {out} with changed settings: {_fmt_changes(changes)}")
         elif had and not resume:
             if not overwrite:

@@ -418,3 +418,15 @@ def test_resume_where_there_is_no_run_is_one_line_and_makes_nothing(capsys, tmp_
         if out.name == 'empty': out.mkdir()
         fails(capsys, ['search', *NUM, '--out', str(out), '--resume'], 2, f"--resume: {out} holds no run to continue")
     assert sorted(p.name for p in tmp_path.iterdir()) == ['empty'] and not any((tmp_path/'empty').iterdir())
+
+@pytest.mark.slow
+def test_resume_of_a_finished_run_says_how_to_extend_it_and_rewrites_nothing(capsys, tmp_path):
+    "--resume on a run that finished its epochs: exit 2, one line with its epochs and how to extend it; its files untouched (issue 80). --epochs 2 extends it"
+    out = tmp_path/'run'
+    cli.run_command(['search', *NUM, '--curvature', 'false', '--out', str(out)])
+    files = {p: p.read_bytes() for p in out.rglob('*') if p.is_file() and p.name != '.lock'}
+    fails(capsys, ['search', *NUM, '--curvature', 'false', '--out', str(out), '--resume'], 2,
+          f"--resume: {out} has finished its 1 epoch; to extend it, give --epochs M (the total, above 1) with --resume")
+    assert {p: p.read_bytes() for p in out.rglob('*') if p.is_file() and p.name != '.lock'} == files
+    cli.run_command(['search', *[a if a != '1' else '2' for a in NUM], '--curvature', 'false', '--out', str(out), '--resume'])
+    assert len(json.loads((out/'run.json').read_text())['epoch_times']) == 2
