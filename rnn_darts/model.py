@@ -186,9 +186,9 @@ class DartsCell(PackedCell):
     @property
     def ops(self) -> tuple: return cell_ops(self.genotype)
 
-    def use(self, genotype):
-        "Run `genotype` (of as many nodes) from the next forward on, with the same weights: node `i` multiplies by `W(i)`"
-        g = check_genotype(genotype)
+    def use(self, genotype, ops=None):
+        "Run `genotype` (of as many nodes; its ops of the set `ops`, if given) from the next forward on, with the same weights: node `i` multiplies by `W(i)`"
+        g = check_genotype(genotype, ops=ops)
         if len(g.recurrent) != self.n_nodes: raise ValueError(f"this cell has {self.n_nodes} nodes; the genotype has {len(g.recurrent)}")
         self.genotype, self.acts = g, tuple(op_fn(op) for op, _ in g.recurrent)
         self.kids = {p: [i for i in _by_predecessor(g) if g.recurrent[i - 1][1] == p] for p in range(self.n_nodes + 1)}
@@ -469,7 +469,7 @@ class DartsRnnShared(LanguageModel):
         return self.cell.genotype
     def use(self, genotype):
         "Run `genotype` (of `steps` nodes, its ops of the set) from the next forward on"
-        self.cell.use(check_genotype(genotype, ops=self.ops))
+        self.cell.use(genotype, self.ops)
         return self
 
 # %% ../nbs/03_model.ipynb #572f47b4
