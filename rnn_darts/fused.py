@@ -14,8 +14,8 @@ ACT_IDS = dict(tanh=0, relu=1, sigmoid=2, identity=3)
 BM, BN, BK = 16, 32, 32   # rows of the batch per program; output and inner columns per tile (`tl.dot` takes tiles of 16 and more)
 
 # %% auto #0
-__all__ = ['ACT_IDS', 'BM', 'BN', 'BK', 'FusedPlan', 'FusedDerivedStep', 'FusedSearchStep', 'plan_of', 'derived_runner',
-           'search_runner']
+__all__ = ['ACT_IDS', 'BM', 'BN', 'BK', 'RUNNERS', 'FusedPlan', 'FusedDerivedStep', 'FusedSearchStep', 'plan_of',
+           'derived_runner', 'search_runner']
 
 # %% ../nbs/03e_fused.ipynb #93617ff1
 @triton.jit
@@ -133,9 +133,9 @@ def _kernel(name, interpret:bool):
     from triton.runtime.interpreter import InterpretedFunction
     return fn if isinstance(fn, InterpretedFunction) else InterpretedFunction(fn.fn)
 
-def _precision(x) -> str:
-    "`tl.dot`'s input precision: 'tf32' where CUDA's float32 products may use TF32 (`--precision tf32`), else exact ('ieee')"
-    return 'tf32' if x.is_cuda and x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else 'ieee'
+def _precision(x, tf32:bool) -> str:
+    "`tl.dot`'s input precision: 'tf32' for CUDA's float32 products if `tf32` (the plan's `--precision tf32`), else exact ('ieee')"
+    return 'tf32' if tf32 and x.is_cuda and x.dtype == torch.float32 else 'ieee'
 
 # %% ../nbs/03e_fused.ipynb #9d494ed0
 class FusedPlan:
@@ -162,7 +162,7 @@ class FusedDerivedStep(torch.autograd.Function):
     Takes the per-step input `xw_t`, the state `h`, the mask `mh`, the tap (or None) and every product's weight, stacked
     (`W`: (1 + n_nodes)·2n × n, rows as the plan's); returns the new state and the products' inputs (for the tap)"""
     @staticmethod
-    def forward(ctx, xw_t, h, tap, W, mh, plan):
+    def forward(ctx, xw_t, h, tap, W, mh, plan, tf32=False):
         bs, n = h.shape
         h, xw_t = h.contiguous(), xw_t.contiguous()
         S, P = h.new_empty(plan.rows + 1, bs, n), h.new_empty(plan.rows, bs, 2 * n)
@@ -171,9 +171,9 @@ class FusedDerivedStep(torch.autograd.Function):
         kernel = _kernel('_fused_derived_forward', not h.is_cuda)
         with torch.profiler.record_function('triton_fused_derived_forward'):
             kernel[(triton.cdiv(bs, BM),)](xw_t, h, h if mh is None else mh, W, plan.table, cw, S, P, A, out, bs, n, plan.rows,
-                                           HAS_MH=mh is not None, PREC=_precision(h), BM=BM, BN=BN, BK=BK)
+                                           HAS_MH=mh is not None, PREC=_precision(h, tf32), BM=BM, BN=BN, BK=BK)
         ctx.save_for_backward(W, S, P, cw, *(() if mh is None else (mh,)))
-        ctx.plan = plan
+        ctx.plan, ctx.tf32 = plan, tf32
         ctx.mark_non_differentiable(A)
         ctx.set_materialize_grads(False)   # no zeros made for A's gradient, every time step
         return out, A
@@ -186,8 +186,8 @@ class FusedDerivedStep(torch.autograd.Function):
         kernel = _kernel('_fused_derived_backward', not S.is_cuda)
         with torch.profiler.record_function('triton_fused_derived_backward'):
             kernel[(triton.cdiv(bs, BM),)](gout.contiguous(), mh[0] if mh else S, W, plan.table, cw, S, P, GS, G, bs, n, plan.rows, W.shape[0],
-                                           HAS_MH=bool(mh), PREC=_precision(S), BM=BM, BN=BN, BK=BK)
-        return G[:, :2 * n], GS[0], G if ctx.needs_input_grad[2] else None, None, None, None
+                                           HAS_MH=bool(mh), PREC=_precision(S, ctx.tf32), BM=BM, BN=BN, BK=BK)
+        return G[:, :2 * n], GS[0], G if ctx.needs_input_grad[2] else None, None, None, None, None
 
 # %% ../nbs/03e_fused.ipynb #7516c720
 @triton.jit
@@ -400,7 +400,7 @@ class FusedSearchStep(torch.autograd.Function):
     the mask `mh`, the cell's `NodeNorm` (batch statistics; its running ones updated if `update`); returns the new state
     and the products' inputs (for the tap)"""
     @staticmethod
-    def forward(ctx, xw_t, h, tap, W, leaving, mh, norm, update):
+    def forward(ctx, xw_t, h, tap, W, leaving, mh, norm, update, tf32=False):
         (bs, n), steps, n_edges = h.shape, norm.n - 1, leaving.shape[0]
         if bs < 2: raise ValueError(f"the search cell normalises each node over the batch, which needs 2 rows or more; got a batch of {bs}")
         h, xw_t = h.contiguous(), xw_t.contiguous()
@@ -409,12 +409,13 @@ class FusedSearchStep(torch.autograd.Function):
         A, out, istd = h.new_empty(1 + steps, bs, n), h.new_empty(bs, n), h.new_empty(steps + 1, n)
         args = (xw_t, h if mh is None else mh, W, leaving, R, S, SIG, HH, A, out, istd,
                 norm.running_mean, norm.running_var, norm.num_batches_tracked)
-        kw = dict(HAS_MH=mh is not None, UPDATE=bool(update), PREC=_precision(h), BM=BM, BN=BN, BK=BK)
+        kw = dict(HAS_MH=mh is not None, UPDATE=bool(update), PREC=_precision(h, tf32), BM=BM, BN=BN, BK=BK)
         kernel, nc = _kernel('_fused_search_forward', not h.is_cuda), triton.cdiv(n, BN)
         for j in range(-1, steps):   # -1: h → s0
             with torch.profiler.record_function('triton_fused_search_forward'):   # a launch, as `launch_count` counts on a CPU
                 kernel[(nc, 1 if j < 0 else steps - j)](h, *args, max(j, 0), bs, n, steps, norm.momentum, norm.eps, INIT=j < 0, **kw)
         ctx.save_for_backward(W, leaving, S, SIG, HH, istd, *(() if mh is None else (mh,)))
+        ctx.tf32 = tf32
         ctx.mark_non_differentiable(A)
         ctx.set_materialize_grads(False)   # no zeros made for A's gradient, every time step
         return out, A
@@ -429,8 +430,8 @@ class FusedSearchStep(torch.autograd.Function):
         kernel = _kernel('_fused_search_backward', not S.is_cuda)
         for u in range(steps + 1, -1, -1):   # nodes from the last, then h
             with torch.profiler.record_function('triton_fused_search_backward'):
-                kernel[(nc,)](*args, u, bs, n, steps, width, n_edges, IS_H=u == 0, HAS_MH=bool(mh), PREC=_precision(S), BM=BM, BN=BN, BK=BK)
-        return G[:, :2 * n], GS[0], G if ctx.needs_input_grad[2] else None, None, PP.sum(0), None, None, None
+                kernel[(nc,)](*args, u, bs, n, steps, width, n_edges, IS_H=u == 0, HAS_MH=bool(mh), PREC=_precision(S, ctx.tf32), BM=BM, BN=BN, BK=BK)
+        return G[:, :2 * n], GS[0], G if ctx.needs_input_grad[2] else None, None, PP.sum(0), None, None, None, None
 
 
 # %% ../nbs/03e_fused.ipynb #50c12aa7
@@ -462,23 +463,25 @@ def _taps(run, group):
         return h
     return step
 
-def derived_runner(cell, ctx):
+def derived_runner(cell, ctx, tf32:bool=False):
     """`step(t, xw_t, h, mh)` of a derived cell through `FusedDerivedStep`: its weights stacked once per sequence, their
     gradients (in a forward with weight gradients) through one `WeightGroup`'s taps, as a compiled step's; None where
-    the kernels cannot run it (`_runnable`)"""
+    the kernels cannot run it (`_runnable`); `tf32`: the products on TF32 tensor cores"""
     W0hT, blocks = ctx
     ws = [W0hT, *blocks]
     if not _runnable(ws): return None
     W = torch.cat([_plain(w) for w in ws])
     plan = plan_of(cell, W.device)
-    return _taps(lambda xw_t, h, tap, mh: FusedDerivedStep.apply(xw_t, h, tap, W, mh, plan), _group(ws))
+    return _taps(lambda xw_t, h, tap, mh: FusedDerivedStep.apply(xw_t, h, tap, W, mh, plan, tf32), _group(ws))
 
-def search_runner(cell, ctx):
+def search_runner(cell, ctx, tf32:bool=False):
     """`step(t, xw_t, h, mh)` of the search cell through `FusedSearchStep` (in training: batch statistics), its weights
     as `derived_runner`'s; None where the kernels cannot run it"""
     W0hT, Wsuf, leaving, update_stats = ctx
     ws = [W0hT, *Wsuf]
     if not cell.bn.training or not _runnable(ws): return None
     W, leaving = torch.cat([_plain(W0hT), _plain(Wsuf[0])]), leaving.contiguous()   # Wsuf[0] is all of WhT
-    return _taps(lambda xw_t, h, tap, mh: FusedSearchStep.apply(xw_t, h, tap, W, leaving, mh, cell.bn, update_stats), _group(ws))
+    return _taps(lambda xw_t, h, tap, mh: FusedSearchStep.apply(xw_t, h, tap, W, leaving, mh, cell.bn, update_stats, tf32), _group(ws))
+
+RUNNERS = dict(derived=derived_runner, search=search_runner)   # by the cell's `kind`
 

@@ -25,6 +25,7 @@ from fastai.callback.progress import CSVLogger
 from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name, naming
 from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, check_random, TEMPERED
 from rnn_darts.plan import plan_of
+from rnn_darts.runners import runner_of
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict, check_in_space
 from rnn_darts.ops import ops_of
@@ -129,7 +130,7 @@ class RunInfo(TrainEpochEnd):
         "The execution plan that ran this epoch (`learn.plan`: what ran, not what was asked), 'auto' compiling resolved to whether it did"
         p = getattr(self.learn, 'plan', None)
         if p is None: return None
-        return (replace(p, compile=self.model.cell._compiled is not None) if p.compile == 'auto' else p).asdict()
+        return (replace(p, compile=self.model.runner.compiles) if p.compile == 'auto' else p).asdict()
     def ckpt_state(self): return dict(info=self.info, epoch_seconds=time.time() - self.t0 if getattr(self, 't0', None) else 0.)
     def load_ckpt_state(self, d): self.info, self.carried = dict(d['info']), d.get('epoch_seconds', 0.)
 
@@ -168,11 +169,9 @@ def _learner(dls, model, c:RunConfig, path, device, command:str, plan=None):
     Returns it and its `CudaGraphs`, for the parts that run steps as graphs"""
     dev = torch.device(device) if device is not None else getattr(dls, 'device', None) or torch.device('cpu')
     model.to(dev)
-    model.fused_loss = c.fused_loss
     emulate = c.graphs if c.graphs in EMULATIONS else False
     plan = plan or plan_of({**c.asdict(), 'graphs': True if emulate else c.graphs, 'ops': model.ops}, dev, command=command, emulate=emulate)
-    if plan.compile is True: model.cell.compile_step()
-    if plan.fuse: model.cell.fuse_step()
+    model.runner = runner_of(plan, model)
     cg = CudaGraphs(bool(plan.graphs), emulate=emulate)
     cbs = ([AutoCompile()] if plan.compile == 'auto' else []) + [CompileNotice(), PlanNotes(plan), cg, TableColumns()]
     learn = DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=c.lr, splitter=flat_splitter, wd=c.wd,

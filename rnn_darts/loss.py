@@ -63,8 +63,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         if torch.is_grad_enabled(): raise RuntimeError(   # create_graph=True: the saved gradients carry no graph
-            "linear_cross_entropy cannot be differentiated twice; run the loss inside model.twice_differentiable() "
-            "or set model.fused_loss = False")
+            "linear_cross_entropy cannot be differentiated twice; run the loss inside "
+            "rnn_darts.runners.twice_differentiable(model)")
         s = g / ctx.n
         return tuple(None if t is None else t * s for t in ctx.saved_tensors) + (None, None)
 

@@ -4,19 +4,18 @@
 
 # %% ../nbs/03_model.ipynb #8dbd81eb
 from __future__ import annotations
-import math, types, warnings
+import math, warnings
 from contextlib import contextmanager
-from functools import lru_cache
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import STEPS, Genotype, cell_ops, check_genotype, derive_genotype, edge_slices, n_edges
 from rnn_darts.ops import PAPER_OPS, op_fn, ops_of, mix_order, mixed_op
-from rnn_darts import kernels
-from rnn_darts.kernels import mm_t, fastest, linear, tanh, Deferred, DeferredWeight, WeightGroup, StepWeight, _Tapped, _map, _collect
+from rnn_darts.kernels import mm_t, fastest, linear, tanh, Deferred
 from rnn_darts.config import SearchConfig, TrainConfig, check_rules
 from rnn_darts.flat import FlatModule
 from rnn_darts.loss import linear_cross_entropy
 from rnn_darts.relax import RELAXATION_CLASSES, EdgeNorm, gumbel_
+from rnn_darts.runners import EAGER
 
 # %% auto #0
 __all__ = ['MaskBank', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm', 'DartsCellSearch', 'LanguageModel', 'DartsRnn',
@@ -40,45 +39,15 @@ class MaskBank:
         finally: self.frozen, self.cache = False, {}
 
 # %% ../nbs/03_model.ipynb #b5c901dc
-@lru_cache(None)
-def _own_steps(cls) -> tuple:
-    """`PackedCell._plain_step` and `_tapped_step` as functions with code objects of `cls`'s own. `torch.compile` keeps
-    its graphs, their guards and its limit of 8 per code object: shared, a derived cell's steps queued behind a search
-    cell's in one process (a derived training step took 275 against 196 ms after the search rows of `bench`)"""
-    def own(fn):
-        code = fn.__code__.replace(co_name=f"{fn.__name__}_{cls.__name__}")
-        return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    return own(PackedCell._plain_step), own(PackedCell._tapped_step)
-
 class PackedCell(nn.Module):
-    "Shared machinery: the packed weight `block`, its views, masks and the time loop"
+    "Shared machinery: the packed weight `block`, its views, masks and the time loop; how its time steps run is a runner's (`rnn_darts.runners`)"
+    kind = 'derived'   # what the fused kernels run it as (`rnn_darts.fused.RUNNERS`)
     def __init__(self, ninp, nhid, n_nodes, dropoutx, dropouth, order=None):
         super().__init__()
         self.ninp, self.nhid, self.n_nodes, self.dropoutx, self.dropouth = ninp, nhid, n_nodes, dropoutx, dropouth
         self.block = nn.Parameter(torch.empty((ninp + nhid) * 2 * nhid + nhid * n_nodes * 2 * nhid).uniform_(-0.04, 0.04))
         # row-block position of each node's W_i inside WhT (derived cells order nodes by predecessor)
         self.col = list(order) if order is not None else list(range(n_nodes))
-        self._compiled = self._compiled_tapped = None
-        self._fused = False   # time steps as Triton kernels (`fuse_step`)
-        self.defer = True   # forwards with weight gradients: each weight's gradient over several time steps per product (`Deferred`)
-
-    def compile_step(self, **kwargs):
-        "Fuse the time step with `torch.compile` (fixed shapes); the learners call it by default on a GPU, `AutoCompile` for long CPU searches"
-        plain, tapped = _own_steps(type(self))
-        self._compiled = torch.compile(plain.__get__(self), dynamic=False, **kwargs)
-        self._compiled_tapped = torch.compile(tapped.__get__(self), dynamic=False, **kwargs)   # with a `WeightGroup`'s taps
-        return self
-
-    @contextmanager
-    def eager(self):
-        "Run the step uncompiled and unfused, with autograd's own weight gradients, inside (double backward, `create_graph=True`, cannot go through a compiled graph, a kernel or a stash)"
-        saved = self._compiled, self._compiled_tapped, self._fused, self.defer
-        self._compiled, self._compiled_tapped, self._fused, self.defer = None, None, False, False
-        try: yield self
-        finally: self._compiled, self._compiled_tapped, self._fused, self.defer = saved
-
-    def __getstate__(self):   # a compiled function does not pickle: copies run eager until compiled again
-        return {**self.__dict__, '_compiled': None, '_compiled_tapped': None}
 
     def W0_of(self, block): return block[:(self.ninp + self.nhid) * 2 * self.nhid].view(self.ninp + self.nhid, 2 * self.nhid)
     def WhT_of(self, block): return block[(self.ninp + self.nhid) * 2 * self.nhid:].view(self.n_nodes * 2 * self.nhid, self.nhid)
@@ -90,13 +59,10 @@ class PackedCell(nn.Module):
         "The matrix of node `i` (1-based), `nhid × 2·nhid`, a view of the block"
         k = self.col[i - 1]; n2 = 2 * self.nhid
         return self.WhT[k * n2:(k + 1) * n2].t()
-    def step_weight(self, W):
-        "`W` (out × in) as the time steps of this forward multiply by it: `Deferred` in a forward with its gradient, outside autocast"
-        defer = self.defer and torch.is_grad_enabled() and W.requires_grad and not torch.is_autocast_enabled(W.device.type)
-        return Deferred(W) if defer else W
     def per_sequence(self, block=None):
-        "Tensors every time step uses, sliced once per sequence from `block` (default: the weights; slicing inside the loop costs a backward copy per step)"
-        return (self.step_weight(self.W0_of(self.block if block is None else block)[self.ninp:].t()),)
+        """Tensors every time step uses, sliced once per sequence from `block` (default: the weights; slicing inside the
+        loop costs a backward copy per step), each weight marked `Deferred`: the runner defers its gradient, or not"""
+        return (Deferred(self.W0_of(self.block if block is None else block)[self.ninp:].t()),)
     def prepare(self, ctx):
         "`per_sequence`'s tensors as `step` takes them: once per sequence in an eager forward, inside the graph in a compiled one (one tensor in, one gradient out per time step)"
         return ctx
@@ -112,63 +78,19 @@ class PackedCell(nn.Module):
         c, hh = ch.chunk(2, dim=-1)
         return h + c.sigmoid() * (tanh(hh) - h)
 
-    def forward(self, x, h, bank, key='train', weight_grads=True, **inputs):
+    def forward(self, x, h, bank, key='train', weight_grads=True, runner=None, **inputs):
         """Run the cell over `x` (T, bs, ninp) from state `h` (bs, nhid); returns all outputs (T, bs, nhid) and the last.
-        `weight_grads=False`: its weights as constants (a pass that needs ∂/∂α or ∂/∂x only makes no weight gradient). `inputs`: the search cell's `probs`"""
+        `weight_grads=False`: its weights as constants (a pass that needs ∂/∂α or ∂/∂x only makes no weight gradient);
+        `runner`: how the time steps run (`rnn_darts.runners`, default `EAGER`); `inputs`: the search cell's `probs`"""
         mx, mh = self.masks(bank, key, x.shape[1], x)
         block = self.block if weight_grads else self.block.detach()
         xw = linear(x if mx is None else x * mx, self.W0_of(block)[:self.ninp].t())
-        ctx = self.per_sequence(block, **inputs)
-        if self._compiled is not None and torch.is_grad_enabled() and not h.requires_grad:
-            h = h.detach().requires_grad_()   # the first step's state needs a gradient like the later ones': one graph, not two
-        step, outs = self.runner(ctx), []
+        runner = runner or EAGER
+        h, step, outs = runner.start(h), runner.steps(self, self.per_sequence(block, **inputs)), []
         for t, xw_t in enumerate(xw.unbind(0)):
             h = step(t, xw_t, h, mh)
             outs.append(h)
         return torch.stack(outs), h
-
-    def fuse_step(self):
-        "Run training time steps as Triton kernels, forward and backward (`rnn_darts.fused`): compiled on a GPU, interpreted on a CPU (slow: for tests)"
-        import importlib.util
-        if importlib.util.find_spec('triton') is None:
-            raise ModuleNotFoundError("fuse_step runs Triton kernels, and Triton is not installed: it comes with torch's CUDA wheels (pip install triton)")
-        from rnn_darts.plan import fused_lacks
-        lack = fused_lacks(self.ops, 'search' if isinstance(self, DartsCellSearch) else 'derived')
-        if lack: raise ValueError(f"fuse_step: {lack}")
-        self._fused = True
-        return self
-
-    def fused_runner(self, ctx):
-        "The fused step's `step(t, xw_t, h, mh)` for `per_sequence`'s `ctx`, or None where it cannot run this forward"
-        return None
-
-    def runner(self, ctx):
-        "`step(t, xw_t, h, mh)`: fused (`fuse_step`, outside autocast), eager (a `DeferredWeight` per `Deferred` weight), compiled, or compiled with one `WeightGroup`'s taps"
-        if self._fused and not torch.is_autocast_enabled(self.block.device.type):
-            step = self.fused_runner(ctx)
-            if step is not None: return step
-        if self._compiled is None:
-            ctx = self.prepare(_map(ctx, Deferred, lambda d: DeferredWeight(d.W)))
-            return lambda t, xw_t, h, mh: self.step(xw_t, h, mh, ctx)
-        deferred = _collect(ctx, Deferred)
-        if deferred and max(d.W.numel() for d in deferred) < kernels.TAP_MIN_NUMEL: ctx, deferred = _map(ctx, Deferred, lambda d: d.W), []
-        if not deferred: return lambda t, xw_t, h, mh: self._compiled(xw_t, h, mh, ctx)
-        group = WeightGroup([d.W for d in deferred])
-        def step(t, xw_t, h, mh):
-            taps = iter(group.taps(t, h.shape[0]))
-            h, inputs = self._compiled_tapped(xw_t, h, mh, _map(ctx, Deferred, lambda d: next(taps)))
-            group.inputs.append(inputs)
-            return h
-        return step
-
-    def _plain_step(self, xw_t, h, mh, ctx):
-        "`step` from `per_sequence`'s tensors (what `compile_step` compiles where no weight is `Deferred`)"
-        return self.step(xw_t, h, mh, self.prepare(ctx))
-
-    def _tapped_step(self, xw_t, h, mh, ctx):
-        "`step` with each `StepWeight` in `ctx` as a `_Tapped`; returns the new state and the taps' product inputs, stacked"
-        ctx = _map(ctx, StepWeight, _Tapped)
-        return self._plain_step(xw_t, h, mh, ctx), torch.stack([w.a for w in _collect(ctx, _Tapped)])
 
 # %% ../nbs/03_model.ipynb #811e19ff
 def _by_predecessor(g:Genotype) -> list:
@@ -200,14 +122,9 @@ class DartsCell(PackedCell):
         if cols == list(range(cols[0], cols[0] + len(cols))): return WhT[cols[0] * n2:(cols[-1] + 1) * n2]
         return torch.cat([WhT[c * n2:(c + 1) * n2] for c in cols])
 
-    def fused_runner(self, ctx):
-        "Each time step as two Triton kernels (`rnn_darts.fused.derived_runner`)"
-        from rnn_darts.fused import derived_runner
-        return derived_runner(self, ctx)
-
     def per_sequence(self, block=None):
         "`W0[ninp:]` and, per predecessor with children, the rows of all its children's matrices"
-        return (*super().per_sequence(block), tuple(self.step_weight(self.kid_rows(k, block)) for k in self.kids.values() if k))
+        return (*super().per_sequence(block), tuple(Deferred(self.kid_rows(k, block)) for k in self.kids.values() if k))
 
     def step(self, xw_t, h, mh, ctx):
         W0hT, blocks = ctx
@@ -259,6 +176,7 @@ class NodeNorm(nn.Module):
 
 class DartsCellSearch(PackedCell):
     "The DARTS search cell: every node mixes all earlier nodes through all the ops of its set `ops` (`rnn_darts.ops`)"
+    kind = 'search'
     def __init__(self, ninp, nhid, dropoutx=0., dropouth=0., steps=STEPS, ops=PAPER_OPS):
         super().__init__(ninp, nhid, steps, dropoutx, dropouth)
         self.ops = ops_of(ops)
@@ -283,12 +201,7 @@ class DartsCellSearch(PackedCell):
         if probs is None: raise ValueError("the search cell mixes its ops by `probs` (edges, ops): pass probs=... (the model passes softmax(α))")
         WhT = self.WhT_of(self.block if block is None else block)
         Wsuf = tuple(WhT[j * n2:] for j in range(steps))
-        return (*super().per_sequence(block), tuple(self.step_weight(W) for W in Wsuf), probs[self.leaving], update_stats)
-
-    def fused_runner(self, ctx):
-        "In training, s0 and each node a Triton kernel forward and backward (`rnn_darts.fused.search_runner`); evaluation's bounded normalisation is not fused"
-        from rnn_darts.fused import search_runner
-        return search_runner(self, ctx)
+        return (*super().per_sequence(block), tuple(Deferred(W) for W in Wsuf), probs[self.leaving], update_stats)
 
     def prepare(self, ctx):
         "Per node j, the weights of the edges leaving j (each op's (downstream, 1), in `mixed_op`'s order) and their non-`none` sum"
@@ -328,7 +241,10 @@ class LanguageModel(FlatModule):
         self.decoder_bias = nn.Parameter(torch.zeros(ntoken))
         self.cell = cell
         self.masks, self.hidden = MaskBank(), {}
-        self.fused_loss = True   # decoder losses (`loss`, `forward(x, y)`) through `linear_cross_entropy`
+        self.runner = EAGER   # how its steps run (`rnn_darts.runners`): the execution plan's runner, set by the learners
+
+    def __getstate__(self):   # a copy (a pickle, a deepcopy) runs what its runner can carry: compiled steps are its cell's own
+        return {**self.__dict__, 'runner': self.runner.portable()}
 
     def reset(self): self.hidden = {}
     def current_stream(self, stream=None):
@@ -354,7 +270,7 @@ class LanguageModel(FlatModule):
         if self.training and self.dropouti: emb = emb * self.masks((stream, 'i'), (1, bs, self.emsize), self.dropouti, emb)
         h = self.hidden.get(stream)
         if h is None or h.shape[0] != bs or h.device != x.device: h = self.init_hidden(bs, emb)
-        raw, h = self.cell(emb, h, self.masks, stream, weight_grads, **self.cell_inputs(update_stats, stream))
+        raw, h = self.cell(emb, h, self.masks, stream, weight_grads, self.runner, **self.cell_inputs(update_stats, stream))
         out = raw * self.masks((stream, 'o'), (1, bs, self.nhid), self.dropout, raw) if self.training and self.dropout else raw
         return raw, out, h
 
@@ -372,7 +288,7 @@ class LanguageModel(FlatModule):
         W, b = self.encoder.weight, self.decoder_bias
         if not weight_grads: W, b = W.detach(), b.detach()
         out, y = out.reshape(-1, self.nhid), y.t().reshape(-1)
-        if self.fused_loss: return linear_cross_entropy(out, W, b, y)
+        if self.runner.fused_loss: return linear_cross_entropy(out, W, b, y)
         return F.cross_entropy(F.linear(out, W, b), y)
 
     def loss(self, x, y, stream='train', advance=True, weight_grads=True, update_stats=True):
@@ -381,14 +297,6 @@ class LanguageModel(FlatModule):
         _, out, h = self.hidden_stream(x, stream, weight_grads, update_stats)
         if advance: self.hidden[stream] = h.detach()
         return self.decoder_loss(out, y, weight_grads)
-
-    @contextmanager
-    def twice_differentiable(self):
-        "Inside, the loss can be differentiated twice: plain decoder and loss, eager cell step"
-        fused, self.fused_loss = self.fused_loss, False
-        try:
-            with self.cell.eager(): yield self
-        finally: self.fused_loss = fused
 
 # %% ../nbs/03_model.ipynb #e7e8d9d7
 _S, _T = SearchConfig(), TrainConfig()   # the defaults: the paper's search and training sizes and dropouts

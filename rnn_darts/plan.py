@@ -113,13 +113,15 @@ def verdicts(f:dict, rules=RULES) -> list:
 class ExecutionPlan:
     """What runs: `compile` (True, False, or 'auto': compiled once a CPU fit has `COMPILE_MIN_STEPS` training batches
     left), `graphs` (captured CUDA graphs, or an emulation on a CPU: 'emulate', 'trace'), `fuse` (Triton kernels),
-    `precision` of the products (fp32, tf32, bf16), `arch_bf16`, on `device`; `notes`: a line per fallback"""
+    `precision` of the products (fp32, tf32, bf16), `arch_bf16`, `fused_loss` (the decoder loss through
+    `linear_cross_entropy`), on `device`; `notes`: a line per fallback. `rnn_darts.runners.runner_of` builds what runs it"""
     device: str
     compile: bool|str = False
     graphs: bool|str = False
     fuse: bool = False
     precision: str = PRECISIONS[0]
     arch_bf16: bool = False
+    fused_loss: bool = True
     notes: tuple = ()
 
     @property
@@ -146,7 +148,8 @@ def plan_of(s:dict, device, name=str, world:int|None=None, command:str='search',
     compile = f['compile'] if f['compile'] is not None else (False if rnd else True if cuda else 'auto' if command == 'search' else False)
     graphs = f['graphs'] if f['graphs'] is not None else (cuda and not rnd and f['precision'] != 'bf16' and f['world'] == 1 and f['fused_loss'])
     if graphs and emulate: graphs = emulate
-    return ExecutionPlan(str(f['device']), compile, graphs, f['fuse'], f['precision'], bool(s.get('arch_bf16')) and f['precision'] == 'bf16', tuple(notes))
+    return ExecutionPlan(str(f['device']), compile, graphs, f['fuse'], f['precision'], bool(s.get('arch_bf16')) and f['precision'] == 'bf16',
+                         bool(f['fused_loss']), tuple(notes))
 
 def check_plan_rules(s:dict, name=str):
     "The table's refusals that need no device, on the settings `s` (a config checks them as it is made, before a device is known): a `UsageError`"

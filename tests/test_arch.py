@@ -239,7 +239,7 @@ def test_fused_decoder_loss_trains_like_the_plain_loss(kind):
     from rnn_darts.callbacks.training import FusedDecoderLoss
     def run(fused):
         learn = small_of_kind(kind, fused_loss=fused)
-        assert any(isinstance(cb, FusedDecoderLoss) for cb in learn.cbs) == fused and learn.model.fused_loss == fused
+        assert any(isinstance(cb, FusedDecoderLoss) for cb in learn.cbs) == fused and learn.model.runner.fused_loss == fused
         learn.fit(1)
         return torch.tensor(learn.recorder.losses), learn.model.flat.data.clone()
     (l1, w1), (l2, w2) = run(True), run(False)

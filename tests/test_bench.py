@@ -2,6 +2,7 @@
 import json, math
 import pytest, torch
 from rnn_darts.model import DartsRnnSearch
+from rnn_darts.runners import Compiled
 from rnn_darts.bench import run_bench, print_table, search_step, arch_updater, _batches, STEP_NAMES, FAMILY
 from tests._reference import PlainSearchStep, plain_from, plain_hypergrad_first, plain_hypergrad_second
 from rnn_darts.callbacks.arch import hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
@@ -193,7 +194,7 @@ def test_launch_count_of_a_compiled_step():
     f = lambda: weight_step(m, *trn)
     f()
     eager = op_count(f)
-    m.cell.compile_step()
+    m.runner = Compiled(m.cell)
     with kernel_profile(): f(); f()        # compiled here: the kernels are recorded
     lc = launch_count(f)
     assert lc['generated'] >= 2 * 5 and lc['library'] >= 2 * 5 * 5, lc   # ≥ 2 kernels and 5 matmuls per step, fwd + bwd

@@ -12,7 +12,7 @@ TINY = ['--data', 'numbers', '--n-train', '1000', '--epochs', '1', '--bs', '8', 
 def test_search_with_bf16_flags(tmp_path):
     learn = cli.run_command(['search', *TINY, '--mode', 'first', '--precision', 'bf16', '--curvature', 'false', '--out', str(tmp_path/'s')])
     assert any(isinstance(cb, BF16Autocast) for cb in learn.cbs) and not learn.arch_param_update.arch_bf16
-    assert any(isinstance(cb, FusedDecoderLoss) for cb in learn.cbs) and learn.model.fused_loss
+    assert any(isinstance(cb, FusedDecoderLoss) for cb in learn.cbs) and learn.model.runner.fused_loss
     assert json.loads((tmp_path/'s'/'run.json').read_text())['settings']['precision'] == 'bf16'
     assert (tmp_path/'s'/'genotype.json').exists() and learn.model.flat.data.dtype == torch.float32
     settings = json.loads((tmp_path/'s'/'run.json').read_text())['settings']   # a search records its own settings only
@@ -23,7 +23,7 @@ def test_train_with_plain_loss_from_a_preset(tmp_path):
     ini = tmp_path/'settings.ini'
     ini.write_text('[plain]\nfused_loss = false\narch_bf16 = false\n')
     learn = cli.run_command(['train', *TINY, '--settings', str(ini), '--preset', 'plain', '--out', str(tmp_path/'t')])
-    assert not learn.model.fused_loss and not any(isinstance(cb, FusedDecoderLoss) for cb in learn.cbs)
+    assert not learn.model.runner.fused_loss and not any(isinstance(cb, FusedDecoderLoss) for cb in learn.cbs)
     assert not any(isinstance(cb, BF16Autocast) for cb in learn.cbs)
     assert (tmp_path/'t'/'log.csv').exists()
     info = json.loads((tmp_path/'t'/'run.json').read_text())

@@ -10,6 +10,7 @@ from rnn_darts.core import set_seed
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.learner import search_learner
 from rnn_darts.model import DartsRnnSearch
+from rnn_darts.runners import twice_differentiable
 from rnn_darts.callbacks.logs import RunLogger
 from rnn_darts.callbacks.curvature import Curvature, CurvatureStop, curvature_batches, hessian_extremes
 
@@ -18,7 +19,7 @@ def full_hessian(m, batches, seed=0):
     with torch.random.fork_rng():
         torch.manual_seed(seed); torch.randn(m.alpha.shape)     # hessian_extremes draws its start vector first
         m.train(); m.alpha.requires_grad_(True)
-        with m.frozen_masks(), m.twice_differentiable():
+        with m.frozen_masks(), twice_differentiable(m):
             loss = sum(m.loss(x, y, 'curvature', advance=False, update_stats=False) for x, y in batches) / len(batches)
             g = torch.autograd.grad(loss, m.alpha, create_graph=True)[0].flatten()
             n = g.numel()

@@ -4,6 +4,7 @@ triton = pytest.importorskip("triton", reason="the fused step is Triton kernels;
 from rnn_darts.genotypes import DARTS_V1, DARTS_V2, ENAS
 from rnn_darts.model import DartsCell, DartsCellSearch, DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts import fused
+from rnn_darts.runners import Fused
 from rnn_darts.fused import FusedDerivedStep, FusedPlan, FusedSearchStep
 
 
@@ -136,7 +137,7 @@ def test_a_model_through_the_fused_step_gives_the_eager_loss_and_gradients(kind,
         return [loss.detach(), *grads, ev, *[b.clone() for b in m.buffers()]]
     with m.frozen_masks():
         eager = run()
-        m.cell.fuse_step()
+        m.runner = Fused(m.cell)
         launched, kernel = [], fused._kernel
         monkeypatch.setattr(fused, '_kernel', lambda name, interpret: launched.append(name) or kernel(name, interpret))
         fused_run = run()
@@ -155,7 +156,7 @@ def test_a_fused_time_step_is_few_kernels(kind, per_step):
     from rnn_darts.bench import launch_count, weight_step
     torch.manual_seed(0)
     m = (DartsRnn(30, DARTS_V2, 8, 8) if kind == 'derived' else DartsRnnSearch(30, 8, 8, steps=2)).train()
-    m.cell.fuse_step()
+    m.runner = Fused(m.cell)
     def count(T):
         x, y = torch.randint(0, 30, (4, T)), torch.randint(0, 30, (4, T))
         weight_step(m, x, y)

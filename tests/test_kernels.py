@@ -4,6 +4,7 @@ import pytest, torch, torch.nn.functional as F
 from rnn_darts import kernels
 from rnn_darts.kernels import linear, mm_t, machine_key, product_key, kernel_choices, fastest
 from rnn_darts.model import DartsRnnSearch
+from rnn_darts.runners import Compiled
 from rnn_darts.loss import linear_cross_entropy
 from tests.test_model import ops_seen
 
@@ -149,7 +150,7 @@ def test_a_compiled_step_takes_the_choices_while_traced(faster, table, monkeypat
         return [loss.detach(), *torch.autograd.grad(loss, [m.alpha, m.cell.block])]
     with m.frozen_masks():
         eager = grads()
-        m.cell.compile_step(backend='aot_eager')
+        m.runner = Compiled(m.cell, backend='aot_eager')
         compiled = grads()
         rows = onednn_rows(grads)
     assert (4 in rows) == (faster == 'onednn'), rows

@@ -10,6 +10,7 @@ from rnn_darts.core import set_seed
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream, test_dl as split_dl   # not collected as a test
 from rnn_darts.genotypes import DARTS_V2
 from rnn_darts.model import DartsRnnSearch
+from rnn_darts.runners import Fused
 from rnn_darts.learner import search_learner, train_learner, SeqCrossEntropy, load_preset, flat_splitter
 from rnn_darts.callbacks.arch import ArchParamUpdate
 from rnn_darts.callbacks.training import FlatGradClip, FusedDecoderLoss
@@ -51,7 +52,7 @@ def test_fused_steps_fit_like_the_unfused_ones(kind, corpus, tmp_path):
     for fuse in (False, True):
         learn = make(kind, corpus, tmp_path/str(fuse), device='cuda', compile=False, fuse=fuse)
         learn.fit(1)
-        assert learn.model.cell._fused == fuse
+        assert isinstance(learn.model.runner, Fused) == fuse
         losses.append(torch.stack([torch.as_tensor(l) for l in learn.recorder.losses]))
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-3, atol=1e-3)
 

@@ -6,6 +6,7 @@ from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V1, DARTS_V2, ENAS, Gen
 from rnn_darts.ops import PAPER_OPS
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsCell, DartsCellSearch
 from rnn_darts.flat import FlatParams, FlatModule
+from rnn_darts.runners import Eager, Compiled, plain_step, tapped_step, twice_differentiable
 import rnn_darts.kernels as kernels
 from tests._reference import plain_search_step, plain_derived_step, run_plain
 from tests._devices import ON_DEVICES
@@ -209,11 +210,11 @@ def test_compiled_step_equals_eager(device, monkeypatch):
         if onednn:
             monkeypatch.setattr(kernels, 'ONEDNN', True); monkeypatch.setattr(kernels, 'KERNEL', 'onednn')
             torch._dynamo.reset()   # traced afresh: the graph takes the kernel choice as a constant
-        m.cell.compile_step()
+        m.runner = Compiled(m.cell)
         compiled = grads()
     tol = dict(rtol=1e-3, atol=1e-5) if onednn else dict(rtol=1e-4, atol=1e-6)   # oneDNN against aten: another rounding
     for a, b in zip(eager, compiled): torch.testing.assert_close(a, b, **tol)
-    import pickle; assert pickle.loads(pickle.dumps(m)).cell._compiled is None
+    import pickle; assert type(pickle.loads(pickle.dumps(m)).runner) is Eager   # a copy runs eager: compiled steps are their cell's
 
 @pytest.mark.slow
 def test_exact_mode_runs_with_a_compiled_step():
@@ -222,10 +223,10 @@ def test_exact_mode_runs_with_a_compiled_step():
     m, x, y = tiny_search(dropout=0., dropouth=0., dropoutx=0., dropouti=0.)
     m.alpha.requires_grad_(True)
     ref, _ = hypergrad_second(m, (x, y), (x, y), 1., 0., 0.25, hvp=exact_hvp)
-    m.cell.compile_step(backend=AOT); m.reset()
+    m.runner = Compiled(m.cell, backend=AOT); m.reset()
     g, _ = hypergrad_second(m, (x, y), (x, y), 1., 0., 0.25, hvp=exact_hvp)
     torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6)
-    assert m.cell._compiled is not None
+    assert m.runner.compiles
 
 def plain_ce(x, W, b, y): return F.cross_entropy(F.linear(x, W, b), y)
 
@@ -259,13 +260,13 @@ def test_model_loss_fused_equals_plain_and_skips_weight_grads():
     m = DartsRnnSearch(40, 12, 12, dropout=0.2, dropouth=0.1, dropoutx=0.1, dropouti=0.1).train()
     x, y = torch.randint(0, 40, (5, 7)), torch.randint(0, 40, (5, 7))
     def grads(fused, **kw):
-        m.fused_loss = fused; m.reset(); m.alpha.requires_grad_(True)
+        m.runner = Eager(fused_loss=fused); m.reset(); m.alpha.requires_grad_(True)
         loss = m.loss(x, y, advance=False, **kw)
         return [loss.detach()] + list(torch.autograd.grad(loss, [m.alpha, m.encoder.weight, m.cell.block]))
     with m.frozen_masks():
         plain, fused = grads(False), grads(True)
         for a, b in zip(plain, fused): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-        m.fused_loss = True; m.reset()
+        m.runner = Eager(); m.reset()
         ga = torch.autograd.grad(m.loss(x, y, advance=False, weight_grads=False), m.alpha)[0]
         torch.testing.assert_close(ga, plain[1], rtol=1e-5, atol=1e-7)
         m.reset()   # a decoder weight gradient that was not asked for is not there
@@ -279,11 +280,12 @@ def test_fused_loss_refuses_double_backward_and_twice_differentiable_allows_it()
     with pytest.raises(RuntimeError, match='cannot be differentiated twice.*twice_differentiable'):
         torch.autograd.grad(m.loss(x, x, advance=False), params, create_graph=True)
     m.alpha.requires_grad_(True); m.reset()
-    with m.twice_differentiable():
-        assert not m.fused_loss
+    runner = m.runner
+    with twice_differentiable(m):
+        assert not m.runner.fused_loss and not m.runner.defer
         g = torch.autograd.grad(m.loss(x, x, advance=False), params, create_graph=True)
         assert torch.autograd.grad(sum((t ** 2).sum() for t in g), m.alpha)[0].abs().sum() > 0
-    assert m.fused_loss
+    assert m.runner is runner
 
 def test_forward_is_time_major_and_seq_cross_entropy_reads_it_without_a_copy():
     from fastai.losses import CrossEntropyLossFlat
@@ -432,21 +434,22 @@ def test_deferred_weight_gradients_equal_autograds_per_step_ones(kernel, derived
     x, y = torch.randint(0, 50, (16, 19)), torch.randint(0, 50, (16, 19))   # 19 steps: two full stashes and a rest
     calls = []
     if compiled:
-        tapped = m.cell.compile_step(backend=AOT)._compiled_tapped
-        m.cell._compiled_tapped = lambda *a: calls.append(1) or tapped(*a)
+        m.runner = Compiled(m.cell, backend=AOT)
+        tapped = m.runner.tapped
+        m.runner.tapped = lambda *a: calls.append(1) or tapped(*a)
     def grads():
         m.reset()
-        ctx = m.cell.per_sequence(**m.cell_inputs())
+        ctx = m.runner.resolve(m.cell.per_sequence(**m.cell_inputs()))   # the weights this forward's runner defers
         loss = m.loss(x, y, advance=False)
         return ctx, [loss.detach(), *torch.autograd.grad(loss, m.flat.params)]
     with m.frozen_masks():
         ctx, deferred = grads()
         assert isinstance(ctx[0], Deferred)
         assert len(calls) == (19 if compiled else 0)   # every time step ran the compiled step with taps
-        with m.cell.eager(): ctx, per_step = grads()
+        with twice_differentiable(m): ctx, per_step = grads()
         assert not isinstance(ctx[0], Deferred) and len(calls) == (19 if compiled else 0)
     with torch.no_grad():
-        assert not isinstance(m.cell.per_sequence(**m.cell_inputs())[0], Deferred)
+        assert not isinstance(m.runner.resolve(m.cell.per_sequence(**m.cell_inputs()))[0], Deferred)
     for a, b in zip(deferred, per_step): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 @pytest.mark.slow
@@ -482,8 +485,9 @@ def test_a_compiled_time_step_takes_one_tensor_with_a_gradient_per_kind(derived,
     def tapped(xw_t, h, mh, ctx):
         grads = {id(t): t for t in torch.utils._pytree.tree_leaves(ctx) if isinstance(t, torch.Tensor) and t.requires_grad}
         seen.append(grads)   # the tensors too: kept alive, their ids stay theirs
-        return cell._tapped_step(xw_t, h, mh, ctx)
-    cell._compiled, cell._compiled_tapped = cell._plain_step, tapped
+        return tapped_step(cell, xw_t, h, mh, ctx)
+    m.runner = Compiled(cell)   # compiles nothing until called: its functions replaced here
+    m.runner.plain, m.runner.tapped = lambda *a: plain_step(cell, *a), tapped
     x, y = torch.randint(0, 50, (4, 6)), torch.randint(0, 50, (4, 6))
     with m.frozen_masks():
         loss = m.loss(x, y, advance=False)
@@ -498,8 +502,9 @@ def test_compiled_forwards_tap_their_weights_only_if_the_largest_is_big():
     def tapped_steps(nhid):
         m, calls = DartsRnnSearch(50, nhid, nhid).train(), []
         cell = m.cell
-        cell._compiled = lambda *a: calls.append('plain') or cell._plain_step(*a)
-        cell._compiled_tapped = lambda *a: calls.append('tapped') or cell._tapped_step(*a)
+        m.runner = r = Compiled(cell)   # compiles nothing until called: its functions replaced here
+        r.plain = lambda *a: calls.append('plain') or plain_step(cell, *a)
+        r.tapped = lambda *a: calls.append('tapped') or tapped_step(cell, *a)
         m.loss(torch.randint(0, 50, (2, 3)), torch.randint(0, 50, (2, 3)))
         return set(calls), 8 * 2 * nhid * nhid >= kernels.TAP_MIN_NUMEL   # node 0's successors: the largest weight
     assert tapped_steps(64) == ({'plain'}, False) and tapped_steps(128) == ({'tapped'}, True)
@@ -525,7 +530,7 @@ def test_a_steps_graph_dies_with_its_last_reference(compiled):
     "No reference cycle keeps a step's autograd graph: freed at once, not when Python's collector runs. On CUDA a graph kept alive holds accumulators bound to the eager stream, and capturing the next step fails"
     import gc
     m = DartsRnnSearch(50, 16, 16).train()
-    if compiled: m.cell.compile_step(backend=AOT)   # the graph's autograd nodes are AOT autograd's, with or without Inductor
+    if compiled: m.runner = Compiled(m.cell, backend=AOT)   # the graph's autograd nodes are AOT autograd's, with or without Inductor
     x, y = torch.randint(0, 50, (6, 3)), torch.randint(0, 50, (6, 3))
     gc.disable()
     try:
@@ -587,7 +592,7 @@ def test_alpha_only_passes_make_no_weight_gradient_products(compiled, monkeypatc
     if compiled: torch._dynamo.reset()
     torch.manual_seed(0)
     m = DartsRnnSearch(300, 32, 32, dropouth=0.2, dropoutx=0.2).train()
-    if compiled: m.cell.compile_step(backend=AOT)   # which gradients the graph computes is AOT autograd's partition
+    if compiled: m.runner = Compiled(m.cell, backend=AOT)   # which gradients the graph computes is AOT autograd's partition
     x, y = torch.randint(0, 300, (8, 12)), torch.randint(0, 300, (8, 12))
     def alpha_grad(weight_grads):
         m.reset()
@@ -599,3 +604,25 @@ def test_alpha_only_passes_make_no_weight_gradient_products(compiled, monkeypatc
         (g0, f0), (g1, f1) = alpha_grad(False), alpha_grad(True)
     torch.testing.assert_close(g0, g1, rtol=1e-5, atol=1e-7)
     if not compiled: assert f0 < 0.75 * f1, (f0, f1)   # a dispatch mode cannot count inside a compiled graph
+
+def test_a_new_way_to_run_is_one_runner_class_and_the_model_holds_no_flag():
+    "A runner written outside the project (here: counting time steps) runs a model unchanged and gives eager's loss; `twice_differentiable` swaps the runner and puts it back, even after an error"
+    class Counting(Eager):
+        def __init__(self): super().__init__(); self.n = 0
+        def steps(self, cell, ctx):
+            step = super().steps(cell, ctx)
+            def counted(*a): self.n += 1; return step(*a)
+            return counted
+    torch.manual_seed(0)
+    m = DartsRnnSearch(30, 8, 8).train()
+    x, y = torch.randint(0, 30, (4, 6)), torch.randint(0, 30, (4, 6))
+    with m.frozen_masks():
+        ref = m.loss(x, y, advance=False)
+        m.runner = counting = Counting()
+        torch.testing.assert_close(m.loss(x, y, advance=False), ref)
+    assert counting.n == 6
+    with pytest.raises(RuntimeError, match='inside'), twice_differentiable(m):
+        assert m.runner is not counting
+        raise RuntimeError('inside')
+    assert m.runner is counting
+    assert not any(k in vars(m.cell) for k in ('_compiled', '_compiled_tapped', '_fused', 'defer', 'fused_loss')) and 'fused_loss' not in vars(m)

@@ -10,6 +10,7 @@ import torch, torch.nn.functional as F
 from fastai.callback.core import Callback
 from rnn_darts.config import SearchConfig, check_rules, ARCH_MODES
 from rnn_darts.relax import dirichlet_kl, linear_schedule
+from rnn_darts.runners import twice_differentiable
 from rnn_darts.callbacks.training import SeqLenLR, check_flat_opt
 
 # %% auto #0
@@ -52,7 +53,7 @@ def fd_hvp(model, trn, v, w0, r=0.01):
 
 def exact_hvp(model, trn, v, w0=None):
     "∇²_{α,w} L_t(w)·v by double backward (through the eager step and the plain decoder loss)"
-    with model.twice_differentiable(): g = weight_grad(train_loss(model, *trn), model, create_graph=True)
+    with twice_differentiable(model): g = weight_grad(train_loss(model, *trn), model, create_graph=True)
     return torch.autograd.grad(g @ v, model.alpha)[0]
 
 def hypergrad_second(model, trn, val, eta, wd, clip, hvp=fd_hvp):

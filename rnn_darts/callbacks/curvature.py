@@ -14,6 +14,7 @@ from rnn_darts.callbacks.epochs import TrainEpochEnd, in_lr_find
 from rnn_darts.callbacks.checkpoint import Checkpoint, save_atomic, load_checkpoint
 from rnn_darts.callbacks.divergence import DivergenceGuard
 from rnn_darts.config import SearchConfig
+from rnn_darts.runners import twice_differentiable
 
 # %% auto #0
 __all__ = ['curvature_batches', 'alpha_hvp', 'lanczos_eigs', 'hessian_extremes', 'Curvature', 'local_average', 'es_decision',
@@ -58,7 +59,7 @@ def hessian_extremes(model, batches, k:int=8, seed:int=0) -> torch.Tensor:
         v0 = torch.randn(a.shape).to(dev)
         model.train(); a.requires_grad_(True)
         try:
-            with model.frozen_masks(), model.twice_differentiable():
+            with model.frozen_masks(), twice_differentiable(model):
                 ev = lanczos_eigs(alpha_hvp(model, batches), v0, k)
         finally: a.requires_grad_(req); model.train(training)
     return ev[[0, -1]].detach()

@@ -108,11 +108,11 @@ class StepGraphs:
         if all(o is not opt for o in self.opts): self.opts.append(opt)
 
     def state_sig(self) -> tuple:
-        "What a captured graph reads outside its inputs: the addresses of the weights, gradients, buffers and watched optimizer state, the compiled or fused step"
+        "What a captured graph reads outside its inputs: the addresses of the weights, gradients, buffers and watched optimizer state, the model's runner (its compiled or fused step)"
         m = self.model
         opt_state = [t for o in self.opts for st in o.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
         return (_ptrs([m.flat.data, m.flat.grad, *m.arch_parameters(), *m.buffers(), *opt_state]),
-                id(m.cell._compiled), m.cell._fused, m.cell.defer, m.fused_loss)
+                id(m.runner))
 
     @property
     def n_captured(self) -> int: return sum(e.run.captured for e in self.graphs.values())
@@ -194,7 +194,7 @@ class CudaGraphs(Callback):
         as it is (a learner built by hand has no plan), and a model that draws a cell per batch"""
         m, learn = self.model, self.learn
         if hasattr(m, 'use'): return "random search runs another cell every batch"
-        f = facts(dict(graphs=True, fused_loss=m.fused_loss and getattr(learn.loss_func, 'takes_fused_loss', False),
+        f = facts(dict(graphs=True, fused_loss=m.runner.fused_loss and getattr(learn.loss_func, 'takes_fused_loss', False),
                        precision='bf16' if any(isinstance(cb, MixedPrecision) for cb in learn.cbs) else 'fp32'),
                   m.flat.data.device, world=num_distrib() or 1, emulate=self.emulate)
         why = next((line for r, line in verdicts(f) if 'graphs' in r.name), None)

@@ -66,12 +66,12 @@ class PlanNotes(Callback):
 COMPILE_MIN_STEPS = 150   # CPU training batches from which compiling pays (quick search: 40–57 s warm-up, ~0.28 s saved per batch)
 
 class AutoCompile(Callback):
-    "Compile the model's recurrent step (`cell.compile_step()`) once the fit has `min_steps` training batches left"
+    "Compile the model's recurrent step (its runner's `compiled`, `rnn_darts.runners`) once the fit has `min_steps` training batches left"
     def __init__(self, min_steps=COMPILE_MIN_STEPS): self.min_steps = min_steps
     def before_train(self):
-        cell = self.learn.model.cell
-        if cell._compiled is not None or in_lr_find(self.learn): return
-        if (self.n_epoch - self.epoch) * len(self.dls.train) >= self.min_steps: cell.compile_step()
+        m = self.learn.model
+        if m.runner.compiles or in_lr_find(self.learn): return
+        if (self.n_epoch - self.epoch) * len(self.dls.train) >= self.min_steps: m.runner = m.runner.compiled(m.cell)
 
 # %% ../../nbs/05b_speed.ipynb #c0mp1e02
 class CompileNotice(Callback):
@@ -80,9 +80,9 @@ class CompileNotice(Callback):
     def __init__(self, quiet:float=10.): self.quiet, self.timer, self.said, self.watched = quiet, None, [], (None, set())
 
     def watch(self, phase:str):
-        "Time the first `phase` batch of the cell's compiled step (once per step: `compile_step` makes a new one, watched again)"
-        step = self.learn.model.cell._compiled
-        if step is None or rank_distrib(): return
+        "Time the first `phase` batch of the model's compiled step (once per runner: a new one compiles anew, watched again)"
+        step = self.learn.model.runner
+        if not step.compiles or rank_distrib(): return
         if self.watched[0] is not step: self.watched = (step, set())
         if phase in self.watched[1]: return
         self.watched[1].add(phase)
