@@ -6,7 +6,6 @@
 from __future__ import annotations
 import gc, json, os, re, resource, sys, tempfile, time
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
 from functools import partial, lru_cache
 from pathlib import Path
 import torch, torch.nn.functional as F
@@ -211,7 +210,8 @@ def bench_learner(what:str, shape:dict, device, plan, eval_bs:int|None=None, see
     torch.manual_seed(seed)
     if what == 'derived': return run_learner('train', corpus, sizes, device, folder, plan=plan)
     kw = dict(method=what) if what in METHOD_FAMILY else dict(mode='first' if what == 'weight' else what)
-    if what == 'random': plan = replace(plan, compile=False, graphs=False)
+    if what == 'random':   # the plan's own defaults for random search (eager), in the precision asked
+        plan = plan_of(dict(fuse=plan.fuse, precision=plan.precision, mode='random', fused_loss=plan.fused_loss), plan.device, lambda k: '--' + k)
     learn = run_learner('search', corpus, sizes, device, folder, plan=plan, **kw)
     if what == 'weight': learn.remove_cb(learn.arch_param_update)
     return learn

@@ -4,14 +4,14 @@
 
 # %% ../nbs/10b_check.ipynb #8a45bb4f
 from __future__ import annotations
-import contextlib, io, math, time
+import contextlib, io, math, textwrap, time
 from dataclasses import dataclass
 import torch
 from fastai.callback.core import Callback, CancelTrainException
 from rnn_darts.core import UsageError, set_seed
 from rnn_darts.config import ARCH_MODES, RELAXATIONS, METHODS, SearchConfig, TrainConfig, check_rules
 from rnn_darts.genotypes import cell_ops, load_genotype
-from rnn_darts.plan import plan_of, PRECISIONS
+from rnn_darts.plan import plan_of, PRECISIONS, PATH_NAMES
 from rnn_darts.callbacks.speed import tf32_products
 from rnn_darts.data import Corpus, numbers_corpus
 from rnn_darts.kernels import taps_from
@@ -45,6 +45,7 @@ PATHS = (   # the quick ones first: Inductor's first compiles take minutes
     StepPath('compiled', dict(compile=True), tol=1e-3, what='the recurrent time step compiled by Inductor: its sums in another order'),
     StepPath('compiled+graphs', dict(compile=True, graphs=True), 'compiled', what="the GPU's default: the compiled step, captured"),
 )
+assert tuple(p.name for p in PATHS) == PATH_NAMES
 
 def path_named(name:str) -> StepPath:
     "The path of `PATHS` called `name`, or eager's"
@@ -187,7 +188,7 @@ def check_path(path:StepPath, device, cases_:list, corpus:Corpus, outcomes:dict,
     else: verdict, why = 'equal', None
     emulated = bool(path.asked.get('graphs')) and torch.device(device).type != 'cuda'
     return dict(path=path.name, what=path.what, ref=path.ref, tol=path.tol, exact=path.exact, emulated=emulated, batches='all' if batches is None else batches,
-                verdict=verdict, why=why, cases=len(ran), largest=worst if ran else None, off=off, errors=errors, refused=[c for c, _ in refused],
+                verdict=verdict, why=why, cases=len(ran), largest=worst if ran else None, off=off, errors=errors, refused=[c for c, _ in refused], refusals=dict(refused),
                 fell_back=[c for c, _ in notes],
                 seconds=time.perf_counter() - t0)
 
@@ -267,16 +268,22 @@ def row_line(r:dict) -> str:
     out += [f"    {c}: differs by {d:.1e}, over its limit {r['tol']:.0e}" for c, d in r['off']]
     out += [f"    {c}: {e}" for c, e in r['errors']]
     if r.get('bench_error'): out.append(f"    timing at the paper's shapes failed: {r['bench_error']}")
-    if r['refused'] and r['cases']: out.append(f"    refused for {', '.join(r['refused'])} (the plan's rules)")
+    if r['refused'] and r['cases']:
+        by_why = {}
+        for c, why in r.get('refusals', {}).items(): by_why.setdefault(why, []).append(c)
+        out += [f"    refused for {', '.join(cs)}: {why}" for why, cs in by_why.items()]
     return '\n'.join(out)
 
 def header(device, n_cases:int, bench:bool) -> str:
     "What the check runs, on which device, and its table's columns"
     from rnn_darts.learner import device_name
     t = TINY
-    lines = [f"rnn-darts check on {device} ({device_name(device)}), torch {torch.__version__}: each path against its reference (eager; a graphed path, the same path without graphs) on "
-             f"{n_cases} cases (α-step kinds × relaxations, SDARTS's perturbations, random search, a derived cell, the user's space: 5 nodes, edge normalisation, gelu) at nhid {t['nhid']}, "
-             f"bs {t['bs']}, bptt {t['bptt']}, compiled steps tapped as at the paper's sizes; exact paths over a whole epoch, the others over its first batch, then a validation; s: the path's seconds, its compiles included",
+    lines = [f"rnn-darts check on {device} ({device_name(device)}), torch {torch.__version__}",
+             *textwrap.wrap(f"Each path against its reference (eager; a graphed path, the same path without graphs) on {n_cases} cases (α-step "
+                            "kinds × relaxations, SDARTS's perturbations, random search, a derived cell, the user's space: 5 nodes, edge "
+                            f"normalisation, gelu) at nhid {t['nhid']}, bs {t['bs']}, bptt {t['bptt']}, compiled steps tapped as at the paper's "
+                            "sizes; exact paths over a whole epoch, the others over its first batch, then a validation. s: the path's seconds, "
+                            "its compiles included", 100),
              *([f"ms/step: the learner's own {BENCH_CASE.name} search step at bs {PAPER['bs']}, bptt {PAPER['bptt']}, nhid {PAPER['nhid']}, "
                 f"{PAPER['ntoken']:,} words"] if bench else []),
              f"{'path':<18} {'cases':>5} {'largest diff':>12} {'ms/step':>8} {'s':>6}  verdict"]

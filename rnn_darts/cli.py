@@ -11,13 +11,13 @@ from fastcore.script import bool_arg
 from fastcore.docments import docments
 from fastcore.imports import in_notebook
 from rnn_darts.core import UserError, UsageError, get_device, check_number, check_choice, foreign_warnings_off, write_text_atomic, renamed_hint
-from rnn_darts.options import CHOICES, FLAGS, SWITCHES, code_defaults, command_flags, flag_default
+from rnn_darts.options import CHOICES, FLAGS, FLAG_GROUPS, FLAG_SUMMARY, SWITCHES, code_defaults, command_flags, flag_default
 from rnn_darts.config import CONFIGS
 from rnn_darts import runs
 from rnn_darts.runs import search, train, evaluate_run, set_threads, read_run_json
 
 # %% auto #0
-__all__ = ['COMMANDS', 'OPTIONAL_VALUE', 'study', 'bench', 'check', 'report', 'user_error_code', 'error_message',
+__all__ = ['COMMANDS', 'VALUE_NAMES', 'OPTIONAL_VALUE', 'study', 'bench', 'check', 'report', 'user_error_code', 'error_message',
            'command_parser', 'main_help', 'run_command', 'main']
 
 # %% ../nbs/08_cli.ipynb #0f1a55ce
@@ -96,11 +96,11 @@ def check(
     "Prove every execution path (CUDA graphs, compiled, fused, TF32, bf16) equal to the eager step on this machine; exit 1 if one differs"
     if threads is not None: check_number('--threads', threads, 1, integer=True)
     if json_path is not None and Path(json_path).is_dir(): raise UsageError(f"--json-path {json_path} is a folder; give a file name")
+    from rnn_darts.plan import PATH_NAMES   # no torch yet: a wrong name is refused at once
+    chosen = list(PATH_NAMES) if paths is None else [x.strip() for x in paths.split(',') if x.strip()]
+    if not chosen: raise UsageError(f"--paths names no path; paths are {', '.join(PATH_NAMES)}")
+    for x in chosen: check_choice('--paths', x, PATH_NAMES)
     from rnn_darts.check import PATHS, run_check, cases, header
-    names = [p.name for p in PATHS]
-    chosen = names if paths is None else [x.strip() for x in paths.split(',') if x.strip()]
-    if not chosen: raise UsageError(f"--paths names no path; paths are {', '.join(names)}")
-    for x in chosen: check_choice('--paths', x, names)
     dev = get_device(device)
     set_threads(threads, dev)
     print(header(dev, len(cases()), bench), flush=True)
@@ -186,11 +186,19 @@ class _Parser(argparse.ArgumentParser):
         if len(near) == 1: return f" (did you mean {near[0][1]}?)"
         return f" (did you mean {', '.join(f'{m} for {a}' for a, m in near)}?)"
 
-def _default_text(k, dflt, defaults):
+def _default_text(k, dflt, defaults, help:str):
+    "' (default: V)' for flag `k`, unless its help says its default already"
     v = defaults.get(k, dflt) if dflt is None else dflt
-    if v is None or v == '' or k in ('out', 'device', 'threads', 'preset', 'settings', 'op_decay', 'unk'): return ''
+    if v is None or v == '' or 'default' in help or k in ('out', 'device', 'threads', 'preset', 'settings', 'op_decay', 'unk'): return ''
     if isinstance(v, bool): v = str(v).lower()
-    return f" (default: {v}{', or the preset' if dflt is None else ''})"
+    return f" (default: {v})"
+
+VALUE_NAMES = dict(settings='FILE', genotype='FILE', out='DIR', tensorboard='DIR')   # the value's name in -h, where not the flag's own
+
+def _metavar(k, anno) -> str:
+    "The value's name in -h: its choices if they are short, N (an integer), X (a number), else the flag's name"
+    if k in CHOICES and len('|'.join(CHOICES[k])) <= 24: return '|'.join(CHOICES[k])
+    return 'N' if anno is int else 'X' if anno is float else VALUE_NAMES.get(k, k.upper())
 
 def _arguments(cmd:str):
     "(name, annotation, default, help) of each argument of `rnn-darts CMD`: search and train from the settings schema's `FLAGS`, the others from their function's signature and comments"
@@ -202,21 +210,33 @@ def _arguments(cmd:str):
 
 OPTIONAL_VALUE = dict(ray=('local', 'ADDRESS'))   # flags whose value may be left out: what they mean then, and the value's name in -h
 
-def command_parser(cmd:str) -> argparse.ArgumentParser:
-    "The argument parser of `rnn-darts CMD`"
-    defaults = code_defaults(cmd) if cmd in CONFIGS else {}
-    p = _Parser(prog=f'rnn-darts {cmd}', description=COMMANDS[cmd].__doc__, allow_abbrev=False,
-                epilog="--debug (or RNN_DARTS_DEBUG=1) shows the traceback of an error.")
-    for k, anno, default, help in _arguments(cmd):
+def _brief_default(k, dflt, defaults) -> str:
+    v = defaults.get(k, dflt) if dflt is None else dflt
+    if v is None or v == '' or v is False and k in SWITCHES: return ''
+    return f" [{str(v).lower() if isinstance(v, bool) else v}]"
+
+def command_parser(cmd:str, brief:bool=False) -> argparse.ArgumentParser:
+    """The argument parser of `rnn-darts CMD`; `brief`: its help (`-h`) a line per flag of search and train, in groups
+    (`FLAG_GROUPS`, `FLAG_SUMMARY`), with their defaults in brackets; else (`--help`) each flag's whole help"""
+    defaults, args = (code_defaults(cmd) if cmd in CONFIGS else {}), list(_arguments(cmd))
+    positional = [k for k, _, default, _ in args if default is inspect.Parameter.empty]
+    preset = "; a flag's default is the code's, or its --preset's" if cmd in ('search', 'train') else ''
+    p = _Parser(prog=f'rnn-darts {cmd}', usage=f"%(prog)s {' '.join([*positional, '[options]'])}", description=COMMANDS[cmd].__doc__ + preset,
+                allow_abbrev=False, epilog="--debug (or RNN_DARTS_DEBUG=1) shows the traceback of an error.",
+                formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=30))
+    brief = brief and cmd in ('search', 'train')
+    if brief: p.epilog = f"rnn-darts {cmd} --help says more of each flag. " + p.epilog
+    groups = {k: g for title, ks in FLAG_GROUPS.items() for g in [p.add_argument_group(title)] for k in ks} if brief else {}
+    for k, anno, default, help in args:
         if default is inspect.Parameter.empty: p.add_argument(k, help=help); continue
+        if brief: help = FLAG_SUMMARY[k] + _brief_default(k, default, defaults)
         kw = dict(dest=k, default=default)
         if anno is bool: kw['action'] = 'store_true'
         elif anno is bool_arg: kw.update(type=bool_arg, metavar='true|false')
-        else: kw.update(type=anno if anno in (int, float) else str, metavar=k.upper())
-        if k in CHOICES: kw['metavar'] = '|'.join(CHOICES[k])
+        else: kw.update(type=anno if anno in (int, float) else str, metavar=_metavar(k, anno))
         if k in OPTIONAL_VALUE: kw.update(nargs='?', const=OPTIONAL_VALUE[k][0], metavar=OPTIONAL_VALUE[k][1])
-        p.add_argument('--' + k.replace('_', '-'), help=help + ('' if kw.get('action') else _default_text(k, default, defaults)), **kw)
-    p.add_argument('--debug', action='store_true', help="show the traceback of an error")
+        help += '' if kw.get('action') or brief else _default_text(k, default, defaults, help)
+        groups.get(k, p).add_argument('--' + k.replace('_', '-'), help=help, **kw)
     return p
 
 def main_help() -> str:
@@ -242,7 +262,7 @@ def _dispatch(argv):
         if cmd.startswith('-'): raise UsageError(f"{cmd}: give the command first: rnn-darts COMMAND [options]; commands: {', '.join(COMMANDS)}")
         near = difflib.get_close_matches(cmd, COMMANDS, n=1)
         raise UsageError(f"unknown command {cmd!r}{f' (did you mean {near[0]}?)' if near else ''}; commands: {', '.join(COMMANDS)}")
-    args = vars(command_parser(cmd).parse_args(argv[1:]))
+    args = vars(command_parser(cmd, brief='--help' not in argv[1:]).parse_args(argv[1:]))
     args.pop('debug', None)
     return COMMANDS[cmd](**args)
 

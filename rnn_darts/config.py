@@ -159,9 +159,9 @@ class SearchConfig(RunConfig):
     mode: str = setting('second', "architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product) | "
                         "mixed (MiLeNAS: training and validation) | single (SNAS: the training loss); or random: random search with "
                         "weight sharing, no α", MODES)
-    method: str|None = setting(None, "a method of the DARTS family, one of the choices above: its relaxation, mode, perturbation and "
-                               "selection, which a setting may repeat but not change, and defaults for its own settings (τ, β-decay, "
-                               "the KL weight), which are yours to set (rnn_darts.config.METHODS)", tuple(METHODS))
+    method: str|None = setting(None, f"a method of the DARTS family: {' | '.join(m for m in METHODS if m not in MODES)}. It sets its "
+                               "relaxation, mode, perturbation and selection, which a setting may repeat but not change, and defaults "
+                               "for its own settings (τ, β-decay, the KL weight), yours to set (rnn_darts.config.METHODS)", tuple(METHODS))
     arch_lr: float = setting(3e-3, 'learning rate of α (Adam), > 0', 'pos_float')
     arch_wd: float = setting(1e-3, 'weight decay of α', 'nonneg_float')
     relax: str = setting('softmax', 'how α mixes the ops: softmax (DARTS) | sigmoid (Fair DARTS) | gdas (a Gumbel-max cell, straight-through) | '
@@ -183,12 +183,12 @@ class SearchConfig(RunConfig):
     same_masks: bool = setting(True)                                           # the architecture passes share the weight step's dropout masks
     zero_one: float = setting(0., check='nonneg_float')                       # Fair DARTS's zero-one loss weight
     op_decay: float = setting(0., "α decay per weight: each op's α decays by op_decay × its weight count (`none` has none); default: off", 'nonneg_float')
-    arch_bf16: bool = setting(False, 'with --precision bf16, run the architecture passes in bf16 too (loses the hypergradient: see README)')
+    arch_bf16: bool = setting(False, 'with --precision bf16, run the architecture passes in bf16 too (it changes the hypergradient: nbs/10_bench.ipynb, "bf16 and the hypergradient")')
     candidates: int|None = setting(None, '--mode random: cells to score with the shared weights after training (default: 1,000 per 10,000 '
                                    'training batches, at least 100)', 'pos_int')
     top: int = setting(10, '--mode random: the best cells of the screening pass scored again on the full valid split', 'pos_int')
-    curvature: bool = setting(True, 'λ_max of the validation Hessian in α after every epoch, logged as lambda_max (default: on)')
-    curvature_windows: int = setting(9, 'validation windows of 16 rows λ_max is measured on, each alone; the median is logged (default: 9)', 'pos_int')
+    curvature: bool = setting(True, 'λ_max of the validation Hessian in α after every epoch, logged as lambda_max')
+    curvature_windows: int = setting(9, 'validation windows of 16 rows λ_max is measured on, each alone; the median is logged', 'pos_int')
     early_stop: bool = setting(False, "DARTS-ES: stop when λ_max's 5-epoch average grows more than 1.3x over 4 epochs; α and weights go back 6 epochs")
     ops: str = setting(','.join(PAPER_OPS), "the candidate ops of every edge, comma-separated, besides the implicit none (the paper's four; "
                        "an unknown name lists the others built in; rnn_darts.ops.register_op adds your own)", 'ops')
@@ -320,6 +320,9 @@ def _check_family(s:dict, name):
         raise UsageError(f"{name('beta_decay')} (β-DARTS) decays α's logsumexp, the normaliser of a softmax; {name('relax')} {r} has none")
     if s.get('perturb') not in (None, 'none') and r is not None and r != 'softmax':
         raise UsageError(f"{name('perturb')} (SDARTS) perturbs softmax mixing weights on the simplex; {name('relax')} {r} is not softmax")
+    if s.get('perturb') == 'none' and s.get('epsilon', SearchConfig.epsilon) != SearchConfig.epsilon:
+        raise UsageError(f"{name('epsilon')} sets the radius of SDARTS's perturbation, and {name('perturb')} none perturbs nothing "
+                         "(SDARTS: perturb random or adversarial)")
     if s.get('select') == 'pt' and r is not None and r != 'softmax':
         raise UsageError(f"{name('select')} pt (DARTS-PT) removes ops from softmax mixing weights; {name('relax')} {r} is not softmax")
     if s.get('mixed_lambda', SearchConfig.mixed_lambda) != SearchConfig.mixed_lambda and mode is not None and mode != 'mixed':

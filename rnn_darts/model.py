@@ -48,6 +48,15 @@ class PackedCell(nn.Module):
         self.block = nn.Parameter(torch.empty((ninp + nhid) * 2 * nhid + nhid * n_nodes * 2 * nhid).uniform_(-0.04, 0.04))
         # row-block position of each node's W_i inside WhT (derived cells order nodes by predecessor)
         self.col = list(order) if order is not None else list(range(n_nodes))
+        self.runner = EAGER   # how its time steps run (`rnn_darts.runners`): the execution plan's runner, set by the learners
+
+    def __getstate__(self):   # a copy (a pickle, a deepcopy) runs what its runner can carry: compiled steps are this cell's own
+        return {**self.__dict__, 'runner': self.runner.portable()}
+
+    def compile_step(self, **kwargs):
+        "Run the time steps compiled (`rnn_darts.runners.Compiled`, `kwargs` to `torch.compile`): for scripts and the peer harness; the learners run the plan's runner"
+        self.runner = self.runner.compiled(self, **kwargs)
+        return self
 
     def W0_of(self, block): return block[:(self.ninp + self.nhid) * 2 * self.nhid].view(self.ninp + self.nhid, 2 * self.nhid)
     def WhT_of(self, block): return block[(self.ninp + self.nhid) * 2 * self.nhid:].view(self.n_nodes * 2 * self.nhid, self.nhid)
@@ -78,14 +87,14 @@ class PackedCell(nn.Module):
         c, hh = ch.chunk(2, dim=-1)
         return h + c.sigmoid() * (tanh(hh) - h)
 
-    def forward(self, x, h, bank, key='train', weight_grads=True, runner=None, **inputs):
-        """Run the cell over `x` (T, bs, ninp) from state `h` (bs, nhid); returns all outputs (T, bs, nhid) and the last.
-        `weight_grads=False`: its weights as constants (a pass that needs ∂/∂α or ∂/∂x only makes no weight gradient);
-        `runner`: how the time steps run (`rnn_darts.runners`, default `EAGER`); `inputs`: the search cell's `probs`"""
+    def forward(self, x, h, bank, key='train', weight_grads=True, **inputs):
+        """Run the cell over `x` (T, bs, ninp) from state `h` (bs, nhid) through its `runner`; returns all outputs (T, bs, nhid)
+        and the last. `weight_grads=False`: its weights as constants (a pass that needs ∂/∂α or ∂/∂x only makes no weight
+        gradient); `inputs`: the search cell's `probs`"""
         mx, mh = self.masks(bank, key, x.shape[1], x)
         block = self.block if weight_grads else self.block.detach()
         xw = linear(x if mx is None else x * mx, self.W0_of(block)[:self.ninp].t())
-        runner = runner or EAGER
+        runner = self.runner
         h, step, outs = runner.start(h), runner.steps(self, self.per_sequence(block, **inputs)), []
         for t, xw_t in enumerate(xw.unbind(0)):
             h = step(t, xw_t, h, mh)
@@ -241,10 +250,13 @@ class LanguageModel(FlatModule):
         self.decoder_bias = nn.Parameter(torch.zeros(ntoken))
         self.cell = cell
         self.masks, self.hidden = MaskBank(), {}
-        self.runner = EAGER   # how its steps run (`rnn_darts.runners`): the execution plan's runner, set by the learners
 
-    def __getstate__(self):   # a copy (a pickle, a deepcopy) runs what its runner can carry: compiled steps are its cell's own
-        return {**self.__dict__, 'runner': self.runner.portable()}
+    @property
+    def runner(self):
+        "How the model's steps run (`rnn_darts.runners`): its cell's time steps and its decoder loss; the execution plan's, set by the learners"
+        return self.cell.runner
+    @runner.setter
+    def runner(self, r): self.cell.runner = r
 
     def reset(self): self.hidden = {}
     def current_stream(self, stream=None):
@@ -270,7 +282,7 @@ class LanguageModel(FlatModule):
         if self.training and self.dropouti: emb = emb * self.masks((stream, 'i'), (1, bs, self.emsize), self.dropouti, emb)
         h = self.hidden.get(stream)
         if h is None or h.shape[0] != bs or h.device != x.device: h = self.init_hidden(bs, emb)
-        raw, h = self.cell(emb, h, self.masks, stream, weight_grads, self.runner, **self.cell_inputs(update_stats, stream))
+        raw, h = self.cell(emb, h, self.masks, stream, weight_grads, **self.cell_inputs(update_stats, stream))
         out = raw * self.masks((stream, 'o'), (1, bs, self.nhid), self.dropout, raw) if self.training and self.dropout else raw
         return raw, out, h
 

@@ -11,10 +11,10 @@ from rnn_darts.core import UsageError, UserError, read_preset, option_type, PAPE
 from rnn_darts.config import CONFIGS, METHODS, check_rules, check_random, check_value, with_method
 
 # %% auto #0
-__all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'FLAG_ORDER', 'FLAGS', 'CHECKS', 'CHOICES', 'learner_options', 'known_options',
-           'code_defaults', 'preset_keys', 'settings_and_sources', 'resolve_settings', 'command_flags', 'flag_default',
-           'flags_signature', 'setting_name', 'check_settings', 'check_fits', 'memory_estimate', 'available_memory',
-           'check_memory']
+__all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'FLAG_ORDER', 'FLAG_GROUPS', 'FLAG_SUMMARY', 'FLAGS', 'CHECKS', 'CHOICES',
+           'learner_options', 'known_options', 'code_defaults', 'preset_keys', 'settings_and_sources',
+           'resolve_settings', 'command_flags', 'flag_default', 'flags_signature', 'setting_name', 'check_settings',
+           'check_fits', 'memory_estimate', 'available_memory', 'check_memory']
 
 # %% ../nbs/07a_options.ipynb #09131284
 def learner_options(command:str) -> dict:
@@ -74,6 +74,42 @@ FLAG_ORDER = ('genotype', 'preset', 'settings', 'data', 'files', 'unk', 'url', '
               'dropoutx', 'dropouti', 'dropoute', 'nonmono', 'asgd', 'mode', 'candidates', 'top', 'curvature', 'curvature_windows',
               'early_stop', 'method', 'arch_lr', 'arch_wd', 'relax', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay',
               'dirichlet_kl', 'perturb', 'epsilon', 'select', 'pt_tune', 'op_decay', 'on_nan', 'compile', 'graphs', 'fuse', 'checkpoint_every', 'precision', 'arch_bf16', 'tensorboard')
+
+# `-h`'s one line per flag of `rnn-darts search | train`, in groups (`--help` gives each flag's whole help)
+FLAG_GROUPS = {
+    'the run': ('genotype', 'preset', 'settings', 'out', 'device', 'resume', 'overwrite', 'override', 'threads', 'epochs', 'seed',
+                'on_nan', 'checkpoint_every', 'tensorboard'),
+    'the data': ('data', 'files', 'unk', 'url', 'n_train', 'n_eval', 'bs', 'bptt', 'eval_bs', 'test_bs'),
+    'the cell and its weights': ('emsize', 'nhid', 'nodes', 'ops', 'edge_norm', 'lr', 'wd', 'clip', 'dropout', 'dropouth', 'dropoutx',
+                                 'dropouti', 'dropoute', 'nonmono', 'asgd'),
+    'the search of α': ('mode', 'method', 'arch_lr', 'arch_wd', 'relax', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay', 'dirichlet_kl',
+                        'perturb', 'epsilon', 'select', 'pt_tune', 'op_decay', 'curvature', 'curvature_windows', 'early_stop',
+                        'candidates', 'top'),
+    'how it runs': ('compile', 'graphs', 'fuse', 'precision', 'arch_bf16'),
+}
+FLAG_SUMMARY = dict(
+    genotype='genotype.json, or DARTS_V2, DARTS_V1, ENAS', preset='preset name in settings.ini', settings='settings.ini to read it from',
+    out='run folder', device='cpu | cuda | cuda:N', resume='continue the run in --out', overwrite='start afresh in --out, deleting its run',
+    override='with --resume: accept changed settings', threads='CPU threads (default: the idle cores)', epochs='epochs in all',
+    seed='random seed', on_nan='on a non-finite loss', checkpoint_every='minutes between mid-epoch checkpoints',
+    tensorboard="a folder for TensorBoard's files", data='numbers | ptb | a corpus folder', files='the corpus files, if not train.txt, ...',
+    unk='token for words train lacks', url='a PTB mirror', n_train='tokens of the generated train split',
+    n_eval='tokens of the generated valid and test splits', bs='training batch size', bptt='tokens per batch (sequence length)',
+    eval_bs='validation batch size', test_bs='test batch size', emsize='embedding size (= --nhid)', nhid='hidden size',
+    nodes='nodes of the cell', ops='candidate ops of every edge', edge_norm="PC-DARTS's edge normalisation (β)",
+    lr='learning rate of the weights', wd='weight decay of the weights', clip='gradient norm clip of the weights',
+    dropout="dropout on the cell's output", dropouth='dropout on the hidden state', dropoutx="dropout on the cell's input",
+    dropouti='dropout on the embedded input', dropoute='word dropout', nonmono='NT-ASGD patience (epochs)',
+    asgd='average from the start', mode='second|first|exact|mixed|single|random', method='a method of the DARTS family (--help: which)',
+    arch_lr='learning rate of α (Adam)', arch_wd='weight decay of α', relax='softmax|sigmoid|gdas|snas|drnas',
+    tau_max='gdas|snas: τ of the first epoch', tau_min='gdas|snas: τ of the last epoch', mixed_lambda='--mode mixed: λ of L_valid',
+    beta_decay='β-DARTS: weight of its α loss', dirichlet_kl='--relax drnas: weight of the KL', perturb='SDARTS: perturb the mixing weights',
+    epsilon="SDARTS: the perturbation's radius", select='how the cell is chosen at the end', pt_tune='--select pt: fine-tuning batches',
+    op_decay="α decay per op's weight count", curvature='log λ_max of the Hessian in α', curvature_windows="λ_max's validation windows",
+    early_stop='DARTS-ES: stop on λ_max', candidates='--mode random: cells scored', top='--mode random: cells scored again',
+    compile='the time step through torch.compile', graphs='steps as captured CUDA graphs', fuse='time steps as Triton kernels (CUDA)',
+    precision='of the matrix products', arch_bf16='--precision bf16: α passes in bf16 too',
+)
 
 def _flag_help(k) -> str|dict|None:
     "Flag `k`'s help: one text, {command: text} where the commands differ or one has no such flag, or None (no flag)"

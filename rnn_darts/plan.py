@@ -9,10 +9,11 @@ from dataclasses import dataclass, field, asdict
 from rnn_darts.core import UsageError, check_choice
 
 PRECISIONS = ('fp32', 'tf32', 'bf16')   # of the matrix products: fp32, TF32 tensor cores, bf16 autocast (fp32 weights)
+PATH_NAMES = ('graphs', 'tf32', 'bf16', 'fused', 'fused+graphs', 'compiled', 'compiled+graphs')   # the paths `rnn-darts check` holds to eager (`rnn_darts.check.PATHS`), named without torch
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'RULES', 'tf32_missing', 'fused_lacks', 'Rule', 'rule', 'facts', 'verdicts', 'ExecutionPlan', 'plan_of',
-           'check_plan_rules']
+__all__ = ['PRECISIONS', 'PATH_NAMES', 'RULES', 'tf32_missing', 'fused_lacks', 'Rule', 'rule', 'facts', 'verdicts',
+           'ExecutionPlan', 'plan_of', 'check_plan_rules']
 
 # %% ../nbs/00b_plan.ipynb #8b570841
 def tf32_missing(device) -> str|None:

@@ -16,7 +16,7 @@ from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources,
 # %% auto #0
 __all__ = ['RUN_FILES', 'RESUME_FREE', 'SPACE', 'ARGV', 'load_corpus', 'corpus_key', 'run_files', 'RunLock', 'read_run_json',
            'settings_diff', 'data_changes', 'prepare_run_dir', 'record_overrides_cb', 'idle_cores', 'set_threads',
-           'exit_if_interrupted', 'method_text', 'search', 'cell_name', 'train', 'evaluate_run']
+           'resume_command', 'exit_if_interrupted', 'method_text', 'search', 'cell_name', 'train', 'evaluate_run']
 
 # %% ../nbs/07b_runs.ipynb #c69a6174
 def load_corpus(s:dict, url:str|None=None):
@@ -231,14 +231,18 @@ def _prepare(command, flags:dict) -> _Run:
 
 ARGV = []   # the arguments of the command being run (`rnn_darts.cli.run_command` sets them): the resume line repeats them
 
+def resume_command(argv=None) -> str:
+    "The command that resumes the command being run (`ARGV`): its arguments less --overwrite, with --resume (a study continues when run again: it has none)"
+    import shlex
+    argv = [a for a in (ARGV if argv is None else argv) if a != '--overwrite']   # --overwrite would delete what the resume needs (and is refused with it)
+    again = '--resume' in argv or argv[:1] == ['study']
+    return ' '.join(['rnn-darts', *map(shlex.quote, argv)] + ([] if again else ['--resume']))
+
 def exit_if_interrupted(learn):
     "After a fit that a signal ended (`Preemption`): one line saying where the run is and the command that resumes it, then exit 130/143"
     it = getattr(learn, 'interrupted', None)
     if not it: return
-    import shlex
-    argv = [a for a in ARGV if a != '--overwrite']           # --overwrite would delete what the resume needs (and is refused with it)
-    again = '--resume' in argv or argv[:1] == ['study']       # a study continues when run again: it has no --resume
-    cmd = ' '.join(['rnn-darts', *map(shlex.quote, argv)] + ([] if again else ['--resume']))
+    cmd = resume_command()
     saved = f"saved to {it['path']}" if it['path'] else "not saved (a non-finite state); the last epoch checkpoint stands"
     if os.environ.get('RANK', '0') == '0':
         print(f"rnn-darts: {it['signal']} at epoch {it['epoch']}, after batch {it['batch']} of {it['of']}: {saved}; resume with: {cmd}",

@@ -13,12 +13,13 @@ from rnn_darts.config import StudyConfig, METHODS, with_method, check_fields
 
 # %% auto #0
 __all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'INSTALL', 'RETRIES', 'PROBE', 'STOP_WAIT', 'STOP',
-           'LOCK_WAIT', 'OBJECT_STORE', 'study_settings', 'Stage', 'plan_stages', 'check_study', 'stage_command',
-           'stage_record', 'stage_settings', 'stage_done', 'select_winner', 'study_rows', 'run_passes', 'planned_work',
-           'check_stages', 'waits_for', 'stage_finished', 'check_final', 'run_stage', 'run_study', 'progress_text',
-           'collect_study', 'import_ray', 'check_ray', 'start_ray', 'check_answers', 'probe_folder',
-           'check_workers_see', 'run_stage_task', 'wait_unlocked', 'stage_error', 'task_options', 'parallel_slots',
-           'submit_stages', 'run_on_ray', 'take_sigterm', 'stop_stages']
+           'LOCK_WAIT', 'OBJECT_STORE', 'H2_PREFACE', 'PROGRESS_EVERY', 'study_settings', 'Stage', 'plan_stages',
+           'check_study', 'stage_command', 'stage_record', 'stage_settings', 'stage_done', 'select_winner',
+           'study_rows', 'run_passes', 'planned_work', 'check_stages', 'waits_for', 'stage_finished', 'check_final',
+           'run_stage', 'run_study', 'progress_text', 'collect_study', 'import_ray', 'check_ray', 'start_ray',
+           'check_answers', 'probe_folder', 'check_workers_see', 'run_stage_task', 'wait_unlocked', 'stage_error',
+           'task_options', 'parallel_slots', 'submit_stages', 'run_on_ray', 'epochs_logged', 'running_text',
+           'take_sigterm', 'stop_stages']
 
 # %% ../nbs/17_study.ipynb #160dffce
 STUDY_OPTIONS = {f.name: (option_type(f.default, f.type), f.default) for f in fields(StudyConfig)}   # name -> (type, default): `StudyConfig`'s, the paper's protocol
@@ -390,13 +391,25 @@ def start_ray(address:str|None=None):
         raise UserError(f"--ray {address}: no Ray cluster answers there ({' '.join(str(e).split())[:160]}); start one with: ray start --head") from None
     return ray
 
+H2_PREFACE = b'PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n' + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])   # HTTP/2's client preface and an empty SETTINGS frame
+
 def check_answers(address:str, timeout:float=10.):
-    "One line if nothing listens at a cluster's `HOST:PORT` (Ray itself would wait there for ever); `auto` and `ray://` addresses are Ray's to check"
+    """One line if no Ray cluster answers at `HOST:PORT`: nothing listens there, or what listens is no gRPC server (Ray's
+    GCS is one: it answers HTTP/2's preface with its SETTINGS frame). Ray itself would wait there for minutes, printing
+    its retries; `auto` and `ray://` addresses, and TLS (`RAY_USE_TLS`), are Ray's to check"""
     host, sep, port = address.rpartition(':')
     if address == 'auto' or '://' in address: return
     if not sep or not port.isdigit(): raise UsageError(f"--ray {address}: give a Ray cluster's address as HOST:PORT (ray start --head prints it), or --ray alone for a local Ray")
-    try: socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as e: raise UserError(f"--ray {address}: no Ray cluster answers there ({e.strerror or e}); start one with: ray start --head") from None
+    hint = "start one with: ray start --head (it prints the address)"
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as s:
+            if os.environ.get('RAY_USE_TLS', '0').lower() in ('1', 'true'): return
+            s.sendall(H2_PREFACE)
+            reply = s.recv(9)
+    except socket.timeout: reply = b''
+    except OSError as e: raise UserError(f"--ray {address}: no Ray cluster answers there ({e.strerror or e}); {hint}") from None
+    if len(reply) < 4 or reply[3] != 4:   # a frame header's 4th byte is its type: 4, SETTINGS
+        raise UserError(f"--ray {address}: something listens there, but not a Ray cluster (no gRPC answer within {timeout:.0f} s); {hint}")
 
 # %% ../nbs/17_study.ipynb #7e2972d8
 def probe_folder(study_dir:str, nonce:str) -> str|None:
@@ -491,6 +504,7 @@ def submit_stages(ray, todo:list, stages:list, s:dict, study_dir:Path, settings_
 
 def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, work:dict):
     "Run the study's stages that are not done as Ray tasks; a line as each ends, with the time left. Ctrl-C, or a stage that fails, stops the others at a checkpoint"
+    from rnn_darts import runs
     ray, pending, stopped, before = import_ray(), [], {}, signal.getsignal(signal.SIGTERM)
     try:
         start_ray(address)
@@ -502,21 +516,26 @@ def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, devi
         opts = task_options(ray, device, threads)
         t0, of = time.time(), submit_stages(ray, todo, stages, s, study_dir, settings_file, opts, override, pending)
         slots = parallel_slots(ray, opts[0])
-        print(f"study: {len(todo)} stage{'s' * (len(todo) != 1)} on Ray ({_resources_text(ray)}); a line as each ends, "
-              f"its output in {study_dir/'ray-logs'}", flush=True)
+        print(f"study: {len(todo)} stage{'s' * (len(todo) != 1)} on Ray ({_resources_text(ray)}); a line as each ends and every "
+              f"{fmt_time(PROGRESS_EVERY)} while they run, their output in {study_dir/'ray-logs'}", flush=True)
+        started = {st.name: epochs_logged(study_dir/st.name) for st in todo}   # a stage with epochs before this run resumes after them
         while pending:
-            [ref], pending[:] = ray.wait(pending, num_returns=1)
+            ready, rest = ray.wait(pending, num_returns=1, timeout=PROGRESS_EVERY)
+            if not ready:
+                print(f"study: {running_text([of[r] for r in pending], study_dir, started)}; {progress_text(t0, [of[r] for r in pending], study_dir, work, slots)}", flush=True)
+                continue
+            [ref], pending[:] = ready, rest
             try: ray.get(ref)
             except ray.exceptions.RayTaskError as e: raise stage_error(of[ref].name, e.cause) from None
             except ray.exceptions.RayError as e:
                 raise UserError(f"stage {of[ref].name}: its worker died {RETRIES + 1} times ({type(e).__name__}); its checkpoint is kept: "
-                                f"run the same command again to resume it") from None
+                                f"resume it with: {runs.resume_command()}") from None
             print(f"study [{len(todo) - len(pending)}/{len(todo)}] {of[ref].name}: done ({progress_text(t0, [of[r] for r in pending], study_dir, work, slots)})", flush=True)
     except KeyboardInterrupt:
         stop_stages(ray, study_dir, pending)
         sig = stopped.get('signal', signal.SIGINT)
         print(f"rnn-darts: {'interrupted' if sig == signal.SIGINT else sig.name}: the running stages stopped, each at a checkpoint it can resume "
-              "from; run the same command again to resume the study", file=sys.stderr, flush=True)
+              f"from; resume the study with: {runs.resume_command()}", file=sys.stderr, flush=True)
         raise SystemExit(128 + sig) from None
     except BaseException:
         stop_stages(ray, study_dir, pending)
@@ -524,6 +543,24 @@ def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, devi
     finally:
         ray.shutdown()   # ends what still runs: a local Ray with its workers; on a cluster, Ray ends a job's tasks as its driver leaves
         if stopped.get('took') and before is not None: signal.signal(signal.SIGTERM, before)
+
+PROGRESS_EVERY = 60.   # seconds between the progress lines of a study on Ray
+
+def epochs_logged(folder) -> int:
+    "The epochs a run folder's `log.csv` holds (0 before its first)"
+    p = Path(folder)/'log.csv'
+    if not p.is_file(): return 0
+    with open(p) as f: return max(0, sum(1 for line in f if line.strip()) - 1)
+
+def running_text(left:list, study_dir:Path, started:dict) -> str:
+    "Where the stages `left` stand: each one under way with its epochs (and where it resumed), and how many wait"
+    going, waiting = [], 0
+    for st in left:
+        rec = stage_record(study_dir/st.name)
+        if rec is None: waiting += 1; continue
+        n, at = epochs_logged(study_dir/st.name), started.get(st.name, 0)
+        going.append(f"{st.name} epoch {n}/{rec['settings'].get('epochs', '?')}{f' (resumed after {at})' if at else ''}")
+    return ', '.join(going + ([f"{waiting} waiting"] if waiting else [])) or 'starting'
 
 def take_sigterm(stopped:dict):
     "SIGTERM to the driver stops the study as Ctrl-C does, noted in `stopped` (`ray.init`'s own handler exits at once, with a stack dump); in the main thread only"

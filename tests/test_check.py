@@ -2,7 +2,7 @@
 perturbations, random search, a derived cell), each path against its reference on this device; the command's table,
 its JSON and its exit status"""
 import json, pytest
-from rnn_darts import check
+from rnn_darts import check, plan
 from rnn_darts.check import PATHS, StepPath, cases, check_path, tiny_corpus, row_line, run_check, path_named
 from rnn_darts.cli import run_command
 from rnn_darts import kernels
@@ -52,9 +52,17 @@ def test_the_command_prints_its_table_and_writes_json(tmp_path, capsys):
     saved = json.loads((tmp_path/'c.json').read_text())
     assert [r['verdict'] for r in saved['rows']] == ['falls back', 'refused'] and saved['ok'] is True and res['ok']
 
+def test_a_row_says_why_its_cases_were_refused():
+    "Cases the plan refuses on a path that ran others: a line per reason, naming them (not only 'the plan's rules')"
+    r = dict(path='compiled', cases=3, largest=1e-6, verdict='equal', exact=False, ref='eager', tol=1e-3, off=[], errors=[], why=None,
+             refused=['random search', 'x'], refusals={'random search': '--compile true: random search runs another cell every batch', 'x': 'why x'})
+    lines = check.row_line(r).splitlines()
+    assert lines[1:] == ["    refused for random search: --compile true: random search runs another cell every batch", "    refused for x: why x"]
+
 def test_a_path_that_differs_exits_1_naming_the_case(monkeypatch, capsys):
     "A path whose step is not eager's (another learning rate stands in for a wrong kernel): its row, the case and its difference, one error line, exit 1"
     monkeypatch.setattr(check, 'PATHS', (StepPath('lr', dict(lr=2.5)),))
+    monkeypatch.setattr(plan, 'PATH_NAMES', ('lr',))   # the names the command line takes, torch-free
     monkeypatch.setattr(check, 'cases', lambda: [c for c in cases() if c.name == 'first/softmax'])
     with pytest.raises(SystemExit) as e: run_command(['check', '--device', 'cpu', '--paths', 'lr'])
     out, err = capsys.readouterr()

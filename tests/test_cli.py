@@ -85,15 +85,22 @@ def test_readme_commands_parse():
         cli.command_parser(cmd).parse_args([a for a in argv[1:] if a != '--debug'])
 
 @pytest.mark.slow
-def test_search_and_train_flags_come_from_one_table(tmp_path, capsys):
-    "-h lists every flag of `options.FLAGS` with its command's text; Python's `runs.search` takes the same names and refuses others"
+def test_search_and_train_flags_come_from_one_table(tmp_path, capsys, monkeypatch):
+    """--help lists every flag of `options.FLAGS` with its command's text, -h each with its summary in a screen (a line a
+    flag, in groups: at most 100 lines at 80 columns); Python's `runs.search` takes the same names and refuses others"""
     from rnn_darts import runs
-    from rnn_darts.options import FLAGS, command_flags
+    from rnn_darts.options import FLAGS, FLAG_SUMMARY, command_flags
     for cmd in ('search', 'train'):
-        with pytest.raises(SystemExit): cli.run_command([cmd, '-h'])
-        said = ' '.join(capsys.readouterr().out.split())
-        for k, (_, h) in command_flags(cmd).items(): assert f"--{k.replace('_', '-')}" in said and ' '.join(h.split()) in said, (cmd, k)
-        for k in set(FLAGS) - set(command_flags(cmd)): assert f"--{k.replace('_', '-')} " not in said, (cmd, k)   # the other command's own
+        for h_flag in ('--help', '-h'):
+            monkeypatch.setenv('COLUMNS', '1000' if h_flag == '--help' else '80')   # --help: no line wrapped at a hyphen
+            with pytest.raises(SystemExit): cli.run_command([cmd, h_flag])
+            out = capsys.readouterr().out
+            said = ' '.join(out.split())
+            for k, (_, h) in command_flags(cmd).items():
+                assert f"--{k.replace('_', '-')}" in said and ' '.join((h if h_flag == '--help' else FLAG_SUMMARY[k]).split()) in said, (cmd, h_flag, k)
+            for k in set(FLAGS) - set(command_flags(cmd)): assert f"--{k.replace('_', '-')} " not in said, (cmd, k)   # the other command's own
+            assert '(default: on) (default' not in said   # a default said once
+        assert len(out.splitlines()) <= 100 and said.count('[') > 20, (cmd, len(out.splitlines()))   # -h: the defaults in brackets
     with pytest.raises(TypeError, match=r"search\(\) got an unexpected keyword argument 'epoch' \(it takes the flags of rnn-darts search -h\)"):
         runs.search(epoch=1)
     learn = runs.search(data='numbers', n_train=1000, n_eval=500, epochs=1, bs=8, bptt=10, eval_bs=4, emsize=8, nhid=8, device='cpu', mode='first',

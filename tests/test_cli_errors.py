@@ -84,6 +84,7 @@ uses_run_dir = pytest.mark.xdist_group('cli-errors-run')
     (['--mode', 'first', '--mixed-lambda', '2'], ["--mixed-lambda weighs the validation gradient of --mode mixed, not first"]),
     (['--method', 'random', '--beta-decay', '5'], ["--beta-decay applies to the architecture weights α, which random search (mode random) does not have"]),
     (['--epsilon', '0'], ["--epsilon must be a finite number > 0, got 0.0"]),
+    (['--epsilon', '0.5'], ["--epsilon sets the radius of SDARTS's perturbation, and --perturb (default) none perturbs nothing (SDARTS: perturb random or adversarial)"]),
     (['--device', 'gpu'], ['--device gpu: not a device name; use cpu, cuda or cuda:N']),
     (['--fuse', 'true'], ["--fuse true runs Triton kernels on a GPU; the device is cpu (a CPU runs them in Triton's interpreter, for tests only)"]),
     (['--fuse', 'true', '--precision', 'bf16'], ['--fuse true runs its kernels in fp32 or tf32; --precision bf16 autocasts the products']),
@@ -383,13 +384,14 @@ def test_warning_filter_ends_with_the_command(monkeypatch):
 
 # --- help ------------------------------------------------------------------------------------------------------------------
 def test_help_is_fast_and_does_not_import_torch():
-    "Help, and a missing corpus folder, answer before torch and fastai are imported"
+    "Help, a missing corpus folder and a path `check` does not know answer before torch and fastai are imported"
     env = {**os.environ, 'PYTHONPATH': str(ROOT)}
     code = ("import sys; from rnn_darts.cli import run_command\n"
             "for a in (['--help'], ['search', '-h'], ['train', '-h'], ['study', '-h'], ['evaluate', '-h']):\n"
             "    try: run_command(a)\n    except SystemExit as e: assert e.code == 0\n"
             "try: run_command(['search', '--data', '/no/such/corpus'])\nexcept SystemExit as e: assert e.code == 1\n"   # a missing folder: said at once
-            "assert 'torch' not in sys.modules and 'fastai' not in sys.modules, 'help (or a missing corpus folder) imported torch'")
+            "try: run_command(['check', '--paths', 'nonsense'])\nexcept SystemExit as e: assert e.code == 2\n"
+            "assert 'torch' not in sys.modules and 'fastai' not in sys.modules, 'help (or a missing corpus folder, or a wrong path) imported torch'")
     t0 = time.time()
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -45,8 +45,9 @@ def test_the_command_line_resolves_onto_the_configs_fields():
         s = resolve_settings(cmd, 'quick')
         assert list(s) == list(cls.names()) and cls.of(s).asdict() == s
     help = ' '.join(command_parser('search').format_help().split())
-    assert f"--arch-lr ARCH_LR learning rate of α (Adam), > 0 (default: {SearchConfig.arch_lr}, or the preset)" in help
-    assert f"(default: {TrainConfig.nonmono}, or the preset)" in ' '.join(command_parser('train').format_help().split())
+    assert f"--arch-lr X learning rate of α (Adam), > 0 (default: {SearchConfig.arch_lr})" in help
+    assert f"NT-ASGD patience (epochs without improvement before averaging starts) (default: {TrainConfig.nonmono})" in ' '.join(command_parser('train').format_help().split())
+    assert f"--nonmono N NT-ASGD patience (epochs) [{TrainConfig.nonmono}]" in ' '.join(command_parser('train', brief=True).format_help().split())
 
 def _literal_defaults(tree):
     "(name, value, line) of every keyword default of a function and every keyword argument of a `dict(...)` that is a literal"

@@ -230,6 +230,20 @@ def test_graphs_say_why_they_are_off(small, tmp_path, capsys):
     with pytest.raises(ValueError, match="graphs true: random search runs another cell every batch, and each would need its own CUDA graphs"):
         search_learner(dls, search_stream(small, 8, device='cpu'), mode='random', graphs=True, emsize=8, nhid=8)
 
+def test_graphs_of_a_hand_built_learner_follow_the_plans_rules():
+    "A learner built by hand has no plan: its `CudaGraphs` asks the plan's table, random search's rule included (a model that draws a cell per batch), with the rule's own reason"
+    from types import SimpleNamespace
+    from rnn_darts.model import DartsRnnShared, DartsRnnSearch
+    from rnn_darts.learner import SeqCrossEntropy
+    from rnn_darts.callbacks.graphs import CudaGraphs
+    cb = CudaGraphs(True, emulate='emulate')
+    cb.learn = SimpleNamespace(model=DartsRnnShared(20, 8, 8), loss_func=SeqCrossEntropy(), cbs=[])
+    assert cb.refusal() == "random search runs another cell every batch, and each would need its own CUDA graphs"
+    cb.learn.model = DartsRnnSearch(20, 8, 8)
+    assert cb.refusal() is None
+    cb.learn.loss_func = torch.nn.CrossEntropyLoss()   # a loss that cannot take the model's fused one
+    assert cb.refusal() == "they need the fused decoder loss (fused_loss=True)"
+
 @pytest.mark.gpu
 def test_cuda_graphs_fit_like_eager_on_a_gpu(corpus, tmp_path):
     "A second-order search and a derived-cell training on CUDA: captured and replayed graphs, losses and weights within 1e-4 of eager (CUDA's embedding backward adds with atomics, in no fixed order)"

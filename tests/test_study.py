@@ -3,7 +3,7 @@ a first-order and a random search, their short trainings and DARTS_V2's, the win
 are the same runs as `rnn-darts search|train` with the same flags; a kill and a rerun give the same table; stages
 run alone (a scheduler's jobs) and then collected give the same table; bad settings get one line.
 Each search and training has about 19 batches (1,500 tokens), its validation 600 tokens."""
-import contextlib, importlib.util, io, json, math, os, re, shlex, shutil, signal, socket, subprocess, sys, time
+import contextlib, importlib.util, io, json, math, os, re, shlex, shutil, signal, socket, subprocess, sys, threading, time
 from pathlib import Path
 import pandas as pd, pytest
 from rnn_darts import cli
@@ -237,6 +237,37 @@ def test_bad_study_settings_get_one_line(tmp_path, capsys):
         fails(capsys, study_args(tmp_path, tmp_path/'a', '--ray'), "--ray needs Ray", "pip install 'rnn-darts[ray]'", code=1)
     assert not (tmp_path/'a').exists() and not (run/'study.json').exists()   # nothing was written
 
+def test_an_address_where_no_ray_answers_is_one_line_at_once():
+    """`--ray HOST:PORT` where something listens that is not Ray (Ray itself would retry there for minutes, printing
+    warnings): refused after one silent wait; a server that answers HTTP/2's preface as gRPC (Ray's GCS) passes"""
+    from rnn_darts.core import UserError
+    from rnn_darts.study import check_answers
+    def serve(reply:bytes):
+        srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen(1)
+        def answer():
+            c, _ = srv.accept()
+            with c: c.recv(64); c.sendall(reply); c.recv(64)
+        threading.Thread(target=answer, daemon=True).start()
+        return srv, f"127.0.0.1:{srv.getsockname()[1]}"
+    srv, addr = serve(b'')   # listens, says nothing
+    with srv, pytest.raises(UserError, match=f"--ray {addr}: something listens there, but not a Ray cluster"): check_answers(addr, timeout=0.5)
+    srv, addr = serve(b'HTTP/1.1 400 Bad Request\r\n\r\n')   # another server
+    with srv, pytest.raises(UserError, match='not a Ray cluster'): check_answers(addr, timeout=0.5)
+    srv, addr = serve(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))   # a SETTINGS frame: an HTTP/2 (gRPC) server
+    with srv: check_answers(addr, timeout=5)
+
+def test_a_study_on_ray_says_where_its_running_stages_stand(tmp_path):
+    "The progress line of a study on Ray: each stage under way with its epochs logged of its total, where it resumed, and how many wait"
+    from rnn_darts.study import Stage, running_text, epochs_logged
+    a, b, c = Stage('search-first-1', 'search', 'first', 1), Stage('search-first-2', 'search', 'first', 2), Stage('final', 'final')
+    for st, rows in ((a, 2), (b, 1)):
+        (tmp_path/st.name).mkdir()
+        (tmp_path/st.name/'run.json').write_text(json.dumps(dict(command='search', settings=dict(epochs=4))))
+        (tmp_path/st.name/'log.csv').write_text('epoch,train_loss\n' + ''.join(f'{i},1.0\n' for i in range(rows)))
+    assert [epochs_logged(tmp_path/x) for x in (a.name, b.name, 'nowhere')] == [2, 1, 0]
+    assert running_text([a, b, c], tmp_path, {a.name: 0, b.name: 1, c.name: 0}) == \
+        "search-first-1 epoch 2/4, search-first-2 epoch 1/4 (resumed after 1), 1 waiting"
+
 def test_packaged_presets_plan_the_protocol():
     from rnn_darts.study import study_settings, check_study, plan_stages
     s, src = study_settings('study-paper', ROOT/'settings.ini')
@@ -330,7 +361,7 @@ def test_the_ptb_study_preset_runs_end_to_end_through_ray_at_a_tiny_size(tmp_pat
     data = json.loads((out/'search-darts-1'/'run.json').read_text())['data']
     assert [data[s]['file'] for s in ('train', 'valid', 'test')] == [f'{penn}/valid.txt', f'{penn}/test.txt:1/2', f'{penn}/test.txt:2/2']
 
-STOPPED = "the running stages stopped, each at a checkpoint it can resume from; run the same command again to resume the study"
+STOPPED = "the running stages stopped, each at a checkpoint it can resume from; resume the study with: rnn-darts"
 
 @pytest.mark.slow
 @needs_ray
@@ -346,7 +377,7 @@ def test_on_ray_ctrl_c_stops_the_stages_and_says_how_to_resume(done, tmp_path, s
     job.signal(sig, to=to)
     code, _, err = job.finish(300)   # a guard against a hang, not a wait: on CI's loaded cores the stages' ending took over 120 s
     lines = [l for l in err.splitlines() if l.strip()]
-    assert code == 128 + sig and lines == [f"rnn-darts: {'interrupted' if sig == signal.SIGINT else 'SIGTERM'}: {STOPPED}"], err
+    assert code == 128 + sig and lines == [f"rnn-darts: {'interrupted' if sig == signal.SIGINT else 'SIGTERM'}: {STOPPED} {shlex.join(study_args(d, out, '--ray'))}"], err
     assert load_checkpoint(out/'search-first-1'/'checkpoints'/'mid_epoch.pth')['mid']['batches'] == 3
     said = (out/'ray-logs'/'search-first-1.log').read_text().strip().splitlines()[-1]   # the stage's own line names the study command
     assert said.startswith('rnn-darts: SIGINT at epoch 0, after batch 3 of ') and said.endswith(f"resume with: rnn-darts {shlex.join(study_args(d, out, '--ray'))}"), said

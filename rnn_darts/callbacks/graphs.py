@@ -16,6 +16,7 @@ from fastai.callback.rnn import RNNRegularizer
 from fastai.torch_core import num_distrib, rank_distrib
 from rnn_darts.callbacks.training import ar_tar
 from rnn_darts.plan import facts, verdicts
+from rnn_darts.model import DartsRnnShared
 
 # %% auto #0
 __all__ = ['EMULATIONS', 'Captured', 'StepGraphs', 'CudaGraphs']
@@ -191,14 +192,15 @@ class CudaGraphs(Callback):
 
     def refusal(self) -> str|None:
         """Why the graphs cannot run this fit, or None: the execution plan's rules (`rnn_darts.plan.RULES`) on the learner
-        as it is (a learner built by hand has no plan), and a model that draws a cell per batch"""
+        as it is (a learner built by hand has no plan; random search's model draws a cell per batch)"""
         m, learn = self.model, self.learn
-        if hasattr(m, 'use'): return "random search runs another cell every batch"
         f = facts(dict(graphs=True, fused_loss=m.runner.fused_loss and getattr(learn.loss_func, 'takes_fused_loss', False),
-                       precision='bf16' if any(isinstance(cb, MixedPrecision) for cb in learn.cbs) else 'fp32'),
+                       precision='bf16' if any(isinstance(cb, MixedPrecision) for cb in learn.cbs) else 'fp32',
+                       mode='random' if isinstance(m, DartsRnnShared) else None),
                   m.flat.data.device, world=num_distrib() or 1, emulate=self.emulate)
         why = next((line for r, line in verdicts(f) if 'graphs' in r.name), None)
-        return None if why is None else why.removeprefix('CUDA graphs off: ').removesuffix('; the steps run eager')
+        if why is None: return None
+        return why.split(': ', 1)[1].removesuffix('; the steps run eager').removesuffix('; it runs eager')
 
     def before_fit(self):
         if self.regularizer is None:   # a learner built by hand: its AR/TAR, which the training graph must add as the eager step does
