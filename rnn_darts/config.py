@@ -12,7 +12,8 @@ from rnn_darts.plan import PRECISIONS, check_plan_rules   # the execution plan's
 RELAXATIONS = ('softmax', 'sigmoid', 'gdas', 'snas', 'drnas')   # `rnn_darts.relax`
 MODES = ('second', 'first', 'exact', 'mixed', 'single', 'random')   # α's step (`rnn_darts.callbacks.arch`), then random search's
 ARCH_MODES = MODES[:-1]                                             # the modes with α
-TEMPERED, DRAWN = ('gdas', 'snas'), ('gdas', 'snas', 'drnas')  # the relaxations with a temperature; those that draw their weights
+TAU = dict(gdas=(10., 0.1), snas=(1., 0.03))   # the relaxations with a temperature: their papers' first and last τ (GDAS's scripts' --tau_max, --tau_min; SNAS's code's --temp, --temp_min)
+TEMPERED, DRAWN = tuple(TAU), ('gdas', 'snas', 'drnas')  # the relaxations with a temperature; those that draw their weights
 ALPHA_PARTS = ('relax', 'zero_one', 'op_decay', 'early_stop', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay', 'dirichlet_kl', 'perturb', 'epsilon',
                'select', 'pt_tune')   # what α's search does
 ALPHA_ONLY = ALPHA_PARTS + ('edge_norm', 'arch_lr', 'arch_wd', 'arch_bf16', 'same_masks', 'curvature', 'curvature_windows')   # the settings of α, which random search has not
@@ -33,10 +34,10 @@ FAMILY = tuple(m for m in METHODS if m not in MODES + ('darts',))   # the method
 IDENTITY = ('relax', 'mode', 'perturb', 'select')   # what makes a method itself: a setting may repeat its, never change them; its other settings (τ, ε, β-decay, the KL and zero-one weights) are defaults, the user's to set
 
 # %% auto #0
-__all__ = ['RELAXATIONS', 'MODES', 'ARCH_MODES', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS', 'FAMILY',
-           'IDENTITY', 'CONFIGS', 'setting', 'redefault', 'records_given', 'RunConfig', 'SearchConfig', 'TrainConfig',
-           'StudyConfig', 'configured', 'ops_text', 'check_value', 'check_fields', 'with_method', 'check_rules',
-           'has_all', 'check_random']
+__all__ = ['RELAXATIONS', 'MODES', 'ARCH_MODES', 'TAU', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS', 'FAMILY',
+           'IDENTITY', 'CONFIGS', 'NEEDS', 'setting', 'redefault', 'records_given', 'RunConfig', 'SearchConfig',
+           'TrainConfig', 'StudyConfig', 'configured', 'ops_text', 'check_value', 'check_fields', 'with_taus',
+           'with_method', 'check_rules', 'has_all', 'check_random']
 
 # %% ../nbs/00a_config.ipynb #fed0f08a
 def setting(default, help:str|None=None, check=None):
@@ -136,7 +137,8 @@ class RunConfig:
     def sources(self) -> dict:
         "Who set each setting: 'user' (a keyword, flag or preset key), 'method' (`--method`'s) or 'default'"
         parts = METHODS.get(getattr(self, 'method', None) or '', {})
-        return {k: 'user' if k in self.given else 'method' if k in parts else 'default' for k in self.names()}
+        tau = ('tau_max', 'tau_min') if getattr(self, 'relax', None) in TAU else ()
+        return {k: 'user' if k in self.given else 'method' if k in parts else 'relax' if k in tau else 'default' for k in self.names()}
 
     def asdict(self) -> dict: return asdict(self)
 
@@ -196,8 +198,8 @@ class SearchConfig(RunConfig):
     edge_norm: bool = setting(False, "PC-DARTS's edge normalisation: each node weighs its incoming edges by a softmax over a β per edge, "
                               "learned with α; the cell is derived from each edge's weight times its op's (Xu et al., ICLR 2020)")
 
-    def __post_init__(self):   # the method's settings where its maker gave none; then every check, once
-        for k, v in with_method(vars(self), self.given.__contains__).items(): object.__setattr__(self, k, v)
+    def __post_init__(self):   # the method's settings where its maker gave none, τ the relaxation's where none was; then every check, once
+        for k, v in with_taus(with_method(vars(self), self.given.__contains__)).items(): object.__setattr__(self, k, v)
         super().__post_init__()
 
 @records_given
@@ -276,6 +278,12 @@ def check_fields(cls, s:dict, name=str):
 
 def _default(k): return SearchConfig.__dataclass_fields__[k].default
 
+def with_taus(s:dict) -> dict:
+    "`s` with its relaxation's paper τ (`TAU`) where it has a temperature and `s` gives none: what the run uses, recorded as such"
+    r = s.get('relax')
+    if r not in TAU: return s
+    return {**s, **{k: v for k, v in zip(('tau_max', 'tau_min'), TAU[r]) if s.get(k) is None}}
+
 def with_method(s:dict, given=None, name=str) -> dict:
     """`s` with its `method`'s settings (`METHODS`) where no one gave them: `given(k)` says whether someone did (a keyword,
     flag or preset key; None: each key of `s`). A given setting may repeat the method's identity (`IDENTITY`), and a
@@ -300,6 +308,17 @@ def check_rules(s:dict, name=str):
     _check_family(with_method(s, name=name) if s.get('method') else s, name)
 
 
+# A method's own settings, which act only with another setting's values: what each is, that setting, its values, them in words
+NEEDS = dict(
+    tau_max=("GDAS's and SNAS's first temperature τ", 'relax', TEMPERED, 'gdas or snas'),
+    tau_min=("GDAS's and SNAS's last temperature τ", 'relax', TEMPERED, 'gdas or snas'),
+    dirichlet_kl=("DrNAS's Dirichlet KL weight", 'relax', ('drnas',), 'drnas'),
+    zero_one=("Fair DARTS's zero-one loss weight", 'relax', ('sigmoid',), 'sigmoid'),
+    beta_decay=("β-DARTS's decay of α's logsumexp, a softmax's normaliser", 'relax', ('softmax', 'gdas', 'snas'), 'softmax, gdas or snas'),
+    epsilon=("SDARTS's perturbation radius", 'perturb', ('random', 'adversarial'), 'random or adversarial'),
+    mixed_lambda=("MiLeNAS's weight of the validation gradient", 'mode', ('mixed',), 'mixed'),
+)   # not `pt_tune`: a budget a preset gives every method of a study (study-ptb-search), DARTS-PT's to spend
+
 def _check_family(s:dict, name):
     "The rules between the parts of the DARTS family (`METHODS`): the combinations that have no meaning (a method's own: `with_method`)"
     r, mode = s.get('relax'), s.get('mode')
@@ -309,24 +328,15 @@ def _check_family(s:dict, name):
     if r == 'drnas' and mode == 'second':
         raise UsageError(f"{name('relax')} drnas with {name('mode')} second: the unrolled step's passes would each draw another Dirichlet "
                          "sample, and its finite differences measure the draws; DrNAS is first order (use first, mixed or single)")
-    for k in ('tau_max', 'tau_min'):
-        if s.get(k) is not None and r is not None and r not in TEMPERED:
-            raise UsageError(f"{name(k)} sets the temperature of --relax gdas or snas; {name('relax')} {r} has none")
+    for k, (what, need, values, words) in NEEDS.items():   # a method's own setting, given where it does nothing
+        if s.get(k, _default(k)) != _default(k) and s.get(need) is not None and s[need] not in values:
+            raise UsageError(f"{name(k)} ({what}) has an effect only with {name(need).split(' (')[0]} {words}, and {name(need)} is {s[need]}")
     if has_all(s, 'tau_max', 'tau_min') and s['tau_min'] > s['tau_max']:
         raise UsageError(f"{name('tau_min')} ({s['tau_min']}) cannot exceed {name('tau_max')} ({s['tau_max']}): τ is annealed down")
-    if s.get('dirichlet_kl') and r is not None and r != 'drnas':
-        raise UsageError(f"{name('dirichlet_kl')} regularises the Dirichlet of --relax drnas; {name('relax')} {r} has none")
-    if s.get('beta_decay') and r in ('sigmoid', 'drnas'):
-        raise UsageError(f"{name('beta_decay')} (β-DARTS) decays α's logsumexp, the normaliser of a softmax; {name('relax')} {r} has none")
     if s.get('perturb') not in (None, 'none') and r is not None and r != 'softmax':
         raise UsageError(f"{name('perturb')} (SDARTS) perturbs softmax mixing weights on the simplex; {name('relax')} {r} is not softmax")
-    if s.get('perturb') == 'none' and s.get('epsilon', SearchConfig.epsilon) != SearchConfig.epsilon:
-        raise UsageError(f"{name('epsilon')} sets the radius of SDARTS's perturbation, and {name('perturb')} none perturbs nothing "
-                         "(SDARTS: perturb random or adversarial)")
     if s.get('select') == 'pt' and r is not None and r != 'softmax':
         raise UsageError(f"{name('select')} pt (DARTS-PT) removes ops from softmax mixing weights; {name('relax')} {r} is not softmax")
-    if s.get('mixed_lambda', SearchConfig.mixed_lambda) != SearchConfig.mixed_lambda and mode is not None and mode != 'mixed':
-        raise UsageError(f"{name('mixed_lambda')} weighs the validation gradient of {name('mode')} mixed, not {mode}")
 
 def has_all(s:dict, *ks) -> bool: return all(s.get(k) is not None for k in ks)
 

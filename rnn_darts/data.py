@@ -59,7 +59,10 @@ def _read_lines(p:Path, split:str) -> list:
     "The lines of split file `p`, decoded as UTF-8 (errors name the file, the byte offset and the line)"
     if not p.exists():
         if os.path.lexists(p): _check_path(p, f"the {split} split file")
-        raise FileNotFoundError(f"{p}: the {split} split file does not exist")
+        have = sorted(x.name for x in p.parent.glob('*.txt'))[:4] if p.parent.is_dir() else []
+        files = f" ({', '.join(have)} are there)" if have else ''
+        raise FileNotFoundError(f"{p}: the {split} split file does not exist{files}; --files names the train, valid and test files, or "
+                                "parts of one: --files valid.txt,test.txt:1/2,test.txt:2/2")
     if not p.is_file(): raise FileNotFoundError(f"{p}: the {split} split is not a regular file")
     raw = p.read_bytes()
     try: text = raw.decode('utf-8')

@@ -24,7 +24,7 @@ import fastai.callback.schedule  # adds Learner.lr_find and fit_one_cycle
 from fastai.callback.progress import CSVLogger
 from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name, naming
 from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, check_random, TEMPERED
-from rnn_darts.plan import plan_of
+from rnn_darts.plan import plan_of, compile_key
 from rnn_darts.runners import runner_of
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict, check_in_space
@@ -173,7 +173,8 @@ def _learner(dls, model, c:RunConfig, path, device, command:str, plan=None):
     plan = plan or plan_of({**c.asdict(), 'graphs': True if emulate else c.graphs, 'ops': model.ops}, dev, command=command, emulate=emulate)
     model.runner = runner_of(plan, model)
     cg = CudaGraphs(bool(plan.graphs), emulate=emulate)
-    cbs = ([AutoCompile()] if plan.compile == 'auto' else []) + [CompileNotice(), PlanNotes(plan), cg, TableColumns()]
+    key = compile_key(c.asdict(), command, dev)   # the plan's ledger names the compiled step by it
+    cbs = ([AutoCompile(key)] if plan.compile == 'auto' else []) + [CompileNotice(key=key), PlanNotes(plan), cg, TableColumns()]
     learn = DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=c.lr, splitter=flat_splitter, wd=c.wd,
                          wd_bn_bias=True, metrics=[Perplexity()], path=path, cbs=cbs + precision_callbacks(plan.precision))
     learn.config, learn.plan = c, plan

@@ -8,7 +8,7 @@ import inspect, os
 from dataclasses import fields, asdict
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, read_preset, option_type, PAPER_NODES
-from rnn_darts.config import CONFIGS, METHODS, check_rules, check_random, check_value, with_method
+from rnn_darts.config import CONFIGS, METHODS, check_rules, check_random, check_value, with_method, with_taus
 
 # %% auto #0
 __all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'FLAG_ORDER', 'FLAG_GROUPS', 'FLAG_SUMMARY', 'FLAGS', 'CHECKS', 'CHOICES',
@@ -48,6 +48,9 @@ def settings_and_sources(command, preset=None, settings_file=None, **flags):
     parts = with_method(res, given, lambda k: setting_name(k, src))   # the method's settings that the user left
     for k in METHODS.get(res.get('method') or '', {}):
         if not given(k): res[k], src[k] = parts[k], f"--method {res['method']}"
+    taus = with_taus(res)   # τ: the relaxation's own, where no one gave it
+    for k in ('tau_max', 'tau_min'):
+        if k in res and res[k] is None and taus[k] is not None: res[k], src[k] = taus[k], f"--relax {res['relax']}"
     return res, src
 
 def resolve_settings(command, preset=None, settings_file=None, **flags) -> dict:
@@ -77,15 +80,15 @@ FLAG_ORDER = ('genotype', 'preset', 'settings', 'data', 'files', 'unk', 'url', '
 
 # `-h`'s one line per flag of `rnn-darts search | train`, in groups (`--help` gives each flag's whole help)
 FLAG_GROUPS = {
-    'the run': ('genotype', 'preset', 'settings', 'out', 'device', 'resume', 'overwrite', 'override', 'threads', 'epochs', 'seed',
-                'on_nan', 'checkpoint_every', 'tensorboard'),
-    'the data': ('data', 'files', 'unk', 'url', 'n_train', 'n_eval', 'bs', 'bptt', 'eval_bs', 'test_bs'),
-    'the cell and its weights': ('emsize', 'nhid', 'nodes', 'ops', 'edge_norm', 'lr', 'wd', 'clip', 'dropout', 'dropouth', 'dropoutx',
-                                 'dropouti', 'dropoute', 'nonmono', 'asgd'),
-    'the search of α': ('mode', 'method', 'arch_lr', 'arch_wd', 'relax', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay', 'dirichlet_kl',
-                        'perturb', 'epsilon', 'select', 'pt_tune', 'op_decay', 'curvature', 'curvature_windows', 'early_stop',
-                        'candidates', 'top'),
-    'how it runs': ('compile', 'graphs', 'fuse', 'precision', 'arch_bf16'),
+    'data': ('data', 'files', 'unk', 'url', 'n_train', 'n_eval', 'bs', 'bptt', 'eval_bs', 'test_bs'),
+    'model and weights': ('genotype', 'emsize', 'nhid', 'nodes', 'ops', 'edge_norm', 'lr', 'wd', 'clip', 'dropout', 'dropouth', 'dropoutx',
+                          'dropouti', 'dropoute', 'nonmono', 'asgd'),
+    'search': ('mode', 'method', 'arch_lr', 'arch_wd', 'curvature', 'curvature_windows', 'early_stop', 'candidates', 'top'),
+    "a method's settings": ('relax', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay', 'dirichlet_kl', 'perturb', 'epsilon', 'select',
+                            'pt_tune', 'op_decay'),
+    'speed': ('compile', 'graphs', 'fuse', 'precision', 'arch_bf16'),
+    'the run': ('preset', 'settings', 'out', 'device', 'resume', 'overwrite', 'override', 'threads', 'epochs', 'seed', 'on_nan',
+                'checkpoint_every', 'tensorboard'),
 }
 FLAG_SUMMARY = dict(
     genotype='genotype.json, or DARTS_V2, DARTS_V1, ENAS', preset='preset name in settings.ini', settings='settings.ini to read it from',
@@ -152,7 +155,7 @@ def setting_name(k, src=None) -> str:
     where = (src or {}).get(k, 'flag')
     flag = '--' + k.replace('_', '-')
     if where == 'flag': return flag
-    return f"{flag} ({where})" if where == 'default' or where.startswith('--method ') else where
+    return f"{flag} ({where})" if where == 'default' or where.startswith('--') else where   # '--method M', '--relax R': what set it
 
 def check_settings(s:dict, src:dict|None=None) -> dict:
     "Raise a `UsageError` naming the flag or preset key of the first bad value in the settings `s`"

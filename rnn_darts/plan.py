@@ -4,16 +4,19 @@
 
 # %% ../nbs/00b_plan.ipynb #2ed52f9a
 from __future__ import annotations
-import os
-from dataclasses import dataclass, field, asdict
+import json, os
+from dataclasses import dataclass, field, asdict, replace
+from pathlib import Path
 from rnn_darts.core import UsageError, check_choice
 
 PRECISIONS = ('fp32', 'tf32', 'bf16')   # of the matrix products: fp32, TF32 tensor cores, bf16 autocast (fp32 weights)
 PATH_NAMES = ('graphs', 'tf32', 'bf16', 'fused', 'fused+graphs', 'compiled', 'compiled+graphs')   # the paths `rnn-darts check` holds to eager (`rnn_darts.check.PATHS`), named without torch
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'PATH_NAMES', 'RULES', 'tf32_missing', 'fused_lacks', 'Rule', 'rule', 'facts', 'verdicts',
-           'ExecutionPlan', 'plan_of', 'check_plan_rules']
+__all__ = ['PRECISIONS', 'PATH_NAMES', 'RULES', 'COMPILE_MIN_STEPS', 'COMPILE_MIN_STEPS_CACHED', 'FIRST_COMPILE_S', 'LEDGER',
+           'tf32_missing', 'fused_lacks', 'Rule', 'rule', 'facts', 'verdicts', 'compile_pays', 'compile_key',
+           'ledger_path', 'compiled_here', 'record_compile', 'first_compile_s', 'with_fit', 'ExecutionPlan', 'plan_of',
+           'check_plan_rules']
 
 # %% ../nbs/00b_plan.ipynb #8b570841
 def tf32_missing(device) -> str|None:
@@ -109,6 +112,71 @@ def verdicts(f:dict, rules=RULES) -> list:
     "The rules of `rules` that apply to the facts `f`, each as (rule, its line)"
     return [(r, r.why(f)) for r in rules if r.when(f)]
 
+# %% ../nbs/00b_plan.ipynb #c0mp11e5
+# When compiling the CPU step pays, measured on a 2-core AMD EPYC (Zen 4), one thread, the quick preset (64 training batches
+# an epoch, nhid 64): an eager batch 0.70 s; a compiled one 0.16 s; the first compile 78 s (an empty Inductor cache), 23 s of
+# tracing once Inductor's cache holds the step (one epoch: eager 45 s, compiled 88 s cold, 33 s warm: #80). Compiling pays
+# from 78 / (0.70 − 0.16) ≈ 145 batches cold and 23 / 0.54 ≈ 43 warm
+COMPILE_MIN_STEPS, COMPILE_MIN_STEPS_CACHED = 150, 45
+FIRST_COMPILE_S = {64: 60, 128: 180, 300: 210}   # a first compile's seconds by nhid, measured (the quick preset; study-ptb's search; rnn-darts check): the notice's guess where this machine has none
+LEDGER = 'rnn_darts_compiled.json'   # in Inductor's cache folder: the steps compiled here, so cached (wiping the folder wipes it too)
+
+def compile_pays(batches:int, cached:bool) -> bool:
+    "Whether compiling a CPU fit of `batches` training batches pays back its warm-up: a first compile's, or (`cached`) the tracing left once Inductor holds the step"
+    return batches >= (COMPILE_MIN_STEPS_CACHED if cached else COMPILE_MIN_STEPS)
+
+def compile_key(s:dict, command:str, device) -> str:
+    "What names a run's compiled steps in Inductor's cache: the versions, the device kind and the settings that shape the step's graphs"
+    import torch
+    from importlib.metadata import version, PackageNotFoundError
+    try: pkg = version('rnn_darts')
+    except PackageNotFoundError: pkg = None
+    shape = [s.get(k) for k in ('emsize', 'nhid', 'nodes', 'ops', 'edge_norm', 'bs', 'eval_bs', 'mode', 'relax', 'method', 'perturb', 'precision')]
+    drops = [bool(s.get(k)) for k in ('dropout', 'dropouth', 'dropoutx', 'dropouti', 'dropoute')]   # a mask or none: another graph
+    return json.dumps([torch.__version__, pkg, command, torch.device(device).type, shape, drops, s.get('genotype') if command == 'train' else None])
+
+def ledger_path() -> Path:
+    "The ledger of the steps compiled on this machine, in Inductor's cache folder (`TORCHINDUCTOR_CACHE_DIR`, else its default; `RNN_DARTS_COMPILE_LEDGER`: a file of its own, as the tests keep it)"
+    if os.environ.get('RNN_DARTS_COMPILE_LEDGER'): return Path(os.environ['RNN_DARTS_COMPILE_LEDGER'])
+    d = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
+    if not d:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        d = cache_dir()
+    return Path(d)/LEDGER
+
+def _ledger() -> dict:
+    try: d = json.loads(ledger_path().read_text())
+    except (OSError, ValueError): return {}
+    return d if isinstance(d, dict) else {}
+
+def compiled_here(key:str) -> float|None:
+    "The seconds this machine's first batch of the step `key` took when it was compiled (so Inductor's cache holds it), or None"
+    return _ledger().get(key)
+
+def record_compile(key:str, seconds:float):
+    "Note in the ledger that the step `key` was compiled here, its first batch taking `seconds` (the first time's, kept)"
+    d = _ledger()
+    if key in d: return
+    d[key] = round(seconds, 1)
+    try:
+        p = ledger_path(); p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(f'.{os.getpid()}.tmp'); tmp.write_text(json.dumps(d, indent=1)); os.replace(tmp, p)
+    except OSError: pass   # a cache folder it cannot write: the next run decides as a cold one would
+
+def first_compile_s(nhid:int) -> float:
+    "About how long a first compile takes: the longest recorded on this machine, else the measurement nearest `nhid`"
+    here = [v for v in _ledger().values() if isinstance(v, (int, float))]
+    return max(here) if here else FIRST_COMPILE_S[min(FIRST_COMPILE_S, key=lambda n: abs(n - nhid))]
+
+def with_fit(plan, batches:int, key:str, nhid:int):
+    "The plan for a fit of `batches` training batches: compiling 'auto' decided now (`compile_pays`), and why, in its path"
+    if plan.compile != 'auto': return plan
+    cached = compiled_here(key) is not None
+    if not compile_pays(batches, cached):
+        return replace(plan, compile=False, compile_note=f"{batches} batches: compiling would not pay")
+    note = 'cached' if cached else f"first compile, about {max(1, round(first_compile_s(nhid) / 60))} min"
+    return replace(plan, compile=True, compile_note=note)
+
 # %% ../nbs/00b_plan.ipynb #01bf1558
 @dataclass(frozen=True)
 class ExecutionPlan:
@@ -124,13 +192,15 @@ class ExecutionPlan:
     arch_bf16: bool = False
     fused_loss: bool = True
     notes: tuple = ()
+    compile_note: str = ''   # why it compiles or not, where the plan decided it for a fit (`with_fit`)
 
     @property
     def path(self) -> str:
         "The step that runs, in words: eager, compiled, as CUDA graphs, fused; and its precision"
-        parts = (['fused Triton step'] if self.fuse else []) + (['compiled'] if self.compile is True else ['compiled once a fit is long'] if self.compile == 'auto' else [])
+        why = f" ({self.compile_note})" if self.compile_note else ''
+        parts = (['fused Triton step'] if self.fuse else []) + ([f'compiled{why}'] if self.compile is True else ['compiled once a fit is long'] if self.compile == 'auto' else [])
         parts += [f"CUDA graphs{'' if self.graphs is True else f' ({self.graphs})'}"] if self.graphs else []
-        return f"{' + '.join(parts) or 'eager'}, {self.precision}" + (' (α passes too)' if self.arch_bf16 and self.precision == 'bf16' else '')
+        return f"{' + '.join(parts) or f'eager{why}'}, {self.precision}" + (' (α passes too)' if self.arch_bf16 and self.precision == 'bf16' else '')
 
     def asdict(self) -> dict: return {**asdict(self), 'notes': list(self.notes), 'path': self.path}
 

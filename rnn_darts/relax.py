@@ -8,6 +8,7 @@ import math
 import torch, torch.nn.functional as F
 from torch.distributions import Dirichlet, kl_divergence
 from rnn_darts.genotypes import PRIMITIVES, STEPS, edge_slices
+from rnn_darts.config import TAU
 
 # %% auto #0
 __all__ = ['RELAXATION_CLASSES', 'gumbel_', 'gumbel_like', 'one_hot_argmax', 'straight_through', 'node_pairs', 'node_edges',
@@ -81,7 +82,7 @@ class Sigmoid(Relaxation):
 
 class Gdas(Relaxation):
     "GDAS: per node, a Gumbel-max one-hot over its (predecessor, op ≠ none) pairs, the Gumbel-softmax gradient at τ"
-    name, tau, stochastic = 'gdas', (10., 0.1), True   # its scripts' --tau_max, --tau_min
+    name, tau, stochastic = 'gdas', TAU['gdas'], True
     def __init__(self, steps:int=STEPS, columns:int=len(PRIMITIVES)):
         super().__init__(steps, columns)
         self.table = NodeTable(node_pairs(steps, columns))
@@ -99,7 +100,7 @@ class Gdas(Relaxation):
 
 class Snas(Relaxation):
     "SNAS: per edge, a Gumbel-softmax sample over the ops at τ"
-    name, tau, stochastic = 'snas', (1., 0.03), True   # its code's --temp, --temp_min
+    name, tau, stochastic = 'snas', TAU['snas'], True
     def noise_shape(self, alpha): return tuple(alpha.shape)
     def sample(self, alpha, tau, noise): return F.softmax((alpha + noise) / tau, dim=-1)
     def evaluate(self, alpha): return one_hot_argmax(alpha)

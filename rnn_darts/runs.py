@@ -8,8 +8,8 @@ import json, os, socket, sys, time
 from contextlib import suppress
 from pathlib import Path
 from rnn_darts.core import UserError, UsageError, get_device, set_seed, check_number, check_choice, naming
-from rnn_darts.config import RunConfig, SearchConfig, TrainConfig
-from rnn_darts.plan import plan_of
+from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, with_taus
+from rnn_darts.plan import plan_of, with_fit, compile_key
 from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources,
                                check_settings, check_fits, check_memory, command_flags, flag_default, flags_signature, setting_name)
 
@@ -89,7 +89,9 @@ def read_run_json(p) -> dict:
     return info
 
 def settings_diff(old:dict, new:dict) -> dict:
-    "Settings (present in both) that differ between a saved run and this one, `RESUME_FREE` ones excepted: key -> (old, new)"
+    """Settings (present in both) that differ between a saved run and this one, `RESUME_FREE` ones excepted: key -> (old, new).
+    A run.json from before τ was recorded (null) ran its relaxation's τ, as `with_taus` fills it"""
+    old = with_taus(old)
     return {k: (old[k], new[k]) for k in sorted(old) if k in new and k not in RESUME_FREE and old[k] != new[k]}
 
 def _fmt_changes(d): return '; '.join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in d.items())
@@ -221,6 +223,8 @@ def _prepare(command, flags:dict) -> _Run:
     from rnn_darts.data import fingerprint
     r.data = fingerprint(r.corpus)
     check_fits(r.corpus, r.s, command, r.src)
+    batches = r.s['epochs'] * (len(r.corpus.train) // r.s['bs'] // r.s['bptt'])   # the fit's training batches: whether compiling pays
+    r.plan = with_fit(r.plan, batches, compile_key(r.s, command, r.dev), r.s['nhid'])
     check_memory(r.s, len(r.corpus.vocab), command, r.dev)
     r.out = Path(r.s['out'] or f'runs/{command}')
     r.s['out'] = str(r.out)   # run.json (and the report's settings) name the folder, the default too

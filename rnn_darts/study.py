@@ -13,13 +13,13 @@ from rnn_darts.config import StudyConfig, METHODS, with_method, check_fields
 
 # %% auto #0
 __all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'INSTALL', 'RETRIES', 'PROBE', 'STOP_WAIT', 'STOP',
-           'LOCK_WAIT', 'OBJECT_STORE', 'H2_PREFACE', 'PROGRESS_EVERY', 'study_settings', 'Stage', 'plan_stages',
-           'check_study', 'stage_command', 'stage_record', 'stage_settings', 'stage_done', 'select_winner',
-           'study_rows', 'run_passes', 'planned_work', 'check_stages', 'waits_for', 'stage_finished', 'check_final',
-           'run_stage', 'run_study', 'progress_text', 'collect_study', 'import_ray', 'check_ray', 'start_ray',
-           'check_answers', 'probe_folder', 'check_workers_see', 'run_stage_task', 'wait_unlocked', 'stage_error',
-           'task_options', 'parallel_slots', 'submit_stages', 'run_on_ray', 'epochs_logged', 'running_text',
-           'take_sigterm', 'stop_stages']
+           'LOCK_WAIT', 'OBJECT_STORE', 'H2_PREFACE', 'PROGRESS_EVERY', 'POLL', 'study_settings', 'Stage',
+           'plan_stages', 'check_study', 'stage_command', 'stage_record', 'stage_settings', 'stage_done',
+           'select_winner', 'study_rows', 'run_passes', 'planned_work', 'check_stages', 'waits_for', 'stage_finished',
+           'check_final', 'run_stage', 'run_study', 'progress_text', 'collect_study', 'import_ray', 'check_ray',
+           'start_ray', 'check_answers', 'probe_folder', 'check_workers_see', 'run_stage_task', 'wait_unlocked',
+           'stage_error', 'task_options', 'parallel_slots', 'submit_stages', 'run_on_ray', 'began_since', 'start_text',
+           'stage_figure', 'epochs_logged', 'running_text', 'take_sigterm', 'stop_stages']
 
 # %% ../nbs/17_study.ipynb #160dffce
 STUDY_OPTIONS = {f.name: (option_type(f.default, f.type), f.default) for f in fields(StudyConfig)}   # name -> (type, default): `StudyConfig`'s, the paper's protocol
@@ -334,10 +334,10 @@ def _run_in_turn(todo:list, stages:list, s:dict, study_dir:Path, settings_file, 
 
 def _run_logged(st:Stage, i:int, n:int, left:list, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, t0:float, work:dict):
     "Run one stage between two progress lines: elapsed time, and the time the stages `left` take at the rate of the finished ones"
-    print(f"study [{i}/{n}] {st.name}: starts ({progress_text(t0, left, study_dir, work)})", flush=True)
+    print(f"study [{i}/{n}] {st.name}: {start_text(epochs_logged(study_dir/st.name))} ({progress_text(t0, left, study_dir, work)})", flush=True)
     t = time.time()
     run_stage(st, stages, s, study_dir, settings_file, device, threads, override)
-    print(f"study [{i}/{n}] {st.name}: done in {fmt_time(time.time() - t)}", flush=True)
+    print(f"study [{i}/{n}] {st.name}: done in {fmt_time(time.time() - t)}{stage_figure(study_dir, st)}", flush=True)
 
 def collect_study(study_dir, stages:list):
     "The study's table from its stages' records, written to `study.csv`; the final training's results go on the selected row"
@@ -519,10 +519,16 @@ def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, devi
         print(f"study: {len(todo)} stage{'s' * (len(todo) != 1)} on Ray ({_resources_text(ray)}); a line as each ends and every "
               f"{fmt_time(PROGRESS_EVERY)} while they run, their output in {study_dir/'ray-logs'}", flush=True)
         started = {st.name: epochs_logged(study_dir/st.name) for st in todo}   # a stage with epochs before this run resumes after them
+        announced, said = set(), time.time()
         while pending:
-            ready, rest = ray.wait(pending, num_returns=1, timeout=PROGRESS_EVERY)
+            ready, rest = ray.wait(pending, num_returns=1, timeout=POLL)
+            for st in (of[r] for r in pending):   # a line as a stage begins on a worker: its log's first line is written
+                if st.name not in announced and began_since(study_dir, st, t0):
+                    announced.add(st.name); print(f"study {st.name}: {start_text(started[st.name])}", flush=True)
             if not ready:
-                print(f"study: {running_text([of[r] for r in pending], study_dir, started)}; {progress_text(t0, [of[r] for r in pending], study_dir, work, slots)}", flush=True)
+                if time.time() - said >= PROGRESS_EVERY:
+                    said = time.time()
+                    print(f"study: {running_text([of[r] for r in pending], study_dir, started)}; {progress_text(t0, [of[r] for r in pending], study_dir, work, slots)}", flush=True)
                 continue
             [ref], pending[:] = ready, rest
             try: ray.get(ref)
@@ -530,7 +536,8 @@ def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, devi
             except ray.exceptions.RayError as e:
                 raise UserError(f"stage {of[ref].name}: its worker died {RETRIES + 1} times ({type(e).__name__}); its checkpoint is kept: "
                                 f"resume it with: {runs.resume_command()}") from None
-            print(f"study [{len(todo) - len(pending)}/{len(todo)}] {of[ref].name}: done ({progress_text(t0, [of[r] for r in pending], study_dir, work, slots)})", flush=True)
+            print(f"study [{len(todo) - len(pending)}/{len(todo)}] {of[ref].name}: done{stage_figure(study_dir, of[ref])} "
+                  f"({progress_text(t0, [of[r] for r in pending], study_dir, work, slots)})", flush=True)
     except KeyboardInterrupt:
         stop_stages(ray, study_dir, pending)
         sig = stopped.get('signal', signal.SIGINT)
@@ -544,7 +551,21 @@ def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, devi
         ray.shutdown()   # ends what still runs: a local Ray with its workers; on a cluster, Ray ends a job's tasks as its driver leaves
         if stopped.get('took') and before is not None: signal.signal(signal.SIGTERM, before)
 
-PROGRESS_EVERY = 60.   # seconds between the progress lines of a study on Ray
+PROGRESS_EVERY, POLL = 60., 5.   # seconds between the progress lines of a study on Ray, and between its looks at the stages
+
+def began_since(study_dir:Path, st:Stage, t0:float) -> bool:
+    "Whether stage `st` began on a worker since `t0`: its log in ray-logs/ was written since"
+    p = Path(study_dir)/'ray-logs'/f"{st.name}.log"
+    return p.is_file() and p.stat().st_mtime >= t0 - 1
+
+def start_text(epochs_before:int) -> str:
+    "How a stage begins: from the start, or resuming after the epochs its log had"
+    return f"resumes after epoch {epochs_before}" if epochs_before else "starts"
+
+def stage_figure(study_dir:Path, st:Stage) -> str:
+    "'; best validation perplexity P' of a stage that recorded one, else ''"
+    loss = (stage_record(Path(study_dir)/st.name) or {}).get('best_valid_loss')
+    return f"; best validation perplexity {math.exp(loss):,.1f}" if isinstance(loss, (int, float)) and math.isfinite(loss) else ''
 
 def epochs_logged(folder) -> int:
     "The epochs a run folder's `log.csv` holds (0 before its first)"

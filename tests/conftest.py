@@ -24,6 +24,9 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     if not config.getoption('--gpu'): os.environ['CUDA_VISIBLE_DEVICES'] = ''   # before any test module imports torch
+    if True:   # the plan's ledger of compiled steps, one per process of the suite, empty: a test's compile decision is the same on any machine
+        import tempfile
+        os.environ['RNN_DARTS_COMPILE_LEDGER'] = os.path.join(tempfile.mkdtemp(prefix='rnn_darts_ledger_'), 'compiled.json')
     if int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', 1)) > 1:
         os.environ.setdefault('OMP_NUM_THREADS', '1')   # pytest -n N: one torch thread per worker, so N workers share N cores without waiting on each other
     if getattr(config.option, 'dist', None) in ('load', 'loadgroup'): config.option.dist = 'loadscope'   # -n N: a module on one worker

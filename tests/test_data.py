@@ -51,7 +51,7 @@ def test_read_corpus_errors_name_path(tmp_path):
     (tmp_path/'afile').write_text('x')
     with pytest.raises(NotADirectoryError, match='afile is not a directory'): read_corpus(tmp_path/'afile')
     d = mkcorpus(tmp_path/'c'); (d/'valid.txt').unlink()
-    with pytest.raises(FileNotFoundError, match=r'valid\.txt: the valid split file does not exist'): read_corpus(d)
+    with pytest.raises(FileNotFoundError, match=r'valid\.txt: the valid split file does not exist \(test\.txt, train\.txt are there\); --files names the train'): read_corpus(d)
     d = mkcorpus(tmp_path/'e', test=" \n\n")
     with pytest.raises(ValueError, match=r'test\.txt: the test split is empty'): read_corpus(d)
     d = mkcorpus(tmp_path/'u', train=" ok \n caf\xe9 \n".encode('latin-1'))

@@ -169,6 +169,21 @@ def test_schedules_follow_the_papers_over_the_fit(method, want):
         if b is not None: assert abs(b - wb) < 1e-5
     assert len(rec.seen) == len(want)
 
+def test_the_taus_a_run_uses_are_its_recorded_settings():
+    "τ left out is the relaxation's paper value in the config, the command line's settings and their sources (what run.json records), not null; a run.json from before (null) resumes as the same settings"
+    from rnn_darts.config import SearchConfig, TAU
+    from rnn_darts.options import settings_and_sources, check_settings
+    from rnn_darts.runs import settings_diff
+    c = SearchConfig(method='gdas')
+    assert (c.tau_max, c.tau_min) == TAU['gdas'] == (10., 0.1) and c.sources()['tau_max'] == 'relax'
+    assert (SearchConfig(relax='snas', mode='single', tau_min=0.5).tau_max, SearchConfig().tau_max) == (1., None)
+    s, src = settings_and_sources('search', method='snas', tau_max=2.)
+    assert (s['tau_max'], s['tau_min'], src['tau_max'], src['tau_min']) == (2., 0.03, 'flag', '--relax snas')
+    s, src = settings_and_sources('search', relax='gdas', mode='first', tau_max=0.05)
+    with pytest.raises(ValueError, match=r"--tau-min \(--relax gdas\) \(0.1\) cannot exceed --tau-max \(0.05\)"): check_settings(s, src)
+    old = {**settings_and_sources('search', method='gdas')[0], 'tau_max': None, 'tau_min': None}
+    assert settings_diff(old, settings_and_sources('search', method='gdas')[0]) == {}
+
 def test_tau_settings_override_the_papers():
     rec = Taus()
     fit(learner(method='gdas', tau_max=4., tau_min=2., n_train=100, n_valid=100), 2, [rec])
@@ -178,13 +193,15 @@ def test_tau_settings_override_the_papers():
 @pytest.mark.parametrize('settings,msg', [
     (dict(relax='gdas', mode='exact'), "relax gdas draws its mixing weights: the exact hypergradient (mode exact)"),
     (dict(relax='drnas', mode='second'), "relax drnas with mode second"),
-    (dict(tau_max=3.), "tau_max sets the temperature of --relax gdas or snas; relax softmax has none"),
+    (dict(tau_max=3.), "tau_max (GDAS's and SNAS's first temperature τ) has an effect only with relax gdas or snas, and relax is softmax"),
     (dict(relax='gdas', tau_max=1., tau_min=2.), "tau_min (2.0) cannot exceed tau_max (1.0)"),
-    (dict(dirichlet_kl=1e-3), "dirichlet_kl regularises the Dirichlet of --relax drnas; relax softmax has none"),
-    (dict(relax='sigmoid', beta_decay=1.), "beta_decay (β-DARTS) decays α's logsumexp, the normaliser of a softmax; relax sigmoid has none"),
+    (dict(dirichlet_kl=1e-3), "dirichlet_kl (DrNAS's Dirichlet KL weight) has an effect only with relax drnas, and relax is softmax"),
+    (dict(relax='sigmoid', beta_decay=1.), "beta_decay (β-DARTS's decay of α's logsumexp, a softmax's normaliser) has an effect only with relax softmax, gdas or snas, and relax is sigmoid"),
+    (dict(mode='first', zero_one=1.), "zero_one (Fair DARTS's zero-one loss weight) has an effect only with relax sigmoid, and relax is softmax"),
+    (dict(mode='first', epsilon=0.1), "epsilon (SDARTS's perturbation radius) has an effect only with perturb random or adversarial, and perturb is none"),
     (dict(relax='gdas', perturb='random'), "perturb (SDARTS) perturbs softmax mixing weights on the simplex; relax gdas is not softmax"),
     (dict(relax='snas', mode='first', select='pt'), "select pt (DARTS-PT) removes ops from softmax mixing weights; relax snas is not softmax"),
-    (dict(mixed_lambda=2.), "mixed_lambda weighs the validation gradient of mode mixed, not second"),
+    (dict(mixed_lambda=2.), "mixed_lambda (MiLeNAS's weight of the validation gradient) has an effect only with mode mixed, and mode is second"),
     (dict(method='gdas', relax='snas'), "method gdas sets relax to 'gdas'; relax 'snas' contradicts it"),
     (dict(method='random', beta_decay=2.), "beta_decay applies to the architecture weights α, which random search (mode random) does not have"),
 ])

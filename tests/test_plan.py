@@ -48,13 +48,13 @@ def test_fallbacks_are_said_once_and_run_json_records_what_ran(tmp_path, capsys)
     out = tmp_path/'run'
     cli.run_command(['search', *NUM, '--curvature', 'false', *FALLBACKS['graphs need a GPU'], *FALLBACKS['tf32 needs tensor cores'], '--out', str(out)])
     said = capsys.readouterr().out.splitlines()
-    assert said[0].startswith('search mode second, relax softmax on ') and '; compiled once a fit is long, fp32); run folder' in said[0], said[0]   # method, mode, path
+    assert said[0].startswith('search mode second, relax softmax on ') and 'batches: compiling would not pay), fp32); run folder' in said[0], said[0]   # method, mode, path
     for line in ('CUDA graphs off: they need a GPU, and the device is cpu; the steps run eager',
                  "--precision tf32: TF32 is a mode of NVIDIA GPUs' tensor cores, and the device is cpu; the products run in fp32"):
         assert said.count(line) == 1, said
     info = json.loads((out/'run.json').read_text())
     assert info['settings']['precision'] == 'tf32' and info['settings']['graphs'] is True   # what was asked
-    assert {k: info['plan'][k] for k in ('precision', 'graphs', 'compile', 'path')} == dict(precision='fp32', graphs=False, compile=False, path='eager, fp32')   # what ran: too short a fit to compile
+    assert {k: info['plan'][k] for k in ('precision', 'graphs', 'compile', 'path')} == dict(precision='fp32', graphs=False, compile=False, path='eager (37 batches: compiling would not pay), fp32')   # what ran, and why: too short a fit to compile
     assert len(info['plan']['notes']) == 2
 
 def test_the_rules_a_cpu_cannot_meet(monkeypatch):

@@ -60,3 +60,39 @@ def test_compile_default_is_on_for_cuda(corpus, tmp_path, monkeypatch):
     m = L.DartsRnnSearch(20, 8, 8)
     L._learner(None, m, L.SearchConfig(), '.', 'cpu', 'search')   # 'auto': AutoCompile decides by the fit's length
     assert not m.runner.compiles
+
+def test_the_plan_decides_compiling_for_the_fit_and_says_why(tmp_path):
+    """The command line's plan decides compiling for the fit it counts (`plan.with_fit`): the quick preset's shapes for
+    one epoch (62 batches) run eager, saying why; 4 epochs compile, saying it is a first compile; once the plan's ledger
+    holds the step (Inductor's cache does), one epoch compiles too, 'cached'"""
+    from rnn_darts import runs
+    from rnn_darts.plan import compile_key, record_compile
+    flags = dict(data='numbers', n_train=40_000, n_eval=1_500, emsize=64, nhid=64, bs=32, bptt=20, epochs=1, device='cpu', curvature=False)
+    def plan(out, **kw):
+        r = runs._prepare('search', dict(flags, out=str(tmp_path/out), **kw)); r.close()
+        return r
+    r = plan('a')
+    assert r.plan.compile is False and r.plan.path == 'eager (62 batches: compiling would not pay), fp32'
+    r = plan('b', epochs=4)
+    assert r.plan.compile is True and r.plan.path == 'compiled (first compile, about 1 min), fp32'
+    record_compile(compile_key(r.s, 'search', r.dev), 50.)
+    assert plan('c').plan.path == 'compiled (cached), fp32'
+    assert plan('d', bs=16).plan.path == 'eager (125 batches: compiling would not pay), fp32'   # another batch size: another step, not in the cache
+
+def test_auto_compile_of_a_python_fit_reads_the_ledger_that_a_compile_writes(monkeypatch):
+    """A learner of Python's ('auto'): `AutoCompile` compiles 48 batches only once the plan's ledger holds its step, and
+    `CompileNotice` writes the ledger when a compiled step's first training batch ends"""
+    from types import SimpleNamespace
+    from rnn_darts.model import DartsRnnSearch
+    from rnn_darts.plan import compiled_here
+    from rnn_darts.callbacks.speed import CompileNotice
+    def auto(key):
+        cb = AutoCompile(key)
+        cb.learn = SimpleNamespace(model=DartsRnnSearch(20, 8, 8), n_epoch=4, epoch=0, dls=SimpleNamespace(train=range(12)))
+        cb.before_train()
+        return cb.learn.model
+    assert not auto('k').runner.compiles and compiled_here('k') is None
+    m = auto('k'); m.runner = Compiled(m.cell)   # compiled: its first batch is timed
+    notice = CompileNotice(quiet=60., key='k'); notice.learn = SimpleNamespace(model=m)
+    notice.before_train(); notice.after_batch()
+    assert compiled_here('k') is not None and auto('k').runner.compiles

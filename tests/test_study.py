@@ -87,7 +87,8 @@ def test_study_runs_every_stage_and_tells_the_truth(done):
     assert '\r' not in stdout and '█' not in stdout, stdout[:400]     # into a file or pipe: lines, no bar frames (its searches, scoring, trainings)
     lines = [l for l in stdout.splitlines() if l.startswith('study [')]
     assert [l.split()[2].rstrip(':') for l in lines] == [x for x in STAGES for _ in (0, 1)]   # a line as each starts and ends
-    assert all('so far' in l for l in lines[::2]) and all('done in' in l for l in lines[1::2])
+    assert all(': starts (' in l and 'so far' in l for l in lines[::2]) and all('done in' in l for l in lines[1::2])
+    assert all(re.search(r'best validation perplexity [\d,]+\.\d$', l) for l in lines[1::2]), lines   # each stage's figure as it ends
     assert re.search(r'the time left is known once a stage has finished, and search-first-1 is \d+% of the planned work left', lines[0]), lines[0]  # the first stage: its share
     assert all(' left)' in l for l in lines[2::2])                     # every later stage: its planned work at the finished stages' rate
     df = pd.read_csv(s/'study.csv')
@@ -322,7 +323,8 @@ def test_on_ray_a_killed_worker_and_a_killed_driver_give_the_same_table(done, tm
                            env={**os.environ, 'PYTHONPATH': str(ROOT)}, timeout=600)
     assert again.returncode == 0, again.stderr
     skipped = {st for st in STAGES if f"study {st}: done before, skipped" in again.stdout}
-    ran = {st for st in STAGES if f"] {st}: done (" in again.stdout}
+    ran = {st for st in STAGES if f"] {st}: done; best validation perplexity " in again.stdout}
+    assert all(f"study {st}: starts" in again.stdout or f"study {st}: resumes after epoch " in again.stdout for st in ran), again.stdout   # a line as each begins on a worker
     assert set(ended) <= skipped and not skipped & ran and skipped | ran == set(STAGES), again.stdout   # a stage the killed Ray's workers ended meanwhile is kept too
     assert all((out/st/'run.json').read_text() == rec for st, rec in ended.items())   # not run twice
     pd.testing.assert_frame_equal(table(out), table(s))

@@ -11,11 +11,11 @@ from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastai.torch_core import rank_distrib
 from rnn_darts.callbacks.epochs import in_lr_find
-from rnn_darts.plan import PRECISIONS, tf32_missing, rule
+from rnn_darts.plan import (PRECISIONS, COMPILE_MIN_STEPS, COMPILE_MIN_STEPS_CACHED, tf32_missing, rule, compiled_here, record_compile,
+                            first_compile_s)
 
 # %% auto #0
-__all__ = ['COMPILE_MIN_STEPS', 'BF16Autocast', 'tf32_products', 'TF32', 'precision_callbacks', 'PlanNotes', 'AutoCompile',
-           'CompileNotice']
+__all__ = ['BF16Autocast', 'tf32_products', 'TF32', 'precision_callbacks', 'PlanNotes', 'AutoCompile', 'CompileNotice']
 
 # %% ../../nbs/05b_speed.ipynb #ca46411b
 class BF16Autocast(MixedPrecision):
@@ -63,21 +63,24 @@ class PlanNotes(Callback):
         self.said = True
 
 # %% ../../nbs/05b_speed.ipynb #2a2a5bc5
-COMPILE_MIN_STEPS = 150   # CPU training batches from which compiling pays (quick search: 40–57 s warm-up, ~0.28 s saved per batch)
-
 class AutoCompile(Callback):
-    "Compile the model's recurrent step (its runner's `compiled`, `rnn_darts.runners`) once the fit has `min_steps` training batches left"
-    def __init__(self, min_steps=COMPILE_MIN_STEPS): self.min_steps = min_steps
+    """The plan's 'auto' for a fit the plan could not count (a learner of Python's): compile the model's recurrent step (its
+    runner's `compiled`, `rnn_darts.runners`) where it pays (`rnn_darts.plan.compile_pays`): the fit has `min_steps`
+    training batches left, or `min_cached` once Inductor's cache holds the step `key` (the plan's ledger)"""
+    def __init__(self, key:str|None=None, min_steps=COMPILE_MIN_STEPS, min_cached=COMPILE_MIN_STEPS_CACHED):
+        self.key, self.min_steps, self.min_cached = key, min_steps, min_cached
     def before_train(self):
         m = self.learn.model
         if m.runner.compiles or in_lr_find(self.learn): return
-        if (self.n_epoch - self.epoch) * len(self.dls.train) >= self.min_steps: m.runner = m.runner.compiled(m.cell)
+        need = self.min_cached if self.key is not None and compiled_here(self.key) is not None else self.min_steps
+        if (self.n_epoch - self.epoch) * len(self.dls.train) >= need: m.runner = m.runner.compiled(m.cell)
 
 # %% ../../nbs/05b_speed.ipynb #c0mp1e02
 class CompileNotice(Callback):
     "A line when the first training (or validation) batch of a newly compiled step is still running after `quiet` seconds, as it compiles, and its time when it ends; nothing when Inductor's cache makes it quick"
     order = AutoCompile.order + 1   # after AutoCompile has decided
-    def __init__(self, quiet:float=10.): self.quiet, self.timer, self.said, self.watched = quiet, None, [], (None, set())
+    def __init__(self, quiet:float=10., key:str|None=None):
+        self.quiet, self.key, self.timer, self.said, self.watched, self.phase = quiet, key, None, [], (None, set()), None
 
     def watch(self, phase:str):
         "Time the first `phase` batch of the model's compiled step (once per runner: a new one compiles anew, watched again)"
@@ -86,15 +89,15 @@ class CompileNotice(Callback):
         if self.watched[0] is not step: self.watched = (step, set())
         if phase in self.watched[1]: return
         self.watched[1].add(phase)
-        self.t0, self.said = time.perf_counter(), []
+        self.t0, self.said, self.phase = time.perf_counter(), [], phase
         self.timer = threading.Timer(self.quiet, self.say, args=(phase,))
         self.timer.daemon = True; self.timer.start()
 
     def say(self, phase:str):
-        where = ' on a CPU' if self.learn.model.flat.data.device.type == 'cpu' else ''
+        m = self.learn.model
         bar = "; the progress bar's estimate is too long until then" if sys.stdout.isatty() else ''   # a file or a pipe has no bar
-        print(f"\ncompiling the recurrent step for {phase} (torch.compile): its first batch waits for it, about a minute{where} "
-              f"with an empty Inductor cache{bar}", flush=True)
+        took = f"about {max(1, round(first_compile_s(m.nhid) / 60))} min with an empty Inductor cache" if m.flat.data.device.type == 'cpu' else 'seconds to minutes'
+        print(f"\ncompiling the recurrent step for {phase} (torch.compile): its first batch waits for it, {took}{bar}", flush=True)
         self.said.append(phase)
 
     def before_train(self): self.watch('training')
@@ -105,5 +108,7 @@ class CompileNotice(Callback):
     def stop(self):
         if self.timer is None: return
         self.timer.cancel(); self.timer.join(); self.timer = None
-        if self.said: print(f"compiled the recurrent step for {self.said[0]} in {time.perf_counter() - self.t0:.0f} s; "
-                            "later runs load it from Inductor's cache on disk", flush=True)
+        took = time.perf_counter() - self.t0
+        if self.key is not None and self.phase == 'training': record_compile(self.key, took)   # the plan's ledger: this step is in Inductor's cache now
+        if self.said: print(f"compiled the recurrent step for {self.said[0]} in {took:.0f} s; later runs of these settings load its "
+                            "code from Inductor's cache on disk and wait only for it to be traced again", flush=True)
