@@ -16,7 +16,7 @@ PATH_NAMES = ('graphs', 'tf32', 'bf16', 'fused', 'fused+graphs', 'compiled', 'co
 __all__ = ['PRECISIONS', 'PATH_NAMES', 'RULES', 'COMPILE_MIN_STEPS', 'COMPILE_MIN_STEPS_CACHED', 'FIRST_COMPILE_S', 'LEDGER',
            'tf32_missing', 'fused_lacks', 'Rule', 'rule', 'facts', 'verdicts', 'compile_pays', 'compile_key',
            'ledger_path', 'compiled_here', 'record_compile', 'first_compile_s', 'with_fit', 'ExecutionPlan', 'plan_of',
-           'check_plan_rules']
+           'arch_step_graphed', 'check_plan_rules']
 
 # %% ../nbs/00b_plan.ipynb #8b570841
 def tf32_missing(device) -> str|None:
@@ -221,6 +221,10 @@ def plan_of(s:dict, device, name=str, world:int|None=None, command:str='search',
     if graphs and emulate: graphs = emulate
     return ExecutionPlan(str(f['device']), compile, graphs, f['fuse'], f['precision'], bool(s.get('arch_bf16')) and f['precision'] == 'bf16',
                          bool(f['fused_loss']), tuple(notes))
+
+def arch_step_graphed(mode:str, averaged:bool=False) -> bool:
+    "Whether a fit run as CUDA graphs captures its α step too: not the exact hypergradient's (a double backward, eager: `twice_differentiable`), nor one averaged across processes"
+    return mode != 'exact' and not averaged
 
 def check_plan_rules(s:dict, name=str):
     "The table's refusals that need no device, on the settings `s` (a config checks them as it is made, before a device is known): a `UsageError`"

@@ -11,6 +11,7 @@ from fastai.callback.core import Callback
 from rnn_darts.config import SearchConfig, check_rules, ARCH_MODES
 from rnn_darts.relax import dirichlet_kl, linear_schedule
 from rnn_darts.runners import twice_differentiable
+from rnn_darts.plan import arch_step_graphed
 from rnn_darts.callbacks.training import SeqLenLR, check_flat_opt
 
 # %% auto #0
@@ -288,7 +289,7 @@ class ArchParamUpdate(Callback):
         """`step` as a CUDA graph of `graphs` (a `StepGraphs`: a captured graph per batch shape and `spec`), the virtual
         step's learning rate and weight decay its inputs, not constants; None where the step runs eager (exact: a double
         backward; a hypergradient averaged across processes)"""
-        if self.mode == 'exact' or self.reduce is not None: return None
+        if not arch_step_graphed(self.mode, self.reduce is not None): return None
         m = self.model
         lr, wd, clip = self.step_hypers()
         graphs.watch(self.arch_opt)
