@@ -82,6 +82,8 @@ def test_the_plan_decides_compiling_for_the_fit_and_says_why(tmp_path):
 def test_auto_compile_of_a_python_fit_reads_the_ledger_that_a_compile_writes(monkeypatch):
     """A learner of Python's ('auto'): `AutoCompile` compiles 48 batches only once the plan's ledger holds its step, and
     `CompileNotice` writes the ledger when a compiled step's first training batch ends"""
+    import io
+    from contextlib import redirect_stdout
     from types import SimpleNamespace
     from rnn_darts.model import DartsRnnSearch
     from rnn_darts.plan import compiled_here
@@ -94,5 +96,9 @@ def test_auto_compile_of_a_python_fit_reads_the_ledger_that_a_compile_writes(mon
     assert not auto('k').runner.compiles and compiled_here('k') is None
     m = auto('k'); m.runner = Compiled(m.cell)   # compiled: its first batch is timed
     notice = CompileNotice(quiet=60., key='k'); notice.learn = SimpleNamespace(model=m)
+    with redirect_stdout(io.StringIO()) as out: notice.say('training')   # the notice of a first compile
+    assert 'min with an empty Inductor cache' in out.getvalue(), out.getvalue()
     notice.before_train(); notice.after_batch()
     assert compiled_here('k') is not None and auto('k').runner.compiles
+    with redirect_stdout(io.StringIO()) as out: notice.say('training')   # and once the cache holds the step
+    assert "Inductor's cache holds its code, so only the tracing" in out.getvalue(), out.getvalue()

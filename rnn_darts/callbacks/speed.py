@@ -96,7 +96,8 @@ class CompileNotice(Callback):
     def say(self, phase:str):
         m = self.learn.model
         bar = "; the progress bar's estimate is too long until then" if sys.stdout.isatty() else ''   # a file or a pipe has no bar
-        took = f"about {max(1, round(first_compile_s(m.nhid) / 60))} min with an empty Inductor cache" if m.flat.data.device.type == 'cpu' else 'seconds to minutes'
+        if self.key is not None and compiled_here(self.key) is not None: took = "Inductor's cache holds its code, so only the tracing (seconds)"
+        else: took = f"about {max(1, round(first_compile_s(m.nhid) / 60))} min with an empty Inductor cache" if m.flat.data.device.type == 'cpu' else 'seconds to minutes'
         print(f"\ncompiling the recurrent step for {phase} (torch.compile): its first batch waits for it, {took}{bar}", flush=True)
         self.said.append(phase)
 
