@@ -8,7 +8,7 @@ import inspect, os
 from dataclasses import fields, asdict
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, read_preset, option_type, PAPER_NODES
-from rnn_darts.config import CONFIGS, METHODS, check_rules, check_random, check_value, with_method, with_taus
+from rnn_darts.config import CONFIGS, METHODS, MODES, RELAXATIONS, TEMPERED, check_rules, check_random, check_value, with_method, with_taus
 
 # %% auto #0
 __all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'FLAG_ORDER', 'FLAG_GROUPS', 'FLAG_SUMMARY', 'FLAGS', 'CHECKS', 'CHOICES',
@@ -103,9 +103,9 @@ FLAG_SUMMARY = dict(
     lr='learning rate of the weights', wd='weight decay of the weights', clip='gradient norm clip of the weights',
     dropout="dropout on the cell's output", dropouth='dropout on the hidden state', dropoutx="dropout on the cell's input",
     dropouti='dropout on the embedded input', dropoute='word dropout', nonmono='NT-ASGD patience (epochs)',
-    asgd='average from the start', mode='second|first|exact|mixed|single|random', method='a method of the DARTS family (--help: which)',
-    arch_lr='learning rate of α (Adam)', arch_wd='weight decay of α', relax='softmax|sigmoid|gdas|snas|drnas',
-    tau_max='gdas|snas: τ of the first epoch', tau_min='gdas|snas: τ of the last epoch', mixed_lambda='--mode mixed: λ of L_valid',
+    asgd='average from the start', mode='|'.join(MODES), method='a method of the DARTS family (--help: which)',
+    arch_lr='learning rate of α (Adam)', arch_wd='weight decay of α', relax='|'.join(RELAXATIONS),
+    tau_max=f"{'|'.join(TEMPERED)}: τ of the first epoch", tau_min=f"{'|'.join(TEMPERED)}: τ of the last epoch", mixed_lambda='--mode mixed: λ of L_valid',
     beta_decay='β-DARTS: weight of its α loss', dirichlet_kl='--relax drnas: weight of the KL', perturb='SDARTS: perturb the mixing weights',
     epsilon="SDARTS: the perturbation's radius", select='how the cell is chosen at the end', pt_tune='--select pt: fine-tuning batches',
     op_decay="α decay per op's weight count", curvature='log λ_max of the Hessian in α', curvature_windows="λ_max's validation windows",

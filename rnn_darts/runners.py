@@ -4,7 +4,7 @@
 
 # %% ../nbs/03f_runners.ipynb #2dd2d9df
 from __future__ import annotations
-import types
+import copy, types
 from contextlib import contextmanager
 from functools import lru_cache
 import torch
@@ -36,7 +36,7 @@ class Eager:
         return h
     def steps(self, cell, ctx):
         "`step(t, xw_t, h, mh)` of `cell` for its `per_sequence` tensors `ctx`"
-        ctx = cell.prepare(_map(self.resolve(ctx), Deferred, lambda d: DeferredWeight(d.W)))
+        ctx = cell.prepare(_map(ctx, Deferred, lambda d: DeferredWeight(d.W) if self.defers(d.W) else d.W))
         return lambda t, xw_t, h, mh: cell.step(xw_t, h, mh, ctx)
 
     def compiled(self, cell, **kwargs):
@@ -135,8 +135,8 @@ class Fused(Eager):
 
     def compiled(self, cell, **kwargs): return Fused(cell, self.inner.compiled(cell, **kwargs), self.tf32)
     def portable(self):
-        p = object.__new__(Fused)   # the ops were checked as this one was made
-        p.__dict__.update(self.__dict__, inner=self.inner.portable())
+        p = copy.copy(self)   # not made anew: its ops were checked as this one was made
+        p.inner = self.inner.portable()
         return p
 
 # %% ../nbs/03f_runners.ipynb #871e3141
