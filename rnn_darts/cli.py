@@ -14,7 +14,8 @@ from rnn_darts.core import UserError, UsageError, get_device, check_number, chec
 from rnn_darts.options import CHOICES, FLAGS, FLAG_GROUPS, FLAG_SUMMARY, SWITCHES, code_defaults, command_flags, flag_default
 from rnn_darts.config import CONFIGS
 from rnn_darts import runs
-from rnn_darts.runs import search, train, evaluate_run, set_threads, read_run_json
+from rnn_darts.runs import search, train, evaluate_run, set_threads
+from rnn_darts.folder import RunFolder
 
 # %% auto #0
 __all__ = ['COMMANDS', 'VALUE_NAMES', 'OPTIONAL_VALUE', 'study', 'bench', 'check', 'report', 'user_error_code', 'error_message',
@@ -117,22 +118,22 @@ def report(
 ):
     "Write a one-page report (genotype diagram, α heatmaps, curves, best perplexity) for a run, or for a study folder; for a folder of search runs, their table side by side"
     check_choice('--fmt', fmt, CHOICES['fmt'])
-    run = Path(run)
-    if (run/'study.json').is_file():
+    folder = RunFolder(run)
+    if folder.is_study():
         if fmt != 'md': raise UsageError("--fmt: a study's report is markdown only (--fmt md)")
-        from rnn_darts.plot import write_study_report
-        p = write_study_report(run)
+        from rnn_darts.reports import write_study_report
+        p = write_study_report(folder.path)
         print(f"report written to {p}")
         return p
-    if run.is_dir() and not (run/'run.json').exists() and any((p/'run.json').is_file() for p in run.iterdir()):
-        from rnn_darts.plot import write_search_comparison
+    if not folder.is_run() and folder.runs_inside():
+        from rnn_darts.reports import write_search_comparison
         if fmt != 'md': raise UsageError("--fmt: a folder of searches is reported in markdown only (--fmt md)")
-        p = write_search_comparison(run)
+        p = write_search_comparison(folder.path)
         print(f"report written to {p}")
         return p
-    if run.is_dir() and (run/'run.json').exists(): read_run_json(run/'run.json')
-    from rnn_darts.plot import write_report
-    p = write_report(run, fmt=fmt)
+    if folder.is_run(): folder.record()   # a damaged record: one line naming it
+    from rnn_darts.reports import write_report
+    p = write_report(folder.path, fmt=fmt)
     print(f"report written to {p}")
     return p
 

@@ -10,11 +10,12 @@ from pathlib import Path
 import torch
 from rnn_darts.core import UsageError, write_text_atomic, PAPER_NODES
 from rnn_darts.ops import OPS, PAPER_OPS, ops_of
+from rnn_darts.folder import RunFolder
 
 # %% auto #0
 __all__ = ['Genotype', 'PRIMITIVES', 'STEPS', 'DARTS_V1', 'DARTS_V2', 'ENAS', 'GENOTYPES', 'primitives', 'check_genotype',
-           'genotype_to_dict', 'save_genotype', 'genotype_from_dict', 'load_genotype', 'edge_slices', 'n_edges',
-           'nodes_of', 'derive_genotype', 'sample_genotype', 'cell_ops', 'check_in_space']
+           'cell_text', 'genotype_to_dict', 'save_genotype', 'genotype_from_dict', 'load_genotype', 'edge_slices',
+           'n_edges', 'nodes_of', 'derive_genotype', 'sample_genotype', 'cell_ops', 'check_in_space']
 
 # %% ../nbs/02_genotypes.ipynb #7b8c84fd
 Genotype = namedtuple('Genotype', 'recurrent concat')
@@ -60,6 +61,10 @@ def check_genotype(g, where:str='genotype', ops=None) -> Genotype:
     return Genotype(tuple(rec), tuple(concat))
 
 # %% ../nbs/02_genotypes.ipynb #2437434f
+def cell_text(g) -> str:
+    "The cell as `op(predecessor)` per node, node 1 first"
+    return ' '.join(f"{op}({p})" for op, p in g.recurrent)
+
 def genotype_to_dict(g, ops=None) -> dict:
     "`g` as JSON's types; with `ops`, the op set it was derived from (a search's), which a loader checks it against"
     g = check_genotype(g, ops=ops)
@@ -86,9 +91,9 @@ def load_genotype(src) -> Genotype:
     else:
         p = Path(s)
         if p.is_dir():
-            if not (p/'genotype.json').is_file():
-                raise FileNotFoundError(f"genotype: {p} is a folder without genotype.json; name a search's run folder or a genotype file")
-            p = p/'genotype.json'
+            p = RunFolder(p).genotype_file
+            if not p.is_file():
+                raise FileNotFoundError(f"genotype: {p.parent} is a folder without {p.name}; name a search's run folder or a genotype file")
         if not p.is_file(): raise FileNotFoundError(f"genotype file {p} does not exist (nor is {s!r} a published genotype: {list(GENOTYPES)})")
         where, txt = str(p), p.read_text()
     try: d = json.loads(txt)

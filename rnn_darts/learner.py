@@ -36,7 +36,8 @@ from rnn_darts.callbacks.random_arch import RandomArch
 from rnn_darts.callbacks.curvature import Curvature, CurvatureStop
 from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer, FusedDecoderLoss
 from rnn_darts.callbacks.asgd import ASGDSwitch
-from rnn_darts.callbacks.logs import GenotypeLogger, TableColumns, write_json_atomic
+from rnn_darts.callbacks.logs import GenotypeLogger, TableColumns
+from rnn_darts.folder import RunFolder, write_json_atomic
 from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker
 from rnn_darts.callbacks.speed import BF16Autocast, AutoCompile, CompileNotice, PlanNotes, precision_callbacks
 from rnn_darts.callbacks.checkpoint import Checkpoint
@@ -103,7 +104,7 @@ def run_genotype(learn):
 class RunInfo(TrainEpochEnd):
     "Write `run.json` (settings, device, epoch times, best validation loss, ASGD epoch, genotype) every epoch"
     order = GenotypeLogger.order + 1   # after ASGDSwitch and GenotypeLogger have done their epoch's work
-    def __init__(self, command, settings=None, data=None, fname='run.json', sources=None):
+    def __init__(self, command, settings=None, data=None, fname=RunFolder.RECORD, sources=None):
         self.command, self.settings, self.data, self.fname, self.info = command, dict(settings or {}), data, fname, None
         self.sources = {k: v for k, v in (sources or {}).items() if v != 'default'}   # who set each setting the code's default did not
     def before_fit(self):
@@ -112,6 +113,8 @@ class RunInfo(TrainEpochEnd):
                              epoch_times=[], best_valid_loss=None, asgd_epoch=None, genotype=None,
                              **({} if self.data is None else dict(data=self.data)))
     def flat_device(self): return self.model.flat.data.device
+    @property
+    def file(self): return Path(self.path)/self.fname
     def before_epoch(self):
         super().before_epoch()
         self.t0, self.carried = time.time() - getattr(self, 'carried', 0.), 0.   # a resumed epoch counts its time before the stop
@@ -125,7 +128,7 @@ class RunInfo(TrainEpochEnd):
         g = run_genotype(self.learn)
         i['genotype'] = None if g is None else genotype_to_dict(g, space_ops(self.model))
         i['plan'] = self.ran()
-        if rank_distrib() == 0: write_json_atomic(i, Path(self.path)/self.fname)
+        if rank_distrib() == 0: write_json_atomic(i, self.file)
     def ran(self) -> dict|None:
         "The execution plan that ran this epoch (`learn.plan`: what ran, not what was asked), 'auto' compiling resolved to whether it did"
         p = getattr(self.learn, 'plan', None)

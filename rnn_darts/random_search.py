@@ -9,15 +9,15 @@ from pathlib import Path
 import pandas as pd, torch
 from fastprogress.fastprogress import progress_bar
 from fastai.torch_core import rank_distrib
-from rnn_darts.genotypes import sample_genotype, genotype_to_dict, save_genotype
+from rnn_darts.genotypes import sample_genotype, genotype_to_dict, save_genotype, cell_text
 from rnn_darts.ops import PAPER_OPS
 from rnn_darts.data import batchify
-from rnn_darts.callbacks.logs import write_json_atomic
+from rnn_darts.folder import RunFolder, write_json_atomic
 from rnn_darts.core import write_text_atomic, hold_at
 from rnn_darts.config import SearchConfig
 
 # %% auto #0
-__all__ = ['SCREEN_ROWS', 'TOP', 'default_candidates', 'space_size', 'draw_candidates', 'cell_text', 'stream_loss', 'weights_key',
+__all__ = ['SCREEN_ROWS', 'TOP', 'default_candidates', 'space_size', 'draw_candidates', 'stream_loss', 'weights_key',
            'candidates_frame', 'choose_cell']
 
 # %% ../nbs/15_random.ipynb #c31c195a
@@ -40,10 +40,6 @@ def draw_candidates(n:int, steps:int, seed:int, ops=PAPER_OPS) -> list:
         g = sample_genotype(steps, gen, ops)
         if g not in seen: seen.add(g); res.append(g)
     return res
-
-def cell_text(g) -> str:
-    "The cell as `op(predecessor)` per node, node 1 first"
-    return ' '.join(f"{op}({p})" for op, p in g.recurrent)
 
 # %% ../nbs/15_random.ipynb #3904913c
 def stream_loss(model, data, bptt:int) -> torch.Tensor:
@@ -105,13 +101,13 @@ def choose_cell(learn, candidates:int|None=None, top:int|None=None, show:bool=Tr
     screen = batchify(ids, max(1, min(SCREEN_ROWS, len(ids) // (vdl.bptt + 1))), 'the screening pass')
     key = dict(seed=rnd.seed, candidates=n, top=top, screen_rows=screen.shape[0], valid_rows=vdl.data.shape[0], bptt=vdl.bptt,
                weights=weights_key(model))
-    path, writer = Path(learn.path), rank_distrib() == 0
-    prog = path/'checkpoints'/'candidates.json'
+    folder, writer = RunFolder(learn.path), rank_distrib() == 0
+    prog = folder.scoring_file
     st = _load_progress(prog, key)
     scr, full = ({int(k): v for k, v in st[s].items()} for s in ('screen', 'full')) if st else ({}, {})
     if st and writer: print(f"{prog}: continuing the scoring ({len(scr)} of {n} cells screened, {len(full)} of {top} in full)")
     def save():
-        if writer: write_json_atomic(dict(key=key, screen=scr, full=full), prog); hold_at(f"{path.name} scores saved")   # the kill tests' hold
+        if writer: write_json_atomic(dict(key=key, screen=scr, full=full), prog); hold_at(f"{folder.path.name} scores saved")   # the kill tests' hold
     cells, training, t0 = draw_candidates(n, model.steps, rnd.seed + 2, model.ops), model.training, time.time()
     show = show and writer
     if show: print(f"scoring {n} cells with the shared weights: all on the valid split in {screen.shape[0]} rows of "
@@ -126,11 +122,11 @@ def choose_cell(learn, candidates:int|None=None, top:int|None=None, show:bool=Tr
     win = cells[min(best, key=lambda i: (full[i], scr[i], i))]
     rnd.chosen = win; model.use(win)
     if writer:
-        write_text_atomic(df.to_csv(index=False), path/'candidates.csv')
-        save_genotype(win, path/'genotype.json', model.ops)
+        write_text_atomic(df.to_csv(index=False), folder.candidates_file)
+        save_genotype(win, folder.genotype_file, model.ops)
     if show:
         bad = sum(not math.isfinite(v) for v in scr.values())
         print(f"chose {cell_text(win)}: valid loss {df.valid_loss[0]:.4f}, perplexity {df.valid_ppl[0]:.2f} "
               f"({time.time() - t0:.0f} s{f'; {bad} cells overflowed and rank last' if bad else ''}); "
-              f"written to {path/'candidates.csv'} and {path/'genotype.json'}")
+              f"written to {folder.candidates_file} and {folder.genotype_file}")
     return df

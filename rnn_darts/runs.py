@@ -4,19 +4,19 @@
 
 # %% ../nbs/07b_runs.ipynb #b7e5b5b2
 from __future__ import annotations
-import json, os, socket, sys, time
-from contextlib import suppress
+import json, os, sys, time
 from pathlib import Path
-from rnn_darts.core import UserError, UsageError, get_device, set_seed, check_number, check_choice, naming
+from rnn_darts.core import UserError, UsageError, get_device, set_seed, check_number, check_choice
 from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, with_taus
 from rnn_darts.plan import plan_of, with_fit, compile_key
+from rnn_darts.folder import RunFolder, RunLock, write_json_atomic
 from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources,
                                check_settings, check_fits, check_memory, command_flags, flag_default, flags_signature, setting_name)
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'RESUME_FREE', 'SPACE', 'ARGV', 'load_corpus', 'corpus_key', 'run_files', 'RunLock', 'read_run_json',
-           'settings_diff', 'data_changes', 'prepare_run_dir', 'record_overrides_cb', 'idle_cores', 'set_threads',
-           'resume_command', 'exit_if_interrupted', 'method_text', 'search', 'cell_name', 'train', 'evaluate_run']
+__all__ = ['RESUME_FREE', 'SPACE', 'ARGV', 'load_corpus', 'corpus_key', 'settings_diff', 'data_changes', 'prepare_run_dir',
+           'record_overrides_cb', 'idle_cores', 'set_threads', 'resume_command', 'exit_if_interrupted', 'method_text',
+           'search', 'cell_name', 'train', 'evaluate_run']
 
 # %% ../nbs/07b_runs.ipynb #c69a6174
 def load_corpus(s:dict, url:str|None=None):
@@ -42,51 +42,8 @@ def corpus_key(s:dict) -> tuple:
 
 
 # %% ../nbs/07b_runs.ipynb #c11c0005
-RUN_FILES = ('run.json', 'log.csv', 'history.json', 'genotype.json', 'candidates.csv', 'checkpoints')
 RESUME_FREE = ('epochs', 'out', 'device', 'threads', 'checkpoint_every', 'tensorboard')   # settings a resumed run may change without --override
 SPACE = ('ops', 'nodes', 'edge_norm')   # settings that shape α and the weights: a resumed run never changes them, --override or not
-
-def run_files(out) -> list:
-    "The files of a run that the folder `out` holds"
-    out = Path(out)
-    return [f for f in RUN_FILES if (out/f).exists() and not ((out/f).is_dir() and not any((out/f).iterdir()))]
-
-class RunLock:
-    "An exclusive, non-blocking `flock` on `folder/.lock` naming its holder; released by `release()` or when the process ends"
-    def __init__(self, folder): self.path, self.f = Path(folder)/'.lock', None
-    def acquire(self):
-        import fcntl
-        with naming(self.path): f = open(self.path, 'a+')
-        try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0); holder = f.read().strip() or 'another process'; f.close()
-            raise UserError(f"run folder {self.path.parent} is in use by {holder}; wait for it to end, or choose another --out") from None
-        try:
-            with naming(self.path): f.seek(0); f.truncate(); f.write(f"pid {os.getpid()} on {socket.gethostname()}\n"); f.flush()
-        except OSError:
-            with suppress(OSError): f.close()   # closing flushes what the full disk refused again
-            raise
-        self.f = f
-        return self
-    def release(self):
-        if self.f is None: return
-        import fcntl
-        try: self.f.seek(0); self.f.truncate(); fcntl.flock(self.f, fcntl.LOCK_UN)
-        finally: self.f.close(); self.f = None
-    def __enter__(self): return self.acquire()
-    def __exit__(self, *a): self.release()
-
-def read_run_json(p) -> dict:
-    "A run's `run.json`, with an error naming the file if it is damaged or not a run record"
-    p = Path(p)
-    if not p.is_file(): raise FileNotFoundError(f"{p} does not exist: is {p.parent} a run folder?")
-    try: info = json.loads(p.read_text(encoding='utf-8'))
-    except json.JSONDecodeError as e:
-        raise UserError(f"{p} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); the run record is damaged or half-written") from None
-    except UnicodeDecodeError as e: raise UserError(f"{p} is not valid UTF-8 (byte offset {e.start}); the run record is damaged") from None
-    if not isinstance(info, dict) or info.get('command') not in ('search', 'train') or not isinstance(info.get('settings'), dict):
-        raise UserError(f"{p} is not a run record: it needs \"command\" (search or train) and \"settings\"")
-    return info
 
 def settings_diff(old:dict, new:dict) -> dict:
     """Settings (present in both) that differ between a saved run and this one, `RESUME_FREE` ones excepted: key -> (old, new).
@@ -106,14 +63,15 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
     out = Path(out)
     if resume and overwrite: raise UsageError("--resume continues the run in the folder and --overwrite deletes it: give one of them")
     if out.exists() and not out.is_dir(): raise UsageError(f"--out {out} is a file, not a folder")
-    if resume and not run_files(out):   # nothing to continue: said before the folder is made or locked
-        raise UsageError(f"--resume: {out} holds no run to continue (no run.json, log or checkpoint); drop --resume to start one there")
+    folder = RunFolder(out)
+    if resume and not folder.held():   # nothing to continue: said before the folder is made or locked
+        raise UsageError(f"--resume: {out} holds no run to continue (no {folder.RECORD}, log or checkpoint); drop --resume to start one there")
     out.mkdir(parents=True, exist_ok=True)
     lock, changes = RunLock(out).acquire(), {}
     try:
-        had = run_files(out)
-        if resume and (out/'run.json').exists():
-            info = read_run_json(out/'run.json')
+        had = folder.held()
+        if resume and folder.record_file.exists():
+            info = folder.record()
             if info['command'] != command: raise UsageError(f"--resume: {out} holds a {info['command']} run, not a {command} run")
             done = len(info.get('epoch_times') or [])
             if s.get('epochs') is not None and s['epochs'] < done:
@@ -131,7 +89,7 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
                                  f"the run was trained on, or pass --override true to continue on this data (recorded in run.json)")
             changes.update(moved)
             if changes and not override:
-                raise UsageError(f"--resume: these settings differ from {out/'run.json'}: {_fmt_changes(changes)}; "
+                raise UsageError(f"--resume: these settings differ from {folder.record_file}: {_fmt_changes(changes)}; "
                                  f"drop the flags, or pass --override true to continue with the new values")
             if info.get('finished') and s.get('epochs') == done:   # nothing to continue: said before any file is touched
                 raise UsageError(f"--resume: {out} has finished its {done} epoch{'s' * (done != 1)}; to extend it, give --epochs M "
@@ -151,7 +109,6 @@ def record_overrides_cb(settings:dict, changes:dict, data:dict|None=None):
     "A callback for `fit(cbs=...)`: after a resume restored `RunInfo`, put the new settings in `run.json` and record `changes`"
     from fastai.callback.core import Callback
     from fastai.torch_core import rank_distrib
-    from rnn_darts.callbacks.logs import write_json_atomic
     class RecordOverrides(Callback):
         order = 91   # after Checkpoint (90) resumed
         def before_fit(self):
@@ -161,7 +118,7 @@ def record_overrides_cb(settings:dict, changes:dict, data:dict|None=None):
             if data is not None: ri.info['data'] = data
             if changes: ri.info.setdefault('overrides', []).append(
                 dict(epoch=self.learn.first_epoch, changes={k: dict(old=a, new=b) for k, (a, b) in changes.items()}))
-            if rank_distrib() == 0: write_json_atomic(ri.info, Path(self.learn.path)/ri.fname)
+            if rank_distrib() == 0: write_json_atomic(ri.info, ri.file)
     return RecordOverrides()
 
 # %% ../nbs/07b_runs.ipynb #933d3b51
@@ -253,12 +210,6 @@ def exit_if_interrupted(learn):
               file=sys.stderr, flush=True)
     raise SystemExit(it['code'])
 
-def _report_end(learn, out, extra):
-    from rnn_darts.callbacks.logs import write_json_atomic
-    p = out/'run.json'
-    info = read_run_json(p) if p.exists() else {}
-    info.update(extra, finished=True); write_json_atomic(info, p)   # `finished`: the command ended (a study skips such a stage)
-
 def method_text(s:dict) -> str:
     "A search's method in words, for its first line: the method (if one was named) and its parts"
     parts = [f"mode {s['mode']}"] + ([f"relax {s['relax']}"] if s['mode'] != 'random' else [])
@@ -280,7 +231,7 @@ def search(**flags):
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         rnd = s['mode'] == 'random'
         learn = search_learner(dls, None if rnd else search_stream(corpus, s['bs'], device=dev), SearchConfig.of(s), path=out,
-                               resume=True if resume else None, device=dev, plan=r.plan, cbs=[RunLogger('log.csv', append=resume), RunInfo('search', s, r.data, sources=r.src)])
+                               resume=True if resume else None, device=dev, plan=r.plan, cbs=[RunLogger(append=resume), RunInfo('search', s, r.data, sources=r.src)])
         learn = distrib_learner(learn)
         if r.rank == 0: plain_output(learn)   # into a file or a pipe: a line per epoch, no bar frames
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
@@ -288,16 +239,16 @@ def search(**flags):
         if rnd:
             from rnn_darts.random_search import choose_cell
             t0, df = time.time(), choose_cell(learn)
-            if r.rank == 0: _report_end(learn, out, dict(genotype=genotype_to_dict(learn.random_arch.chosen, learn.model.ops),
+            if r.rank == 0: RunFolder(out).finish_record(genotype=genotype_to_dict(learn.random_arch.chosen, learn.model.ops),
                                         candidates=dict(n=len(df), top=int(df.valid_loss.notna().sum()), seconds=time.time() - t0,
-                                                        valid_loss=float(df.valid_loss[0]))))
+                                                        valid_loss=float(df.valid_loss[0])))
         elif r.rank == 0:
             g = run_genotype(learn)
-            save_genotype(g, out/'genotype.json', learn.model.ops)
-            print(f"genotype: {g}\nwritten to {out/'genotype.json'}")
+            save_genotype(g, RunFolder(out).genotype_file, learn.model.ops)
+            print(f"genotype: {g}\nwritten to {RunFolder(out).genotype_file}")
             es = getattr(getattr(learn, 'curvature_stop', None), 'stopped', None)
             pt = getattr(learn, 'pt_selection', None)
-            _report_end(learn, out, dict(genotype=genotype_to_dict(g, learn.model.ops), early_stop=es, **({} if pt is None else dict(pt_select=pt.record))))
+            RunFolder(out).finish_record(genotype=genotype_to_dict(g, learn.model.ops), early_stop=es, **({} if pt is None else dict(pt_select=pt.record)))
         cleanup_distrib()
         return learn
     finally: r.close()
@@ -321,7 +272,7 @@ def train(**flags):
         if r.rank == 0: print(f"train {cell_name(s['genotype'], r.src['genotype'])} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}; {r.plan.path}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         learn = train_learner(dls, g, TrainConfig.of(s), path=out, resume=True if resume else None, device=dev,
-                              plan=r.plan, cbs=[RunLogger('log.csv', append=resume), RunInfo('train', s, r.data, sources=r.src)])
+                              plan=r.plan, cbs=[RunLogger(append=resume), RunInfo('train', s, r.data, sources=r.src)])
         learn = distrib_learner(learn)
         if r.rank == 0: plain_output(learn)
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
@@ -329,7 +280,7 @@ def train(**flags):
         res = evaluate(learn, test_dl(corpus, s['bptt'], bs=s['test_bs'], device=dev))   # on every rank: validation all-reduces
         if r.rank == 0:
             print(f"test loss {res['loss']:.4f}, perplexity {res['ppl']:.2f} (averaged weights: {learn.asgd_switch.active})")
-            _report_end(learn, out, dict(test_loss=res['loss'], test_ppl=res['ppl']))
+            RunFolder(out).finish_record(test_loss=res['loss'], test_ppl=res['ppl'])
         cleanup_distrib()
         return learn
     finally: r.close()
@@ -355,26 +306,28 @@ def evaluate_run(
     if threads is not None: check_number('--threads', threads, 1, integer=True)
     run = Path(run)
     if not run.is_dir(): raise FileNotFoundError(f"run folder {run} does not exist" if not run.exists() else f"{run} is not a run folder")
-    info = read_run_json(run/'run.json')
+    folder = RunFolder(run)
+    info = folder.record()
     s = {**RunConfig().asdict(), 'test_bs': TrainConfig.test_bs, **info['settings']}   # an older run.json may lack a setting
-    check_settings({k: v for k, v in s.items() if k not in ('threads',)}, {k: f"{run/'run.json'}: settings.{k}" for k in s})
+    recorded = {k: f"{folder.record_file}: settings.{k}" for k in s}
+    check_settings({k: v for k, v in s.items() if k not in ('threads',)}, recorded)
     dev = get_device(device)
     from rnn_darts.callbacks.checkpoint import load_checkpoint, latest_checkpoint, restore
     if checkpoint == 'best':
-        p = run/'checkpoints'/'best.pth'
+        p = folder.best_checkpoint
         if not p.is_file():
-            last = latest_checkpoint(run/'checkpoints')
+            last = latest_checkpoint(folder.checkpoints)
             raise FileNotFoundError(f"{p} does not exist: the run has no best checkpoint; " + (f"its latest is {last.name}: --checkpoint last" if last else
                                     f"it has no checkpoint at all (searched with --checkpoint false, or stopped before its first epoch ended); name one with --checkpoint FILE"))
     elif checkpoint == 'last':
-        p = latest_checkpoint(run/'checkpoints')
-        if p is None: raise FileNotFoundError(f"--checkpoint last: no epoch checkpoint in {run/'checkpoints'}")
+        p = latest_checkpoint(folder.checkpoints)
+        if p is None: raise FileNotFoundError(f"--checkpoint last: no epoch checkpoint in {folder.checkpoints}")
     else: p = Path(checkpoint)
     set_threads(threads, dev)
     state = load_checkpoint(p)
     set_seed(s['seed'])
     corpus = load_corpus(s)
-    check_fits(corpus, s, 'evaluate', {k: f"{run/'run.json'}: settings.{k}" for k in s}, split=split)
+    check_fits(corpus, s, 'evaluate', recorded, split=split)
     from rnn_darts.data import lm_dls, search_stream, test_dl
     from rnn_darts.learner import search_learner, train_learner, evaluate
     from rnn_darts.callbacks.logs import plain_output
@@ -388,7 +341,7 @@ def evaluate_run(
                               checkpoint_every=None)
     restore(learn, state, str(p), full=False)
     if getattr(learn, 'random_arch', None) is not None:   # a random search's weights, with the cell it chose
-        gp = run/'genotype.json'
+        gp = folder.genotype_file
         if not gp.is_file(): raise FileNotFoundError(f"{gp} does not exist: the random search in {run} has not chosen a cell yet; "
                                                      f"finish it with rnn-darts search --resume --out {run}")
         learn.random_arch.chosen = load_genotype(gp)

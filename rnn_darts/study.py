@@ -9,6 +9,7 @@ import contextlib, json, math, os, re, signal, socket, sys, threading, time, uui
 from dataclasses import dataclass, fields
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_choice, write_text_atomic, option_type, foreign_warnings_off, fmt_time, run_seconds
+from rnn_darts.folder import RunFolder, RunLock
 from rnn_darts.config import StudyConfig, METHODS, with_method, check_fields
 
 # %% auto #0
@@ -54,7 +55,7 @@ def plan_stages(lists:dict) -> list:
     searches = [Stage(f"search-{m}-{x}", 'search', m, x) for m in lists['methods'] for x in lists['seeds']]
     shorts = [Stage(f"short-{st.name}", 'short', st.method, st.seed, st.name) for st in searches]
     shorts += [Stage(f"short-{_folder_name(r)}", 'short', 'reference', None, r) for r in lists['references']]
-    return searches + shorts + [Stage('final', 'final')]
+    return searches + shorts + [Stage(RunFolder.FINAL, 'final')]
 
 # %% ../nbs/17_study.ipynb #da17d9b5
 def check_study(s:dict, src:dict|None=None) -> dict:
@@ -94,15 +95,13 @@ def stage_command(st:Stage, s:dict, study_dir, settings_file=None, winner:str|No
                  tensorboard=str(Path(s['tensorboard']).absolute()/st.name) if s.get('tensorboard') else None)   # each stage a run of its own
     if st.kind == 'search': return 'search', dict(preset=s['search_preset'], seed=st.seed, method=st.method, **flags)
     src = winner if st.kind == 'final' else st.source
-    genotype = st.source if st.method == 'reference' else _genotype_arg(study_dir/src/'genotype.json')
+    genotype = st.source if st.method == 'reference' else _genotype_arg(RunFolder(study_dir/src).genotype_file)
     epochs = s['short_epochs'] if st.kind == 'short' else s['final_epochs']
     return 'train', dict(preset=s['train_preset'], genotype=genotype, epochs=epochs, **flags)
 
 def stage_record(folder) -> dict|None:
     "The stage's `run.json`, or None if it has not written one"
-    from rnn_darts.runs import read_run_json
-    p = Path(folder)/'run.json'
-    return read_run_json(p) if p.is_file() else None
+    return RunFolder(folder).record_or_none()
 
 def stage_settings(command:str, flags:dict) -> tuple:
     "The settings of a stage's run and where each came from, its preset and flags resolved as `rnn-darts search|train` does"
@@ -129,12 +128,11 @@ def select_winner(rows:list) -> int|None:
 
 def _cell_of(st:Stage, study_dir:Path):
     from rnn_darts.genotypes import load_genotype
-    return load_genotype(st.source if st.method == 'reference' else study_dir/st.source/'genotype.json')
+    return load_genotype(st.source if st.method == 'reference' else RunFolder(study_dir/st.source).genotype_file)
 
 def study_rows(study_dir, stages:list) -> list:
     "A row per short training whose stage is done (`STUDY_COLUMNS`, without the final training's results)"
-    from rnn_darts.genotypes import genotype_to_dict
-    from rnn_darts.random_search import cell_text
+    from rnn_darts.genotypes import genotype_to_dict, cell_text
     study_dir, rows = Path(study_dir), []
     for st in (x for x in stages if x.kind == 'short'):
         rec = stage_record(study_dir/st.name)
@@ -174,7 +172,7 @@ def _estimate(stages:list, study_dir:Path, work:dict) -> float|None:
     "Seconds the `stages` will take: their planned `work` at the rate the finished stages ran (searches and trainings apart, while both are known), or None before any finished"
     done = {}
     for st_name, w in work.items():
-        rec = stage_record(study_dir/st_name) if (study_dir/st_name/'run.json').is_file() else None
+        rec = stage_record(study_dir/st_name)
         sec = run_seconds(rec) if rec and rec.get('finished') else None
         if sec: done.setdefault('search' if st_name.startswith('search-') else 'train', []).append((sec, w))
     if not done: return None
@@ -185,11 +183,9 @@ def _estimate(stages:list, study_dir:Path, work:dict) -> float|None:
 def _study_record(study_dir:Path, s:dict, preset, override:bool) -> dict:
     "Write `study.json`, or check this study's settings against it (refused if they differ, unless `override`)"
     from rnn_darts.runs import settings_diff, _fmt_changes
-    p = study_dir/'study.json'
-    if p.is_file():
-        try: rec = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError): raise UserError(f"{p} is not valid JSON: the study record is damaged") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get('settings'), dict): raise UserError(f"{p} is not a study record: it needs \"settings\"")
+    folder = RunFolder(study_dir)
+    p, rec = folder.study_record_file, folder.study_record()
+    if rec is not None:
         changes = settings_diff(rec['settings'], s)
         if not changes: return rec
         if not override: raise UsageError(f"{study_dir} holds a study with other settings ({p}): {_fmt_changes(changes)}; drop the flags, "
@@ -198,7 +194,7 @@ def _study_record(study_dir:Path, s:dict, preset, override:bool) -> dict:
         rec.setdefault('overrides', []).append({k: dict(old=a, new=b) for k, (a, b) in changes.items()})
     else: rec = dict(study=True, preset=preset)
     rec['settings'] = dict(s)
-    write_text_atomic(json.dumps(rec, indent=1), p)
+    folder.write_study_record(rec)
     return rec
 
 def check_stages(stages:list, s:dict, study_dir, settings_file=None):
@@ -218,7 +214,7 @@ def check_stages(stages:list, s:dict, study_dir, settings_file=None):
 
 def _check_folder(study_dir:Path):
     if study_dir.exists() and not study_dir.is_dir(): raise UsageError(f"--out {study_dir} is a file, not a folder")
-    rec = stage_record(study_dir) if (study_dir/'run.json').is_file() else None
+    rec = stage_record(study_dir)
     if rec: raise UsageError(f"--out {study_dir} is the run folder of an rnn-darts {rec['command']}, not a study folder; choose another --out")
     study_dir.mkdir(parents=True, exist_ok=True)
 
@@ -249,10 +245,10 @@ def _final_source(st:Stage, stages:list, study_dir:Path) -> str|None:
 def check_final(study_dir, genotype, selected:str):
     "Refuse a final training of another cell than `genotype`, the cell of the `selected` stage (the selection changed since it started)"
     from rnn_darts.genotypes import load_genotype
-    fin = stage_record(Path(study_dir)/'final')
+    final = RunFolder(study_dir).final()
+    fin = final.record_or_none()
     if fin and fin['settings'].get('genotype') and load_genotype(fin['settings']['genotype']) != load_genotype(genotype):
-        raise UserError(f"{Path(study_dir)/'final'} trained another cell than the selected one ({selected}); "
-                        f"delete {Path(study_dir)/'final'} to train the selected one")
+        raise UserError(f"{final} trained another cell than the selected one ({selected}); delete {final} to train the selected one")
 
 def run_stage(st:Stage, stages:list, s:dict, study_dir, settings_file=None, device=None, threads=None, override=False):
     "Run stage `st` as `rnn-darts search|train` would (resuming it if it started); returns the learner"
@@ -262,7 +258,7 @@ def run_stage(st:Stage, stages:list, s:dict, study_dir, settings_file=None, devi
     cmd, flags = stage_command(st, s, study_dir, settings_file, winner)
     if winner is not None: check_final(study_dir, flags['genotype'], f"short-{winner}")
     fn = runs.search if cmd == 'search' else runs.train
-    return fn(device=device, threads=threads, resume=bool(runs.run_files(flags['out'])), override=override, **flags)
+    return fn(device=device, threads=threads, resume=bool(RunFolder(flags['out']).held()), override=override, **flags)
 
 # %% ../nbs/17_study.ipynb #9f8eec5f
 def run_study(
@@ -294,7 +290,6 @@ def run_study(
         except (KeyError, UsageError) as e: raise UsageError(f"{setting_name(k, src)}: {e.args[0]}") from None
     check_stages(stages, s, study_dir, settings)
     _check_folder(study_dir)
-    from rnn_darts.runs import RunLock
     with RunLock(study_dir) if stage is None else contextlib.nullcontext():   # stage jobs run side by side: each locks its own run folder
         if stage is not None:
             st = stages[names.index(stage)]
@@ -308,7 +303,7 @@ def run_study(
                            one=stage is not None)
         if stage is not None: return None
         df = collect_study(study_dir, stages)
-        from rnn_darts.plot import write_study_report
+        from rnn_darts.reports import write_study_report
         write_study_report(study_dir, df)
         return df
 
@@ -347,24 +342,24 @@ def collect_study(study_dir, stages:list):
     i = select_winner(rows)
     if i is not None:
         rows[i]['selected'] = True
-        fin = stage_record(study_dir/'final')
+        fin = RunFolder(study_dir).final().record_or_none()
         if fin and fin.get('finished'):
             check_final(study_dir, rows[i]['genotype'], rows[i]['stage'])
             rows[i].update(final_valid_ppl=_ppl(fin.get('best_valid_loss')), final_test_ppl=float(fin.get('test_ppl', float('nan'))))
     df = pd.DataFrame(rows, columns=list(STUDY_COLUMNS)).astype(dict(seed='Int64'))   # whole seeds; none for a reference
-    write_text_atomic(df.to_csv(index=False), study_dir/'study.csv')
+    write_text_atomic(df.to_csv(index=False), RunFolder(study_dir).study_table_file)
     if i is not None and rows[i]['final_test_ppl'] == rows[i]['final_test_ppl']:
         print(f"study: selected {rows[i]['stage']} (short-training validation perplexity {rows[i]['short_valid_ppl']:.2f}); "
               f"after the final training: validation {rows[i]['final_valid_ppl']:.2f}, test {rows[i]['final_test_ppl']:.2f}; "
-              f"table in {study_dir/'study.csv'}", flush=True)
+              f"table in {RunFolder(study_dir).study_table_file}", flush=True)
     return df
 
 # %% ../nbs/17_study.ipynb #9b5bc4fe
 INSTALL = "pip install 'rnn-darts[ray]' (in a checkout: pip install -e '.[ray]')"
 RETRIES = 3       # a stage whose worker dies (a killed process, a lost node) runs again up to this many times, from its checkpoint
-PROBE = '.ray-probe'
+PROBE = RunFolder.RAY_PROBE
 STOP_WAIT = 60.   # seconds the running stages have to write their checkpoint after Ctrl-C
-STOP = '.stop'    # written in the study folder on Ctrl-C: the running stages stop at a checkpoint, the others do not start
+STOP = RunFolder.STOP    # written in the study folder on Ctrl-C: the running stages stop at a checkpoint, the others do not start
 LOCK_WAIT = 60.   # seconds a stage waits for its run folder, held by a worker of a Ray that is gone
 OBJECT_STORE = 256 * 2**20   # bytes of a local Ray's shared memory: the stages pass it their names only (Ray's default takes 30% of RAM)
 
@@ -441,7 +436,7 @@ def run_stage_task(st, stages, s, study_dir, settings_file, device, threads, ove
     "On a worker: run stage `st` (`after`: the stages it waits for, done by now), its output in the study's `ray-logs/STAGE.log`; `argv`: the study command's, which a stopped stage's log says to run again"
     from rnn_darts import runs
     runs.ARGV[:] = argv
-    log = Path(study_dir)/'ray-logs'/f"{st.name}.log"
+    log = RunFolder(study_dir).ray_log(st.name)
     log.parent.mkdir(exist_ok=True)
     with open(log, 'a') as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), foreign_warnings_off():
         print(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} on {socket.gethostname()}, pid {os.getpid()}", flush=True)
@@ -461,7 +456,6 @@ def run_stage_task(st, stages, s, study_dir, settings_file, device, threads, ove
 
 def wait_unlocked(folder:Path, timeout:float=LOCK_WAIT):
     "Wait while another process holds the stage's run folder: a worker of a Ray whose driver was killed goes on for a few seconds"
-    from rnn_darts.runs import RunLock
     t = time.monotonic()
     while folder.is_dir():
         try: RunLock(folder).acquire().release(); return
@@ -517,7 +511,7 @@ def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, devi
         t0, of = time.time(), submit_stages(ray, todo, stages, s, study_dir, settings_file, opts, override, pending)
         slots = parallel_slots(ray, opts[0])
         print(f"study: {len(todo)} stage{'s' * (len(todo) != 1)} on Ray ({_resources_text(ray)}); a line as each ends and every "
-              f"{fmt_time(PROGRESS_EVERY)} while they run, their output in {study_dir/'ray-logs'}", flush=True)
+              f"{fmt_time(PROGRESS_EVERY)} while they run, their output in {RunFolder(study_dir).ray_logs}", flush=True)
         started = {st.name: epochs_logged(study_dir/st.name) for st in todo}   # a stage with epochs before this run resumes after them
         announced, said = set(), time.time()
         while pending:
@@ -555,7 +549,7 @@ PROGRESS_EVERY, POLL = 60., 5.   # seconds between the progress lines of a study
 
 def began_since(study_dir:Path, st:Stage, t0:float) -> bool:
     "Whether stage `st` began on a worker since `t0`: its log in ray-logs/ was written since"
-    p = Path(study_dir)/'ray-logs'/f"{st.name}.log"
+    p = RunFolder(study_dir).ray_log(st.name)
     return p.is_file() and p.stat().st_mtime >= t0 - 1
 
 def start_text(epochs_before:int) -> str:
@@ -569,9 +563,7 @@ def stage_figure(study_dir:Path, st:Stage) -> str:
 
 def epochs_logged(folder) -> int:
     "The epochs a run folder's `log.csv` holds (0 before its first)"
-    p = Path(folder)/'log.csv'
-    if not p.is_file(): return 0
-    with open(p) as f: return max(0, sum(1 for line in f if line.strip()) - 1)
+    return RunFolder(folder).epochs_logged()
 
 def running_text(left:list, study_dir:Path, started:dict) -> str:
     "Where the stages `left` stand: each one under way with its epochs (and where it resumed), and how many wait"

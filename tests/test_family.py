@@ -354,7 +354,7 @@ def test_the_report_of_a_folder_of_searches_sets_the_methods_side_by_side(tmp_pa
     import csv
     from rnn_darts import cli
     from rnn_darts.genotypes import load_genotype
-    from rnn_darts.random_search import cell_text
+    from rnn_darts.genotypes import cell_text
     tiny = ['--data', 'numbers', '--n-train', '400', '--n-eval', '200', '--epochs', '2', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '8',
             '--nhid', '8', '--device', 'cpu']
     for m, kw in (('gdas', ['--curvature-windows', '1']), ('random', [])): cli.run_command(['search', *tiny, *kw, '--method', m, '--out', str(tmp_path/m)])

@@ -77,3 +77,23 @@ def test_the_wheel_holds_only_rnn_darts(tmp_path):
     tops = {n.split('/')[0] for n in names if not n.split('/')[0].endswith('.dist-info')}
     assert tops == {'rnn_darts'}, tops
     assert 'rnn_darts/callbacks/graphs.py' in names and 'rnn_darts/settings.ini' in names
+
+def _code_strings(path) -> list:
+    "(line, text) of the string constants in `path` that are not docstrings"
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+def test_a_run_folders_files_are_named_in_one_module():
+    "`RunFolder` (rnn_darts/folder.py) names every file of a run or study folder; no other module spells one as a string (issue 77)"
+    from rnn_darts.folder import RunFolder
+    F = RunFolder
+    names = {F.RECORD, F.LOG, F.HISTORY, F.GENOTYPE, F.CANDIDATES, F.CHECKPOINTS, F.BEST, F.MID_EPOCH, F.SCORING,
+             F.STUDY_RECORD, F.STUDY_TABLE, F.STOP, F.RAY_PROBE, F.RAY_LOGS, *F.FIGURES.values(), *(f"{F.PAGE}.{x}" for x in ('md', 'html'))}
+    # 'final' (a stage's kind), 'report' (a command) and '.lock' (any file lock's suffix) have other uses too: left out
+    mods = modules()
+    assert 'run.json' in names and 'curves.png' in names and len(names) > 20
+    spelled = {m: [(line, s) for line, s in _code_strings(f) if s in names] for m, f in mods.items() if m != 'rnn_darts.folder'}
+    assert {m: v for m, v in spelled.items() if v} == {}
+    assert names - {f'{F.PAGE}.md', f'{F.PAGE}.html'} <= {s for _, s in _code_strings(mods['rnn_darts.folder'])}   # the finder sees them where they are

@@ -6,6 +6,7 @@ import numpy as np, pandas as pd, pytest
 from PIL import Image
 
 import rnn_darts.plot as P
+import rnn_darts.reports as R
 from rnn_darts.genotypes import DARTS_V1, DARTS_V2, ENAS, PRIMITIVES, Genotype, derive_genotype
 
 MAGIC = {'png': b'\x89PNG', 'pdf': b'%PDF', 'gif': b'GIF8'}
@@ -210,7 +211,7 @@ def test_study_selected_cell_labels_all_visible(no_dot, monkeypatch, tmp_path):
     g = json.dumps(dict(recurrent=[list(x) for x in CROSSED.recurrent], concat=list(CROSSED.concat)))
     row = dict(stage='short-search-first-1', method='first', seed=1, cell='search-first-1', genotype=g, search_seconds=60.0,
                short_valid_loss=2.0, short_valid_ppl=math.exp(2.0), selected=True, final_valid_ppl=math.nan, final_test_ppl=math.nan)
-    P.write_study_report(tmp_path, pd.DataFrame([row], columns=list(STUDY_COLUMNS)))
+    R.write_study_report(tmp_path, pd.DataFrame([row], columns=list(STUDY_COLUMNS)))
     check_file(tmp_path/'report'/'selected.png', 'png')
     assert len(drawn) == 1 and drawn[0].axes[0].get_title() == 'selected: short-search-first-1'
     assert label_clashes(drawn[0]) == []
@@ -438,7 +439,7 @@ def test_report_search_run(tmp_path, fmt, monkeypatch):
     if fmt == 'html':
         for f in ('plot_genotype', 'plot_alphas', 'genotype_gif', 'plot_curves'):
             monkeypatch.setattr(P, f, lambda *a, **k: next(x for x in a if isinstance(x, Path)).write_bytes(b''))
-    rep = P.write_report(d, fmt)
+    rep = R.write_report(d, fmt)
     assert rep == d/'report'/f'report.{fmt}'
     text = rep.read_text()
     best = math.exp(run['best_valid_loss'])
@@ -464,7 +465,7 @@ def test_report_train_run_without_dot(no_dot, tmp_path):
     d, run = make_run(tmp_path/'run', command='train', epochs=3, asgd_epoch=None)
     r = json.loads((d/'run.json').read_text()); r.update(test_loss=4.5678, test_ppl=math.exp(4.5678))
     (d/'run.json').write_text(json.dumps(r))                           # what `rnn-darts train` adds at its end
-    text = P.write_report(d).read_text()
+    text = R.write_report(d).read_text()
     assert '| test loss | 4.5678 |' in text and f'| test perplexity | {math.exp(4.5678):.2f} |' in text
     assert f"{math.exp(run['best_valid_loss']):.2f}" in text
     assert 'NVIDIA H100 80GB HBM3' in text and 'never' in text
@@ -476,17 +477,17 @@ def test_report_falls_back_to_log(tmp_path):
     d, run = make_run(tmp_path/'run', command='train', epochs=3)
     r = json.loads((d/'run.json').read_text()); del r['best_valid_loss'], r['epoch_times']
     (d/'run.json').write_text(json.dumps(r))
-    s = P.run_summary(d)
+    s = R.run_summary(d)
     assert s['best_valid_loss'] == pytest.approx(pd.read_csv(d/'log.csv')['valid_loss'].min())
     assert s['mean_epoch_time'] == pytest.approx(65.0)                # from the log's 'mm:ss' column
-    assert f"{s['best_perplexity']:.2f}" in P.write_report(d).read_text()
+    assert f"{s['best_perplexity']:.2f}" in R.write_report(d).read_text()
 
 
 def test_report_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path/'missing'))): P.write_report(tmp_path/'missing')
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path/'missing'))): R.write_report(tmp_path/'missing')
     (tmp_path/'empty').mkdir()
-    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path/'empty'/'run.json'))): P.write_report(tmp_path/'empty')
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path/'empty'/'run.json'))): R.write_report(tmp_path/'empty')
     (tmp_path/'empty'/'run.json').write_text('{"command": ')
-    with pytest.raises(ValueError, match='run.json.*not valid JSON'): P.write_report(tmp_path/'empty')
+    with pytest.raises(ValueError, match='run.json.*not valid JSON'): R.write_report(tmp_path/'empty')
     d, _ = make_run(tmp_path/'run')
-    with pytest.raises(ValueError, match="'md' or 'html'"): P.write_report(d, 'pdf')
+    with pytest.raises(ValueError, match="'md' or 'html'"): R.write_report(d, 'pdf')

@@ -13,11 +13,12 @@ from rnn_darts.genotypes import genotype_to_dict
 from rnn_darts.ops import PAPER_OPS
 from rnn_darts.callbacks.epochs import TrainEpochEnd, best_tracker, in_lr_find
 from rnn_darts.config import RunConfig
+from rnn_darts.folder import RunFolder
 
 # %% auto #0
-__all__ = ['KEPT', 'MID_EPOCH', 'model_meta', 'check_meta', 'stateful_cbs', 'mid_epoch_state', 'learner_state', 'named_floats',
-           'nonfinite', 'kept_nonfinite', 'short_list', 'save_atomic', 'load_checkpoint', 'epoch_of',
-           'epoch_checkpoints', 'latest_checkpoint', 'remove_stale_tmp', 'restore', 'Checkpoint']
+__all__ = ['KEPT', 'model_meta', 'check_meta', 'stateful_cbs', 'mid_epoch_state', 'learner_state', 'named_floats', 'nonfinite',
+           'kept_nonfinite', 'short_list', 'save_atomic', 'load_checkpoint', 'epoch_of', 'epoch_checkpoints',
+           'latest_checkpoint', 'remove_stale_tmp', 'restore', 'Checkpoint']
 
 # %% ../../nbs/06_checkpoint.ipynb #88ff6c64
 def model_meta(model) -> dict:
@@ -104,7 +105,7 @@ def load_checkpoint(path) -> dict:
     try: return torch.load(path, map_location='cpu', weights_only=False)
     except Exception as e: raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from None
 
-_ckpt_re = re.compile(r'^epoch_(\d+)\.pth$')
+_ckpt_re = re.compile(f'^{RunFolder.EPOCH_RE}$')
 def epoch_of(p) -> int: return int(_ckpt_re.match(Path(p).name)[1])
 
 def epoch_checkpoints(folder) -> list:
@@ -127,7 +128,7 @@ def _running(pid:int) -> bool:
     except (PermissionError, OverflowError): return True
     return True
 
-def remove_stale_tmp(folder, names=r'epoch_\d+\.pth|best\.pth') -> list:
+def remove_stale_tmp(folder, names=f'{RunFolder.EPOCH_RE}|{re.escape(RunFolder.BEST)}') -> list:
     "Remove the temporary files `.NAME.tmpPID` (NAME matching `names`) in `folder` whose writer no longer runs; their names"
     folder, gone = Path(folder), []
     if not folder.is_dir(): return gone
@@ -165,12 +166,10 @@ def restore(learn, state:dict, where='checkpoint', full=True):
     learn.first_epoch = state['epoch'] + (0 if state.get('mid') else 1)   # a mid-epoch state resumes inside its epoch
 
 # %% ../../nbs/06_checkpoint.ipynb #d1ce7386
-MID_EPOCH = 'mid_epoch.pth'   # the state after a batch inside an epoch (`Preemption`)
-
 class Checkpoint(TrainEpochEnd):
     "Atomic, rotating checkpoints of the whole run state, the best one by validation loss, and resume"
     order = 90  # after everything that updates state at the end of an epoch
-    def __init__(self, dirname='checkpoints', every=1, keep=RunConfig.keep, save_best=True, resume=None):
+    def __init__(self, dirname=RunFolder.CHECKPOINTS, every=1, keep=RunConfig.keep, save_best=True, resume=None):
         if keep < 1: raise ValueError(f"keep must be >= 1, got {keep}")
         self.dirname, self.every, self.keep, self.save_best, self.resume = dirname, every, keep, save_best, resume
         self.written = []   # `written`: this run's epoch checkpoints (names), oldest first
@@ -181,7 +180,7 @@ class Checkpoint(TrainEpochEnd):
     def before_fit(self):
         self.mid, self.tracker = None, best_tracker(self.learn, 'Checkpoint')
         if rank_distrib() == 0:
-            gone = remove_stale_tmp(self.folder, r'epoch_\d+\.pth|best\.pth|mid_epoch\.pth|es_epoch_\d+\.pth') + remove_stale_tmp(Path(self.path), r'[^/]+\.json|[^/]+\.csv')
+            gone = remove_stale_tmp(self.folder, '|'.join([RunFolder.EPOCH_RE, 'es_' + RunFolder.EPOCH_RE, *map(re.escape, (RunFolder.BEST, RunFolder.MID_EPOCH))])) + remove_stale_tmp(Path(self.path), r'[^/]+\.json|[^/]+\.csv')
             if gone: print(f"removed temporary files left by a killed run: {', '.join(gone)}")
         if self.resume is None or self.resume is False or in_lr_find(self.learn): return   # lr_find leaves the resume to the fit
         p = self.newest() if self.resume is True else Path(self.resume)
@@ -203,7 +202,7 @@ class Checkpoint(TrainEpochEnd):
 
     def newest(self):
         "The newest state of this run: the mid-epoch checkpoint if it is inside a later epoch than the last epoch checkpoint"
-        p, mid = latest_checkpoint(self.folder), self.folder/MID_EPOCH
+        p, mid = latest_checkpoint(self.folder), self.folder/RunFolder.MID_EPOCH
         if mid.is_file() and (p is None or load_checkpoint(mid)['epoch'] > epoch_of(p)): return mid
         return p
 
@@ -218,7 +217,7 @@ class Checkpoint(TrainEpochEnd):
         improved = self.tracker.new_best
         due = (self.epoch + 1) % self.every == 0
         if not (due or improved): return
-        name, old, gone = f'epoch_{self.epoch:04d}.pth', self.written, []
+        name, old, gone = RunFolder.EPOCH.format(self.epoch), self.written, []
         if due:
             w = [n for n in self.written if n != name] + [name]
             self.written, gone = w[-self.keep:], w[:-self.keep]
@@ -232,8 +231,8 @@ class Checkpoint(TrainEpochEnd):
         if due:
             save_atomic(state, self.folder/name)
             for n in gone: (self.folder/n).unlink(missing_ok=True)
-            (self.folder/MID_EPOCH).unlink(missing_ok=True)   # superseded
-        if improved and self.save_best: save_atomic(state, self.folder/'best.pth')
+            (self.folder/RunFolder.MID_EPOCH).unlink(missing_ok=True)   # superseded
+        if improved and self.save_best: save_atomic(state, self.folder/RunFolder.BEST)
 
     def rollback_candidates(self) -> list:
         "This run's epoch checkpoints, newest first"

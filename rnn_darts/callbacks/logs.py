@@ -4,29 +4,26 @@
 
 # %% ../../nbs/05d_logs.ipynb #deb206bb
 from __future__ import annotations
-import json, sys
+import sys
 from fastai.callback.core import Callback
 from fastai.imports import noop   # fastai's own, the one `Learner.no_logging()` sets (fastcore's is another function)
 from fastcore.imports import in_notebook
 from fastai.callback.progress import CSVLogger, ProgressCallback
 from fastai.torch_core import rank_distrib
 from rnn_darts.core import naming, write_text_atomic
+from rnn_darts.folder import RunFolder, write_json_atomic
 from rnn_darts.genotypes import genotype_to_dict
 from rnn_darts.callbacks.epochs import TrainEpochEnd, in_lr_find
 from rnn_darts.callbacks.asgd import ASGDSwitch
 
 # %% auto #0
-__all__ = ['write_json_atomic', 'GenotypeLogger', 'RunLogger', 'table_cell', 'TableColumns', 'EpochLines', 'plain_output']
+__all__ = ['GenotypeLogger', 'RunLogger', 'table_cell', 'TableColumns', 'EpochLines', 'plain_output']
 
 # %% ../../nbs/05d_logs.ipynb #3e94558e
-def write_json_atomic(obj, path):
-    "Write JSON to `path` atomically (`write_text_atomic`)"
-    write_text_atomic(json.dumps(obj, indent=1), path)
-
 class GenotypeLogger(TrainEpochEnd):
     "Each epoch: the current genotype and mixing weights, to the console and to `history.json`"
     order = ASGDSwitch.order + 1
-    def __init__(self, fname='history.json', show=True): self.fname, self.show, self.history = fname, show, []
+    def __init__(self, fname=RunFolder.HISTORY, show=True): self.fname, self.show, self.history = fname, show, []
     def epoch_done(self):
         m = self.model
         g = m.genotype()
@@ -41,6 +38,7 @@ class GenotypeLogger(TrainEpochEnd):
 # %% ../../nbs/05d_logs.ipynb #10a20dbf
 class RunLogger(CSVLogger):
     "`CSVLogger` for runs that resume: one header, each epoch once, no row the resumed checkpoint does not hold"
+    def __init__(self, fname=RunFolder.LOG, append=False): super().__init__(fname, append)
     def before_fit(self):
         if getattr(self, 'file', None) is not None: self.after_fit()   # a fit that died without after_fit
         self.file = None   # opened at the first training epoch: by then a resuming `Checkpoint` has set the epoch

@@ -11,7 +11,8 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.torch_core import rank_distrib
 from rnn_darts.core import HOLD_ENV, hold_at
 from rnn_darts.callbacks.epochs import in_lr_find
-from rnn_darts.callbacks.checkpoint import Checkpoint, MID_EPOCH, mid_epoch_state, save_atomic, kept_nonfinite, short_list
+from rnn_darts.folder import RunFolder
+from rnn_darts.callbacks.checkpoint import Checkpoint, mid_epoch_state, save_atomic, kept_nonfinite, short_list
 
 # %% auto #0
 __all__ = ['STOP_ENV', 'Preemption']
@@ -23,7 +24,7 @@ class Preemption(Callback):
     "SIGINT/SIGTERM: finish the batch, write an exact mid-epoch checkpoint, end the fit (`learn.interrupted`); `every` seconds: that checkpoint without stopping"
     order = Checkpoint.order + 1   # after every other callback's after_batch: the state is the batch's end
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
-    def __init__(self, every:float|None=None, dirname:str='checkpoints'):
+    def __init__(self, every:float|None=None, dirname:str=RunFolder.CHECKPOINTS):
         if every is not None and not every > 0: raise ValueError(f"every must be > 0 (seconds), got {every!r}")
         self.every, self.dirname, self.old = every, dirname, {}
 
@@ -76,7 +77,7 @@ class Preemption(Callback):
         if self.hold: hold_at(f"{Path(self.path).name} batch {self.batches}", until=lambda: self.signum is not None or self.stop_asked())
         if self.signum is None and self.stop_asked(): self.signum = signal.SIGINT   # as Ctrl-C stops it
         if self.signum is None and not (self.every and time.monotonic() - self.last >= self.every): return
-        self.last, p = time.monotonic(), Path(self.path)/self.dirname/MID_EPOCH
+        self.last, p = time.monotonic(), Path(self.path)/self.dirname/RunFolder.MID_EPOCH
         state = mid_epoch_state(self.learn)
         bad = kept_nonfinite(state)
         if bad: print(f"epoch {self.epoch}: no mid-epoch checkpoint written: non-finite values in {short_list(bad)}")
