@@ -37,7 +37,7 @@ IDENTITY = ('relax', 'mode', 'perturb', 'select')   # what makes a method itself
 __all__ = ['RELAXATIONS', 'MODES', 'ARCH_MODES', 'TAU', 'TEMPERED', 'DRAWN', 'ALPHA_PARTS', 'ALPHA_ONLY', 'METHODS', 'FAMILY',
            'IDENTITY', 'CONFIGS', 'NEEDS', 'setting', 'redefault', 'records_given', 'RunConfig', 'SearchConfig',
            'TrainConfig', 'StudyConfig', 'configured', 'ops_text', 'check_value', 'check_fields', 'with_taus',
-           'with_method', 'check_rules', 'has_all', 'check_random']
+           'with_method', 'resolve', 'check_rules', 'has_all', 'check_random']
 
 # %% ../nbs/00a_config.ipynb #fed0f08a
 def setting(default, help:str|None=None, check=None):
@@ -199,7 +199,7 @@ class SearchConfig(RunConfig):
                               "learned with α; the cell is derived from each edge's weight times its op's (Xu et al., ICLR 2020)")
 
     def __post_init__(self):   # the method's settings where its maker gave none, τ the relaxation's where none was; then every check, once
-        for k, v in with_taus(with_method(vars(self), self.given.__contains__)).items(): object.__setattr__(self, k, v)
+        for k, v in resolve(vars(self), self.given.__contains__)[0].items(): object.__setattr__(self, k, v)
         super().__post_init__()
 
 @records_given
@@ -293,6 +293,17 @@ def with_method(s:dict, given=None, name=str) -> dict:
         if k in IDENTITY and given(k) and s.get(k) != v: raise UsageError(f"{name('method')} {m} sets {k} to {v!r}; {name(k)} {s.get(k)!r} contradicts it")
     return {**s, **{k: v for k, v in parts.items() if not given(k)}}
 
+def resolve(s:dict, given=None, name=str) -> tuple:
+    """`(settings, filled)`: `s` with its method's settings (`with_method`) and its relaxation's τ (`with_taus`) where no one
+    gave them, and what each filled in came from (`--method M`, `--relax R`). The one place both are applied: the command
+    line, the configs (Python's keywords) and the study build their settings through it"""
+    given = given or s.__contains__
+    res = with_method(s, given, name)
+    filled = {k: f"--method {s['method']}" for k in METHODS.get(s.get('method') or '', {}) if not given(k)}
+    taus = with_taus(res)
+    filled |= {k: f"--relax {res['relax']}" for k in ('tau_max', 'tau_min') if k in res and res[k] is None and taus[k] is not None}
+    return {**res, **{k: taus[k] for k in filled if k in ('tau_max', 'tau_min')}}, filled
+
 def check_rules(s:dict, name=str):
     """The rules between settings, on the entries of `s` they concern: a `UsageError` naming the settings by `name(key)`
     (the command line: its flag or the preset key that set it). The one place each rule is written: the configs, the
@@ -305,7 +316,7 @@ def check_rules(s:dict, name=str):
     check_plan_rules(s, name)   # fuse with bf16, graphs with bf16, compile or graphs with random search: `rnn_darts.plan.RULES`
     if s.get('early_stop') and s.get('curvature') is False:
         raise UsageError(f"{name('early_stop')} true needs {name('curvature')} true: DARTS-ES stops on λ_max")
-    _check_family(with_method(s, name=name) if s.get('method') else s, name)
+    _check_family(s, name)   # `s` as `resolve` made it: a method's settings are in it
 
 
 # A method's own settings, which act only with another setting's values: what each is, that setting, its values, them in words

@@ -38,7 +38,7 @@ from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer,
 from rnn_darts.callbacks.asgd import ASGDSwitch
 from rnn_darts.callbacks.logs import GenotypeLogger, TableColumns
 from rnn_darts.folder import RunFolder, write_json_atomic
-from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker
+from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker, collaborator
 from rnn_darts.callbacks.speed import BF16Autocast, AutoCompile, CompileNotice, PlanNotes, precision_callbacks
 from rnn_darts.callbacks.checkpoint import Checkpoint
 from rnn_darts.callbacks.preemption import Preemption
@@ -108,6 +108,7 @@ class RunInfo(TrainEpochEnd):
         self.command, self.settings, self.data, self.fname, self.info = command, dict(settings or {}), data, fname, None
         self.sources = {k: v for k, v in (sources or {}).items() if v != 'default'}   # who set each setting the code's default did not
     def before_fit(self):
+        self.tracker, self.switch = best_tracker(self.learn, 'RunInfo'), collaborator(self.learn, ASGDSwitch)   # what it records, found once a fit
         if self.info is None:
             self.info = dict(command=self.command, settings=self.settings, sources=self.sources, device=device_name(self.flat_device()),
                              epoch_times=[], best_valid_loss=None, asgd_epoch=None, genotype=None,
@@ -122,8 +123,8 @@ class RunInfo(TrainEpochEnd):
         i = self.info
         i['epoch_times'] = i['epoch_times'][:self.epoch] + [time.time() - self.t0]
         self.t0 = None
-        i['best_valid_loss'] = best_tracker(self.learn, 'RunInfo').value
-        sw = getattr(self.learn, 'asgd_switch', None)
+        i['best_valid_loss'] = self.tracker.value
+        sw = self.switch
         if sw is not None and sw.active: i['asgd_epoch'] = sw.switch_epoch
         g = run_genotype(self.learn)
         i['genotype'] = None if g is None else genotype_to_dict(g, space_ops(self.model))
@@ -156,13 +157,15 @@ def _common_cbs(c:RunConfig, resume=None, graphs:CudaGraphs|None=None):
     "The callbacks every run has, set by `c`: state, regularization (handed to `graphs`, whose training graph adds it), the clip, the fault guards, the fused loss, checkpoints"
     rr = RNNRegularizer(c.alpha, c.beta)
     if graphs is not None: graphs.regularizer = rr
-    cbs = [ModelResetter(), RNNCallback(), rr, SeqLenLR(), FlatGradClip(c.clip), DivergenceGuard(c.on_nan),
-           BestValidLoss(), FiniteValidation()]
+    best = BestValidLoss()   # handed to the callbacks that read the best validation loss
+    if c.checkpoint_every and not c.checkpoint: raise ValueError("checkpoint_every needs checkpoint=True")
+    if resume and not c.checkpoint: raise ValueError("resume needs checkpoint=True")
+    ck = Checkpoint(keep=c.keep, resume=resume, tracker=best) if c.checkpoint else None   # handed to what rolls back or saves mid-epoch
+    cbs = [ModelResetter(), RNNCallback(), rr, SeqLenLR(), FlatGradClip(c.clip), DivergenceGuard(c.on_nan, checkpoint=ck),
+           best, FiniteValidation(tracker=best)]
     if c.fused_loss: cbs.append(FusedDecoderLoss())
-    if c.checkpoint: cbs += [Checkpoint(keep=c.keep, resume=resume), Preemption(None if c.checkpoint_every is None else 60 * c.checkpoint_every)]
-    elif c.checkpoint_every: raise ValueError("checkpoint_every needs checkpoint=True")
-    elif resume: raise ValueError("resume needs checkpoint=True")
-    if c.tensorboard: cbs.append(TensorBoardLog(c.tensorboard))
+    if ck is not None: cbs += [ck, Preemption(None if c.checkpoint_every is None else 60 * c.checkpoint_every, checkpoint=ck)]
+    if c.tensorboard: cbs.append(TensorBoardLog(c.tensorboard, tracker=best))
     return cbs
 
 def _learner(dls, model, c:RunConfig, path, device, command:str, plan=None):
@@ -209,9 +212,9 @@ def search_parts(c:SearchConfig, search_dl=None, graphs:CudaGraphs|None=None) ->
     (its mode, Adam and regularisers) with the derived cell's log and the parts `c`'s settings turn on. The one place a
     search is assembled: `search_learner` and the bench build from it"""
     if c.mode == 'random': return [RandomArch(candidates=c.candidates, top=c.top)]
-    parts = [ArchParamUpdate.of(c, search_dl, graphs=graphs), GenotypeLogger()]
-    if c.curvature: parts.append(Curvature(c.curvature_windows))
-    if c.early_stop: parts.append(CurvatureStop())
+    curv = Curvature(c.curvature_windows) if c.curvature else None   # handed to the log and to DARTS-ES, which read λ_max
+    parts = [ArchParamUpdate.of(c, search_dl, graphs=graphs), GenotypeLogger(curvature=curv), *([curv] if curv else [])]
+    if c.early_stop: parts.append(CurvatureStop(curvature=curv))
     if c.relax in TEMPERED: parts.append(Temperature(c.tau_max, c.tau_min))
     if c.perturb != 'none': parts.append(Perturbation(c.perturb, c.epsilon))
     if c.select == 'pt': parts.append(PtSelection(c.pt_tune))
@@ -231,7 +234,7 @@ def train_learner(dls, genotype, config:TrainConfig|None=None, path='.', resume=
 # %% ../nbs/07_learner.ipynb #e972eb06
 def eval_weights(learn):
     "Context manager: the evaluation weights (ASGD's averages when averaging is on) in the model"
-    sw = getattr(learn, 'asgd_switch', None)
+    sw = collaborator(learn, ASGDSwitch)
     return sw.averaged() if sw is not None else nullcontext()
 
 def evaluate(learn, dl) -> dict:

@@ -8,7 +8,7 @@ import inspect, os
 from dataclasses import fields, asdict
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, read_preset, option_type, PAPER_NODES
-from rnn_darts.config import CONFIGS, METHODS, MODES, RELAXATIONS, TEMPERED, check_rules, check_random, check_value, with_method, with_taus
+from rnn_darts.config import CONFIGS, METHODS, MODES, RELAXATIONS, TEMPERED, check_rules, check_random, check_value, resolve
 
 # %% auto #0
 __all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'FLAG_ORDER', 'FLAG_GROUPS', 'FLAG_SUMMARY', 'FLAGS', 'CHECKS', 'CHOICES',
@@ -45,13 +45,8 @@ def settings_and_sources(command, preset=None, settings_file=None, **flags):
     for k, v in flags.items():
         if v is not None: res[k], src[k] = v, 'flag'
     given = lambda k: src.get(k, 'default') != 'default'   # a flag or a preset key: the user's
-    parts = with_method(res, given, lambda k: setting_name(k, src))   # the method's settings that the user left
-    for k in METHODS.get(res.get('method') or '', {}):
-        if not given(k): res[k], src[k] = parts[k], f"--method {res['method']}"
-    taus = with_taus(res)   # τ: the relaxation's own, where no one gave it
-    for k in ('tau_max', 'tau_min'):
-        if k in res and res[k] is None and taus[k] is not None: res[k], src[k] = taus[k], f"--relax {res['relax']}"
-    return res, src
+    res, filled = resolve(res, given, lambda k: setting_name(k, src))   # the method's settings that the user left, and τ
+    return res, {**src, **filled}
 
 def resolve_settings(command, preset=None, settings_file=None, **flags) -> dict:
     "The config's defaults for `command`, overridden by `preset`, overridden by the flags that were given (not None)"

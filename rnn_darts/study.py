@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_choice, write_text_atomic, option_type, foreign_warnings_off, fmt_time, run_seconds
 from rnn_darts.folder import RunFolder, RunLock
-from rnn_darts.config import StudyConfig, METHODS, with_method, check_fields
+from rnn_darts.config import StudyConfig, METHODS, check_fields
 
 # %% auto #0
 __all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'INSTALL', 'RETRIES', 'PROBE', 'STOP_WAIT', 'STOP',
@@ -152,8 +152,7 @@ ATTACK_PASSES = 8   # SDARTS-ADV's attack: 7 passes with a gradient, 2 without
 def run_passes(command:str, run:dict) -> int:
     "Forward-and-backward passes over a training batch per batch of a run with settings `run`: its mode's, and an adversarial perturbation's"
     if command == 'train': return PASSES['train']
-    r = with_method(run)
-    return PASSES[r['mode']] + (ATTACK_PASSES if r.get('perturb') == 'adversarial' else 0)
+    return PASSES[run['mode']] + (ATTACK_PASSES if run.get('perturb') == 'adversarial' else 0)   # `run` as the command resolves it
 
 def planned_work(stages:list, s:dict, study_dir, settings_file=None) -> dict:
     "Each stage's planned multiply-adds (stage name -> float): epochs × training tokens × passes × (a cell's 20 nhid² + the decoder's nhid · vocabulary)"

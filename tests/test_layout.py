@@ -97,3 +97,39 @@ def test_a_run_folders_files_are_named_in_one_module():
     spelled = {m: [(line, s) for line, s in _code_strings(f) if s in names] for m, f in mods.items() if m != 'rnn_darts.folder'}
     assert {m: v for m, v in spelled.items() if v} == {}
     assert names - {f'{F.PAGE}.md', f'{F.PAGE}.html'} <= {s for _, s in _code_strings(mods['rnn_darts.folder'])}   # the finder sees them where they are
+
+BATCH_EVENTS = {'before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step', 'after_batch'}
+
+def batch_path_lookups(tree, names) -> list:
+    "(class, method, name) of each look-up of a learner's attribute `names` (a callback's, by name) in what a class runs per batch"
+    res = []
+    for c in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        meths = {f.name: f for f in c.body if isinstance(f, ast.FunctionDef)}
+        todo, seen = [m for m in BATCH_EVENTS if m in meths], set()
+        while todo:   # the batch events and the methods of the class they call
+            m = todo.pop()
+            if m in seen: continue
+            seen.add(m)
+            for n in ast.walk(meths[m]):
+                if isinstance(n, ast.Attribute) and ast.unparse(n.value) == 'self' and n.attr in meths: todo.append(n.attr)
+                named = (n.args[1].value if isinstance(n, ast.Call) and getattr(n.func, 'id', None) in ('getattr', 'hasattr') and len(n.args) > 1
+                         and isinstance(n.args[1], ast.Constant) and 'learn' in ast.unparse(n.args[0]) else
+                         'lr_finder' if isinstance(n, ast.Call) and getattr(n.func, 'id', None) == 'in_lr_find' else
+                         n.attr if isinstance(n, ast.Attribute) and ast.unparse(n.value) == 'self.learn' else None)
+                if named in names: res.append((c.name, m, named))
+    return res
+
+def test_no_callback_is_looked_up_by_name_in_a_batchs_path():
+    "What depends on the fit (lr_find, the weights' clip) is decided in `before_fit`: no batch looks a callback up on the learner (issue 77)"
+    names = {'lr_finder', 'flat_grad_clip', 'checkpoint', 'best_valid_loss', 'asgd_switch', 'recorder', 'cuda_graphs', 'random_arch'}
+    planted = ast.parse("class C:\n def before_batch(self): self.f()\n def f(self): return hasattr(self.learn, 'lr_finder') or self.learn.recorder")
+    assert batch_path_lookups(planted, names) == [('C', 'f', 'lr_finder'), ('C', 'f', 'recorder')]
+    assert {m: found for m, f in modules().items() if (found := batch_path_lookups(ast.parse(f.read_text()), names))} == {}
+
+def test_a_methods_settings_are_applied_in_one_place():
+    "`config.resolve` applies a method's settings and τ for the command line, the configs and the study; nothing else calls `with_method` (issue 77)"
+    calls = []
+    for m, f in modules().items():
+        for fn in (n for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.FunctionDef)):
+            calls += [(m, fn.name) for n in ast.walk(fn) if isinstance(n, ast.Call) and getattr(n.func, 'id', None) == 'with_method']
+    assert calls == [('rnn_darts.config', 'resolve')]

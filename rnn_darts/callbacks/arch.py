@@ -12,7 +12,8 @@ from rnn_darts.config import SearchConfig, check_rules, ARCH_MODES
 from rnn_darts.relax import dirichlet_kl, linear_schedule
 from rnn_darts.runners import twice_differentiable
 from rnn_darts.plan import arch_step_graphed
-from rnn_darts.callbacks.training import SeqLenLR, check_flat_opt
+from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, check_flat_opt
+from rnn_darts.callbacks.epochs import in_lr_find
 
 # %% auto #0
 __all__ = ['UNROLLED', 'ARCH_BETAS', 'train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first', 'fd_hvp',
@@ -217,6 +218,7 @@ class ArchParamUpdate(Callback):
         self.search_dl, self.mode, self.same_masks, self.clip = search_dl, mode, same_masks, clip
         self.zero_one, self.op_decay, self.mixed_lambda, self.beta_decay, self.dirichlet_kl = zero_one, op_decay, mixed_lambda, beta_decay, dirichlet_kl
         self.terms = None         # the regularisers α's loss adds (`alpha_terms`), made on α's device at the first fit
+        self.lr_finding, self.weight_clip = False, None   # what `before_fit` decides for each fit
         self.arch_bf16 = arch_bf16
         self.arch_lr, self.arch_betas, self.arch_wd = arch_lr, arch_betas, arch_wd
         self.arch_opt, self.n_skipped, self.loss_sum, self.n_steps = None, None, None, 0
@@ -246,6 +248,8 @@ class ArchParamUpdate(Callback):
         if self.arch_opt is None: self.arch_opt = arch_adam(a, self.arch_lr, self.arch_betas, self.arch_wd)
         if hasattr(self.search_dl, 'to'): self.search_dl.to(a.device)
         if self.n_skipped is None: self.n_skipped = torch.zeros((), dtype=torch.long, device=a.device)
+        self.lr_finding = in_lr_find(self.learn)   # lr_find's throw-away steps take no α step: decided once a fit, not per batch
+        self.weight_clip = self.max_norm()         # with clip 'learn': the learner's `FlatGradClip` as this fit starts
 
     def before_train(self): self.loss_sum, self.n_steps = None, 0
 
@@ -261,8 +265,9 @@ class ArchParamUpdate(Callback):
         return alpha_penalty(self.terms)
 
     def max_norm(self):
+        "The clip of the virtual weight step: `clip`, or with 'learn' the max norm of the learner's `FlatGradClip` (none without one)"
         if self.clip != 'learn': return self.clip
-        cb = getattr(self.learn, 'flat_grad_clip', None)
+        cb = next((c for c in getattr(self.learn, 'cbs', ()) if isinstance(c, FlatGradClip)), None)
         return cb.max_norm if cb is not None else None
 
     def step_hypers(self):
@@ -270,7 +275,7 @@ class ArchParamUpdate(Callback):
         if self.hypers is not None: return self.hypers
         if self.mode not in UNROLLED: return 0., 0., None
         hyp = self.opt.hypers[-1]
-        return hyp['lr'], hyp.get('wd', 0.), self.max_norm()
+        return hyp['lr'], hyp.get('wd', 0.), self.weight_clip if self.clip == 'learn' else self.clip
 
     def hypergrad(self, trn, val):
         "The hypergradient of the mode and the search loss"
@@ -314,7 +319,7 @@ class ArchParamUpdate(Callback):
         self.n_steps += 1
 
     def before_batch(self):
-        if not self.training or hasattr(self.learn, 'lr_finder'): return
+        if not self.training or self.lr_finding: return
         trn = (self.xb[0], self.yb[0])
         self.arch_step(trn, self.search_dl.next(trn[0].shape[1]))
 

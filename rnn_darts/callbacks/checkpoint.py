@@ -11,7 +11,8 @@ from fastai.torch_core import rank_distrib
 from rnn_darts.core import rng_states, set_rng_states, naming
 from rnn_darts.genotypes import genotype_to_dict
 from rnn_darts.ops import PAPER_OPS
-from rnn_darts.callbacks.epochs import TrainEpochEnd, best_tracker, in_lr_find
+from rnn_darts.callbacks.epochs import TrainEpochEnd, best_tracker, collaborator, in_lr_find
+from rnn_darts.callbacks.asgd import ASGDSwitch
 from rnn_darts.config import RunConfig
 from rnn_darts.folder import RunFolder
 
@@ -53,7 +54,7 @@ def mid_epoch_state(learn) -> dict:
 
 def learner_state(learn) -> dict:
     "Everything needed to resume `learn` after the current epoch"
-    sw = getattr(learn, 'asgd_switch', None)
+    sw = collaborator(learn, ASGDSwitch)
     return dict(format=1, epoch=learn.epoch, meta=model_meta(learn.model), model=learn.model.state_dict(),
                 opt=learn.opt.state_dict(), asgd=bool(sw is not None and sw.active), rng=rng_states(),
                 dl=learn.dls.train.state_dict() if hasattr(learn.dls.train, 'state_dict') else None,
@@ -143,7 +144,7 @@ def restore(learn, state:dict, where='checkpoint', full=True):
     "Load `state` (from `learner_state`) into `learn`; `full=False`: a rollback (model, weight optimizer, callbacks' `rollback_state`)"
     check_meta(state['meta'], learn.model, where)
     learn.model.load_state_dict(state['model'])
-    sw = getattr(learn, 'asgd_switch', None)
+    sw = collaborator(learn, ASGDSwitch)
     if state['asgd'] and sw is None: raise ValueError(f"{where} was saved with ASGD on, but this learner has no ASGDSwitch callback")
     if sw is not None and state['asgd']:
         if not sw.active: sw.switch()
@@ -169,16 +170,16 @@ def restore(learn, state:dict, where='checkpoint', full=True):
 class Checkpoint(TrainEpochEnd):
     "Atomic, rotating checkpoints of the whole run state, the best one by validation loss, and resume"
     order = 90  # after everything that updates state at the end of an epoch
-    def __init__(self, dirname=RunFolder.CHECKPOINTS, every=1, keep=RunConfig.keep, save_best=True, resume=None):
+    def __init__(self, dirname=RunFolder.CHECKPOINTS, every=1, keep=RunConfig.keep, save_best=True, resume=None, tracker=None):
         if keep < 1: raise ValueError(f"keep must be >= 1, got {keep}")
         self.dirname, self.every, self.keep, self.save_best, self.resume = dirname, every, keep, save_best, resume
-        self.written = []   # `written`: this run's epoch checkpoints (names), oldest first
+        self.written, self.handed = [], tracker   # `written`: this run's epoch checkpoints (names), oldest first; `handed`: the maker's `BestValidLoss`
 
     @property
     def folder(self): return Path(self.path)/self.dirname
 
     def before_fit(self):
-        self.mid, self.tracker = None, best_tracker(self.learn, 'Checkpoint')
+        self.mid, self.tracker = None, best_tracker(self.learn, 'Checkpoint', self.handed)
         if rank_distrib() == 0:
             gone = remove_stale_tmp(self.folder, '|'.join([RunFolder.EPOCH_RE, 'es_' + RunFolder.EPOCH_RE, *map(re.escape, (RunFolder.BEST, RunFolder.MID_EPOCH))])) + remove_stale_tmp(Path(self.path), r'[^/]+\.json|[^/]+\.csv')
             if gone: print(f"removed temporary files left by a killed run: {', '.join(gone)}")

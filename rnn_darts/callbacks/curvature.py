@@ -10,7 +10,7 @@ import torch
 from fastai.callback.core import Callback, CancelFitException
 from fastai.torch_core import rank_distrib
 from rnn_darts.data import batchify
-from rnn_darts.callbacks.epochs import TrainEpochEnd, in_lr_find
+from rnn_darts.callbacks.epochs import TrainEpochEnd, collaborator, in_lr_find
 from rnn_darts.callbacks.checkpoint import Checkpoint, save_atomic, load_checkpoint
 from rnn_darts.callbacks.divergence import DivergenceGuard
 from rnn_darts.config import SearchConfig
@@ -118,14 +118,14 @@ def es_decision(ev:list, window:int=5, delta:int=4, factor:float=1.3, start:int=
 class CurvatureStop(TrainEpochEnd):
     "DARTS-ES: stop the search when λ_max's local average grows by more than `factor` over `delta` epochs; α and weights go back to where the window starts"
     order = Checkpoint.order - 1   # decides before the epoch's checkpoint, which then holds the restored state
-    def __init__(self, window:int=5, delta:int=4, factor:float=1.3, start:int=10, dirname:str=RunFolder.CHECKPOINTS):
+    def __init__(self, window:int=5, delta:int=4, factor:float=1.3, start:int=10, dirname:str=RunFolder.CHECKPOINTS, curvature=None):
         self.window, self.delta, self.factor, self.start, self.dirname = window, delta, factor, start, dirname
-        self.stopped = None
+        self.stopped, self.handed = None, curvature   # `handed`: the search's `Curvature`, from the learner's maker
 
     def folder(self): return Path(self.path)/self.dirname
     def snapshot(self, epoch): return self.folder()/RunFolder.EARLY_STOP_EPOCH.format(epoch)
     def before_fit(self):
-        self.curv = next((cb for cb in self.learn.cbs if isinstance(cb, Curvature)), None)
+        self.curv = collaborator(self.learn, Curvature, self.handed)
         if self.curv is None: raise ValueError("CurvatureStop needs the Curvature callback (λ_max per epoch)")
     def before_train(self):
         if self.stopped is not None: raise CancelFitException()   # also when a stopped search is resumed (not in `validate`)

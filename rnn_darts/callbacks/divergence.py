@@ -8,8 +8,8 @@ import math, sys
 import torch
 from fastai.callback.core import Callback
 from rnn_darts.callbacks.training import FlatGradClip
-from rnn_darts.callbacks.epochs import TrainEpochEnd, in_lr_find, valid_loss_of
-from rnn_darts.callbacks.checkpoint import named_floats, kept_nonfinite, short_list, load_checkpoint, restore
+from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, collaborator, in_lr_find, valid_loss_of
+from rnn_darts.callbacks.checkpoint import Checkpoint, named_floats, kept_nonfinite, short_list, load_checkpoint, restore
 from rnn_darts.config import RunConfig
 
 # %% auto #0
@@ -30,11 +30,13 @@ class DivergenceGuard(Callback):
     "Skip non-finite steps on the device; once per epoch check the state, log, and roll back or stop"
     order = FlatGradClip.order + 1   # before_step after the gradient is clipped; after_step it restores
     skip_name = 'weight'
-    def __init__(self, on_nan=RunConfig.on_nan):
+    def __init__(self, on_nan=RunConfig.on_nan, checkpoint=None):
         if on_nan not in ('rollback', 'stop', 'skip'): raise ValueError(f"on_nan must be 'rollback', 'stop' or 'skip', got {on_nan!r}")
         self.on_nan, self.events, self.backup, self.n_skipped, self.opt_backup = on_nan, [], None, None, {}
+        self.handed = checkpoint   # the run's `Checkpoint`, which a rollback reads, as the learner's maker hands it
 
     def before_fit(self):
+        self.ck = collaborator(self.learn, Checkpoint, self.handed)
         w = self.model.flat.data
         self.backup, self.n_skipped = torch.empty_like(w), torch.zeros((), dtype=torch.long, device=w.device)
 
@@ -78,7 +80,7 @@ class DivergenceGuard(Callback):
 
     def rollback(self, bad):
         "Restore the newest finite checkpoint of this run; with none, stop if the state is not finite"
-        ck = getattr(self.learn, 'checkpoint', None)
+        ck = self.ck
         for p in (ck.rollback_candidates() if ck is not None else []):
             try: state = load_checkpoint(p)
             except (ValueError, FileNotFoundError) as e: print(f"not rolling back to {p}: {e}"); continue
@@ -105,12 +107,12 @@ def finite_validation(loss:float) -> bool:
 class FiniteValidation(TrainEpochEnd):
     "Stop a run whose validation perplexity was never finite; at the end of a fit, say which epoch last validated finitely if later ones did not"
     order = 89   # after the epoch's logs and RunInfo, before Checkpoint (90)
-    def __init__(self): self.last_finite = None   # the last trained epoch with a finite validation perplexity, kept in checkpoints
-    def before_fit(self): self.last_valid = None
+    def __init__(self, tracker=None): self.last_finite, self.handed = None, tracker   # the last trained epoch with a finite validation perplexity, kept in checkpoints
+    def before_fit(self): self.last_valid, self.tracker = None, collaborator(self.learn, BestValidLoss, self.handed)
     def epoch_done(self):
         self.last_valid = v = valid_loss_of(self.learn)
         if finite_validation(v): self.last_finite = self.epoch; return
-        best = getattr(getattr(self.learn, 'best_valid_loss', None), 'value', None)   # a checkpoint older than this callback keeps only the best
+        best = getattr(self.tracker, 'value', None)   # a checkpoint older than this callback keeps only the best
         if self.last_finite is None and not (best is not None and finite_validation(best)):
             raise RuntimeError(f"epoch {self.epoch}: the validation loss is {v:.4g}, and no epoch of this run had a finite validation loss and "
                                f"perplexity, so there is no state to go back to and no cell worth deriving; stopping. Try a smaller learning "

@@ -10,7 +10,7 @@ from fastai.callback.tracker import TrackerCallback
 from fastai.learner import Recorder
 
 # %% auto #0
-__all__ = ['in_lr_find', 'TrainEpochEnd', 'valid_loss_of', 'BestValidLoss', 'best_tracker']
+__all__ = ['in_lr_find', 'TrainEpochEnd', 'valid_loss_of', 'BestValidLoss', 'collaborator', 'best_tracker']
 
 # %% ../../nbs/05a_epochs.ipynb #043e6bd3
 def in_lr_find(learn) -> bool:
@@ -45,8 +45,15 @@ class BestValidLoss(TrainEpochEnd, TrackerCallback):
     def ckpt_state(self): return dict(best=self.value)
     def load_ckpt_state(self, d): self.best = math.inf if d['best'] is None else d['best']
 
-def best_tracker(learn, who:str) -> BestValidLoss:
-    "The learner's `BestValidLoss`, which `who` reads; a clear error without it"
-    t = getattr(learn, 'best_valid_loss', None)
-    if not isinstance(t, BestValidLoss): raise ValueError(f"{who} reads the best validation loss from the BestValidLoss callback: add it to the learner's callbacks")
+def collaborator(learn, cls, handed=None):
+    """The callback of class `cls` a callback works with: the one the learner's maker `handed` it while the learner holds it,
+    else the learner's own, found by its class (in `before_fit`: once a fit, never in a batch); None where it has none"""
+    cbs = list(getattr(learn, 'cbs', ()))
+    if any(cb is handed for cb in cbs): return handed
+    return next((cb for cb in cbs if isinstance(cb, cls)), None)
+
+def best_tracker(learn, who:str, handed=None) -> BestValidLoss:
+    "The learner's `BestValidLoss` (or the one `handed` to `who`), which `who` reads; a clear error without it"
+    t = collaborator(learn, BestValidLoss, handed)
+    if t is None: raise ValueError(f"{who} reads the best validation loss from the BestValidLoss callback: add it to the learner's callbacks")
     return t

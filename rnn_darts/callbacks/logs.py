@@ -13,7 +13,8 @@ from fastai.torch_core import rank_distrib
 from rnn_darts.core import naming, write_text_atomic
 from rnn_darts.folder import RunFolder, write_json_atomic
 from rnn_darts.genotypes import genotype_to_dict
-from rnn_darts.callbacks.epochs import TrainEpochEnd, in_lr_find
+from rnn_darts.callbacks.epochs import TrainEpochEnd, collaborator, in_lr_find
+from rnn_darts.callbacks.curvature import Curvature
 from rnn_darts.callbacks.asgd import ASGDSwitch
 
 # %% auto #0
@@ -23,11 +24,12 @@ __all__ = ['GenotypeLogger', 'RunLogger', 'table_cell', 'TableColumns', 'EpochLi
 class GenotypeLogger(TrainEpochEnd):
     "Each epoch: the current genotype and mixing weights, to the console and to `history.json`"
     order = ASGDSwitch.order + 1
-    def __init__(self, fname=RunFolder.HISTORY, show=True): self.fname, self.show, self.history = fname, show, []
+    def __init__(self, fname=RunFolder.HISTORY, show=True, curvature=None): self.fname, self.show, self.history, self.handed = fname, show, [], curvature
+    def before_fit(self): self.curv = collaborator(self.learn, Curvature, self.handed)   # λ_max of each epoch, where it is measured
     def epoch_done(self):
         m = self.model
         g = m.genotype()
-        curv = getattr(self.learn, 'curvature', None)   # λ_max of this epoch, if measured (`rnn_darts.callbacks.curvature`)
+        curv = self.curv
         self.history.append(dict(epoch=self.epoch, genotype=genotype_to_dict(g, m.ops), weights=m.arch_weights().detach().cpu().tolist(),
                                  relax=m.relax, **({} if m.edge_norm is None else dict(edge_norm=True)), **({} if curv is None else dict(lambda_max=curv.value, lambda_max_windows=getattr(curv, 'per_window', [])))))
         if self.fname and rank_distrib() == 0: write_json_atomic(self.history, self.path/self.fname)

@@ -54,7 +54,7 @@ class Perturbation(Callback):
     def before_fit(self):
         if getattr(self.model, 'relax', None) != 'softmax':
             raise ValueError(f"Perturbation perturbs softmax mixing weights (SDARTS); this model's relax is {getattr(self.model, 'relax', None)!r}")
-        self.model.mixing_hook = None
+        self.model.mixing_hook, self.lr_finding = None, in_lr_find(self.learn)
 
     def before_epoch(self): self.eps = epsilon_schedule(self.epsilon, self.epoch, self.n_epoch)
 
@@ -84,7 +84,7 @@ class Perturbation(Callback):
         self.model.mixing_hook = self.hook
 
     def before_batch(self):
-        if self.training and not in_lr_find(self.learn): self.apply()
+        if self.training and not self.lr_finding: self.apply()
 
     def hook(self, w): return self.weights
     def after_batch(self): self.model.mixing_hook = None

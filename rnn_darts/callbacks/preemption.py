@@ -10,7 +10,7 @@ import torch
 from fastai.callback.core import Callback, CancelFitException
 from fastai.torch_core import rank_distrib
 from rnn_darts.core import HOLD_ENV, hold_at
-from rnn_darts.callbacks.epochs import in_lr_find
+from rnn_darts.callbacks.epochs import collaborator, in_lr_find
 from rnn_darts.folder import RunFolder
 from rnn_darts.callbacks.checkpoint import Checkpoint, mid_epoch_state, save_atomic, kept_nonfinite, short_list
 
@@ -24,14 +24,16 @@ class Preemption(Callback):
     "SIGINT/SIGTERM: finish the batch, write an exact mid-epoch checkpoint, end the fit (`learn.interrupted`); `every` seconds: that checkpoint without stopping"
     order = Checkpoint.order + 1   # after every other callback's after_batch: the state is the batch's end
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
-    def __init__(self, every:float|None=None, dirname:str=RunFolder.CHECKPOINTS):
+    def __init__(self, every:float|None=None, dirname:str=RunFolder.CHECKPOINTS, checkpoint=None):
         if every is not None and not every > 0: raise ValueError(f"every must be > 0 (seconds), got {every!r}")
-        self.every, self.dirname, self.old = every, dirname, {}
+        self.every, self.dirname, self.old, self.handed = every, dirname, {}, checkpoint   # `handed`: the run's `Checkpoint`, from the learner's maker
 
     def before_fit(self):
         self.signum, self.last, self.learn.interrupted = None, time.monotonic(), None
         self.batches, self.hold = 0, HOLD_ENV in os.environ   # the tests' hold: `RUN batch N`, the fit's Nth training batch in this process
         self.stop_file, self.polled, self.stop_seen = os.environ.get(STOP_ENV), 0., False
+        self.lr_finding = in_lr_find(self.learn)   # lr_find's throw-away steps are never saved: decided once a fit, not per batch
+        self.ck = collaborator(self.learn, Checkpoint, self.handed)
 
     def stop_asked(self) -> bool:
         "Whether the stop file (`RNN_DARTS_STOP_FILE`, a study's driver writes it on Ctrl-C) exists; looked for at most once a second"
@@ -42,7 +44,7 @@ class Preemption(Callback):
 
     def before_train(self):
         "Take the signals when the fit first trains: `learn.validate()` fires `before_fit` too, and a signal there acts at once"
-        if self.old or in_lr_find(self.learn) or rank_distrib() or threading.current_thread() is not threading.main_thread(): return
+        if self.old or self.lr_finding or rank_distrib() or threading.current_thread() is not threading.main_thread(): return
         if torch.distributed.is_available() and torch.distributed.is_initialized(): return
         self.old = {s: signal.signal(s, self.on_signal) for s in self.SIGNALS}
 
@@ -53,10 +55,9 @@ class Preemption(Callback):
 
     def after_fit(self):
         self.restore()
-        if self.signum is None or self.learn.interrupted is not None or in_lr_find(self.learn): return
+        if self.signum is None or self.learn.interrupted is not None or self.lr_finding: return
         # the signal came after the last training batch: the fit ended whole, with its epoch checkpoint; stop all the same
-        ck = getattr(self.learn, 'checkpoint', None)
-        p = ck.newest() if isinstance(ck, Checkpoint) and rank_distrib() == 0 else None
+        p = self.ck.newest() if self.ck is not None and rank_distrib() == 0 else None
         n = len(self.learn.dls.train)
         self.learn.interrupted = dict(signal=signal.Signals(self.signum).name, code=128 + self.signum, epoch=self.epoch,
                                       batch=n, of=n, path=None if p is None else str(p))
@@ -72,7 +73,7 @@ class Preemption(Callback):
         print(f"\n{name}: stopping after this batch and saving the run; {name} again stops at once", file=sys.stderr, flush=True)
 
     def after_batch(self):
-        if not self.training or in_lr_find(self.learn): return
+        if not self.training or self.lr_finding: return
         self.batches += 1
         if self.hold: hold_at(f"{Path(self.path).name} batch {self.batches}", until=lambda: self.signum is not None or self.stop_asked())
         if self.signum is None and self.stop_asked(): self.signum = signal.SIGINT   # as Ctrl-C stops it

@@ -10,7 +10,7 @@ from fastai.torch_core import rank_distrib
 from rnn_darts.core import UserError, UsageError
 from rnn_darts.genotypes import genotype_to_dict
 from rnn_darts.model import DartsRnn
-from rnn_darts.callbacks.epochs import TrainEpochEnd
+from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, collaborator
 from rnn_darts.callbacks.logs import GenotypeLogger
 
 # %% auto #0
@@ -41,12 +41,14 @@ def _hparam(v):
 class TensorBoardLog(TrainEpochEnd):
     "Each epoch: the row's numbers and the learning rate as scalars, α as an image and the cell as text (searches), the cell's diagram where `dot` is present; the settings as hparams at the fit's end"
     order = GenotypeLogger.order + 1   # after the epoch's row, λ_max and the genotype are known
-    def __init__(self, log_dir, diagram:bool|None=None):
-        self.log_dir, self.writer, self.cls = Path(log_dir), None, summary_writer_class(log_dir)
+    def __init__(self, log_dir, diagram:bool|None=None, tracker=None):
+        self.log_dir, self.writer, self.cls, self.handed = Path(log_dir), None, summary_writer_class(log_dir), tracker   # `handed`: the run's `BestValidLoss`
         if diagram is None:
             from rnn_darts.plot import dot_path
             diagram = dot_path() is not None
         self.diagram, self.drawn = diagram, False
+
+    def before_fit(self): self.tracker = collaborator(self.learn, BestValidLoss, self.handed)   # the best loss the hparams give
 
     def before_train(self):
         "Open the writer at the first training epoch: by then a resume has set the epoch, whose later steps the writer purges"
@@ -85,7 +87,7 @@ class TensorBoardLog(TrainEpochEnd):
 
     def after_fit(self):
         if self.writer is None: return
-        best = getattr(getattr(self.learn, 'best_valid_loss', None), 'value', None)
+        best = getattr(self.tracker, 'value', None)
         if best is not None and getattr(self.learn, 'config', None) is not None:
             metrics = {'hparam/best_valid_loss': best, 'hparam/best_valid_ppl': math.exp(min(best, 700))}
             self.writer.add_hparams({k: _hparam(v) for k, v in self.learn.config.asdict().items()}, metrics, run_name='.', global_step=self.epoch)
