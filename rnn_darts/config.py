@@ -106,6 +106,7 @@ class RunConfig:
                                 "except with --precision bf16; a step that cannot be captured falls back to eager, saying why)")
 
     given = read = frozenset()   # not fields: what its maker gave (`records_given`) and what of it `of` read from a settings dict
+    filled = {}                  # not a field: what `resolve` filled in, and from what (`--method M`, `--relax R`)
 
     def __post_init__(self):   # a config checks itself as it is made: each value its field's check, then the rules between settings
         if 'ops' in vars(self): object.__setattr__(self, 'ops', ops_text(self.ops))   # Python may give a sequence
@@ -135,10 +136,8 @@ class RunConfig:
         return self._read(type(self)(**{**{k: getattr(self, k) for k in self.given}, **overrides}), self.read - set(overrides))   # checked once, as it is made
 
     def sources(self) -> dict:
-        "Who set each setting: 'user' (a keyword, flag or preset key), 'method' (`--method`'s) or 'default'"
-        parts = METHODS.get(getattr(self, 'method', None) or '', {})
-        tau = ('tau_max', 'tau_min') if getattr(self, 'relax', None) in TAU else ()
-        return {k: 'user' if k in self.given else 'method' if k in parts else 'relax' if k in tau else 'default' for k in self.names()}
+        "Who set each setting: 'user' (a keyword, flag or preset key), what `resolve` filled it from (`--method M`, `--relax R`), or 'default'"
+        return {k: 'user' if k in self.given else self.filled.get(k, 'default') for k in self.names()}
 
     def asdict(self) -> dict: return asdict(self)
 
@@ -199,7 +198,8 @@ class SearchConfig(RunConfig):
                               "learned with α; the cell is derived from each edge's weight times its op's (Xu et al., ICLR 2020)")
 
     def __post_init__(self):   # the method's settings where its maker gave none, τ the relaxation's where none was; then every check, once
-        for k, v in resolve(vars(self), self.given.__contains__)[0].items(): object.__setattr__(self, k, v)
+        res, filled = resolve(vars(self), self.given.__contains__)
+        for k, v in {**res, 'filled': filled}.items(): object.__setattr__(self, k, v)
         super().__post_init__()
 
 @records_given

@@ -8,15 +8,14 @@ the input was accepted silently), `handled` (for inputs that must be accepted an
 """
 import contextlib, io, json, os, sys, tempfile, traceback
 from pathlib import Path
+from tests._learners import corpus_folder
 
 TINY = ['--n-train', '3000', '--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '8', '--nhid', '8',
         '--device', 'cpu']
 
 def corpus(d, train=" a b c \n b c a \n" * 40, valid=" a b \n" * 40, test=" c a \n" * 40, name='corp'):
-    p = Path(d)/name; p.mkdir(exist_ok=True)
-    for s, t in (('train', train), ('valid', valid), ('test', test)):
-        (p/f'{s}.txt').write_bytes(t if isinstance(t, bytes) else t.encode())
-    return str(p)
+    "The probes' corpus: three words"
+    return corpus_folder(Path(d)/name, train, valid, test)
 
 def tiny_run(d, name='run', extra=()):
     "A finished 1-epoch search run folder (made with the code under test)"

@@ -1,14 +1,12 @@
 """Helpers for tests/test_distrib.py: tiny learners and the functions each spawned rank runs (importable by spawn)."""
-import os, shutil, tempfile, traceback
+import os, shutil, traceback
 import torch, torch.nn.functional as F
 from fastai.callback.core import Callback, CancelFitException
-from rnn_darts.core import set_seed
-from rnn_darts.data import numbers_corpus, lm_dls, search_stream
-from rnn_darts.learner import search_learner, train_learner
+from rnn_darts.data import numbers_corpus
 from rnn_darts.distrib import distrib_learner, rank_world, setup_distrib, _free_port
 from rnn_darts.callbacks.arch import hypergrad_second
+from tests._learners import tiny_learner, NODROP
 
-NODROP = dict(dropout=0., dropouth=0., dropoutx=0., dropouti=0., dropoute=0.)
 BS, BPTT, NHID = 4, 6, 8
 
 def set_norm(model, bn, groups=2):
@@ -24,15 +22,11 @@ def set_norm(model, bn, groups=2):
 def corpus(n_train=1500): return numbers_corpus(0, n_train, 600, 300)
 
 def build(kind='search', mode='first', bn='batch', seed=0, path=None, checkpoint=False, resume=None, bs=BS, n_train=1500, device='cpu'):
-    path = path or tempfile.mkdtemp()   # the learners write their logs there: never into the working folder
-    set_seed(seed)
-    c = corpus(n_train)
-    dls = lm_dls(c, bs, BPTT, 'search' if kind == 'search' else 'train', eval_bs=4, seed=seed, device=device)
-    kw = dict(emsize=NHID, nhid=NHID, path=path, checkpoint=checkpoint, resume=resume, **NODROP,
-              lr=2. if bn == 'off' else 20.)   # without normalisation lr 20 diverges (NaN) in the first epoch
-    if kind == 'search': learn = search_learner(dls, search_stream(c, bs, device=device), mode=mode, curvature=False, **kw)   # λ_max, measured on each rank apart, is not the point here
-    elif kind == 'random': learn = search_learner(dls, None, mode='random', **kw)
-    else: learn = train_learner(dls, 'DARTS_V2', **kw)
+    "A learner of the distributed cases (`kind` search, random, or a derived cell's training), its normalisation `bn`; λ_max, measured on each rank apart, is not the point here"
+    search = kind in ('search', 'random')
+    learn = tiny_learner('search' if search else 'train', corpus(n_train), path, seed=seed, bs=bs, bptt=BPTT, eval_bs=4, nhid=NHID,
+                         device=device, checkpoint=checkpoint, resume=resume, quiet=False, lr=2. if bn == 'off' else 20.,   # without normalisation lr 20 diverges (NaN) in the first epoch
+                         genotype='DARTS_V2', **NODROP, **(dict(mode='random' if kind == 'random' else mode) if search else {}))
     set_norm(learn.model, bn)
     return learn
 

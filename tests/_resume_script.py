@@ -9,26 +9,20 @@ import sys, json, hashlib
 from pathlib import Path
 import torch
 from fastai.callback.core import Callback
-from rnn_darts.core import set_seed
-from rnn_darts.data import numbers_corpus, lm_dls, search_stream
-from rnn_darts.learner import search_learner
 from rnn_darts.genotypes import genotype_to_dict
-from rnn_darts.callbacks.logs import write_json_atomic, RunLogger
+from rnn_darts.folder import write_json_atomic
+from rnn_darts.callbacks.logs import RunLogger
+from tests._learners import tiny_learner
 
 torch.set_num_threads(1)  # the same reduction order in every process
 
 #: the numbers corpus's (train, valid, test) tokens: 10 training batches an epoch at bs 8, bptt 10 (a search epoch ~1 s at
 #: one thread), 4 validation batches; enough for a kill to land inside a run and for the divergence tests' batch indices (< 9)
-CORPUS = (800, 300, 100)
+RUN = dict(n_train=800, n_valid=300, n_test=100, eval_bs=8, nhid=16, keep=2, checkpoint=True, quiet=False)
 
-def build(path, seed=0, device='cpu', **kwargs):
-    "The tiny search learner every resume test uses, built from `seed` on `device`"
-    set_seed(seed)
-    c = numbers_corpus(seed, *CORPUS)
-    dls = lm_dls(c, 8, 10, 'search', eval_bs=8, seed=seed, device=device)
-    kw = dict(emsize=16, nhid=16, mode='first', path=path, keep=2, curvature=False)   # λ_max, which doubles an epoch's time: tests/test_curvature.py
-    kw.update(kwargs)
-    return search_learner(dls, search_stream(c, 8, device=device), **kw)
+def build(path, seed=0, device='cpu', **kw):
+    "The tiny search learner every resume test uses, built from `seed` on `device` (λ_max, which doubles an epoch's time: tests/test_curvature.py)"
+    return tiny_learner(path=path, seed=seed, device=device, **{**RUN, 'mode': 'first', **kw})
 
 def weights_hash(model):
     h = hashlib.sha256()

@@ -4,13 +4,14 @@ import pytest, torch, torch.nn.functional as F
 from fastai.learner import Learner
 from rnn_darts.core import set_seed
 from rnn_darts.model import DartsRnnSearch
-from rnn_darts.data import numbers_corpus, lm_dls, search_stream
-from rnn_darts.learner import search_learner, train_learner, DartsLearner, flat_splitter, evaluate
+from rnn_darts.data import numbers_corpus, lm_dls
+from rnn_darts.learner import train_learner, DartsLearner, flat_splitter, evaluate
 from rnn_darts.callbacks.arch import ArchParamUpdate, hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
 from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip
 from rnn_darts.callbacks.asgd import ASGDSwitch
 from tests._reference import plain_from, plain_hypergrad_second
 from tests._devices import ON_DEVICES
+from tests._learners import tiny_learner
 
 NODROP = dict(dropout=0., dropouth=0., dropoutx=0., dropouti=0., dropoute=0.)
 
@@ -69,29 +70,11 @@ def test_hypergradients_in_float64_equal_the_cpus(mode, device):
     assert got.device.type == device and got.dtype == torch.float64 and ref.norm() > 0
     assert ((got.cpu() - ref).norm() / ref.norm()).item() <= 1e-10
 
-def small_learner(mode='second', seed=0, **kw):
-    "A tiny search: 5 training batches an epoch (the last a short one), 2 evaluation batches"
-    set_seed(seed)
-    c = numbers_corpus(seed=seed, n_train=400, n_valid=200, n_test=100)
-    dls = lm_dls(c, 8, 12, 'search', seed=seed)
-    kw = dict(dict(curvature=False), **kw)   # λ_max after each epoch: tests/test_curvature.py
-    return search_learner(dls, search_stream(c, 8), emsize=12, nhid=12, mode=mode, checkpoint=False, path=tempfile.mkdtemp(), **kw), c
-
-def small_train_learner(seed=0, **kw):
-    "A tiny derived-cell training: 4 training batches an epoch (sequence lengths drawn around 12), 2 evaluation batches"
-    from rnn_darts.genotypes import DARTS_V2
-    set_seed(seed)
-    c = numbers_corpus(seed=seed, n_train=400, n_valid=200, n_test=100)
-    return train_learner(lm_dls(c, 8, 12, 'train', seed=seed), DARTS_V2, emsize=12, nhid=12, checkpoint=False,
-                         path=tempfile.mkdtemp(), **kw)
-
-def small_of_kind(kind, **kw):
-    "A second-order search learner or a derived-cell training learner"
-    return small_learner('second', **kw)[0] if kind == 'search' else small_train_learner(**kw)
+SMALL = dict(n_train=400, n_valid=200, n_test=100, bptt=12, nhid=12, quiet=False)   # 5 training batches an epoch (the last a short one), 2 evaluation batches
 
 @pytest.mark.parametrize('mode', ['first', 'second', 'exact'])
 def test_arch_step_leaves_weights_bit_identical_and_moves_alpha(mode):
-    learn, _ = small_learner(mode)
+    learn = tiny_learner(mode=mode, **SMALL)
     learn.model.train()
     b = next(iter(learn.dls.train))
     learn.xb, learn.yb, learn.training = (b[0],), (b[1],), True
@@ -114,7 +97,7 @@ class Spy(ArchParamUpdate.__mro__[1]):   # a plain fastai Callback
 
 @pytest.mark.slow
 def test_gradients_never_cross():
-    learn, _ = small_learner('second')
+    learn = tiny_learner(mode='second', **SMALL)
     spy = Spy()
     learn.fit(1, cbs=[spy])
     assert all(g is None for k, g in spy.rec if k == 'grad'), "the weight step must not compute a gradient for α"
@@ -123,7 +106,7 @@ def test_gradients_never_cross():
 def test_stale_alpha_grad_is_never_read():
     results = []
     for garbage in (False, True):
-        learn, _ = small_learner('first')
+        learn = tiny_learner(mode='first', **SMALL)
         learn.model.train()
         b = next(iter(learn.dls.train))
         learn.xb, learn.yb, learn.training = (b[0],), (b[1],), True
@@ -134,7 +117,7 @@ def test_stale_alpha_grad_is_never_read():
     torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
 
 def test_no_arch_step_outside_training_or_in_lr_find():
-    learn, _ = small_learner('first')
+    learn = tiny_learner(mode='first', **SMALL)
     a0 = learn.model.alpha.detach().clone()
     learn.validate()
     assert torch.equal(a0, learn.model.alpha)
@@ -142,7 +125,7 @@ def test_no_arch_step_outside_training_or_in_lr_find():
     assert torch.equal(a0, learn.model.alpha)
 
 def run_losses(cb_order, seed=0):
-    learn, c = small_learner('second', seed)
+    learn = tiny_learner(mode='second', seed=seed, **SMALL); c = learn.dls.corpus
     cbs = [cb for cb in learn.cbs if type(cb).__name__ in ('ArchParamUpdate', 'SeqLenLR', 'FlatGradClip', 'GenotypeLogger')]
     learn.remove_cbs(cbs)
     random.Random(cb_order).shuffle(cbs)
@@ -171,7 +154,7 @@ class LrSpy(ArchParamUpdate.__mro__[1]):
 
 @pytest.mark.slow
 def test_seq_len_scales_learning_rate_and_clip_bounds_norm():
-    learn, _ = small_learner('first', seed=1)   # seed 1: a half-length batch among the first, and a short last one
+    learn = tiny_learner(mode='first', seed=1, **SMALL)   # seed 1: a half-length batch among the first, and a short last one
     spy = LrSpy()
     learn.fit(1, lr=2., cbs=[spy])
     assert len({sl for sl, _ in spy.lrs}) > 1, "the search policy draws bptt and bptt/2"
@@ -224,7 +207,7 @@ def test_arch_passes_stay_fp32_under_bf16_autocast_unless_asked(mode):
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_learners_with_bf16_train_fp32_weights(kind):
     from rnn_darts.callbacks.speed import BF16Autocast
-    learn = small_of_kind(kind, precision='bf16')
+    learn = tiny_learner(kind, precision='bf16', **({'mode': 'second'} if kind == 'search' else {}), **SMALL)
     assert any(isinstance(cb, BF16Autocast) for cb in learn.cbs)
     w0 = learn.model.flat.data.clone()
     learn.fit(1)
@@ -238,7 +221,7 @@ def test_fused_decoder_loss_trains_like_the_plain_loss(kind):
     "FusedDecoderLoss (the default) and the plain decoder + cross-entropy train alike: losses, weights (and α)"
     from rnn_darts.callbacks.training import FusedDecoderLoss
     def run(fused):
-        learn = small_of_kind(kind, fused_loss=fused)
+        learn = tiny_learner(kind, fused_loss=fused, **({'mode': 'second'} if kind == 'search' else {}), **SMALL)
         assert any(isinstance(cb, FusedDecoderLoss) for cb in learn.cbs) == fused and learn.model.runner.fused_loss == fused
         learn.fit(1)
         return torch.tensor(learn.recorder.losses), learn.model.flat.data.clone()

@@ -9,29 +9,19 @@ batch the architecture step drew, the gradient Adam was handed and α just after
 Each of these wrong changes fails a test below: the architecture step ordered before `SeqLenLR` (η unscaled), the
 virtual step taking `arch_lr` instead of the weights' learning rate, α's hypergradient clipped before Adam, a Adam
 without its weight decay; and a derived genotype that keeps `none`."""
-import json, math, tempfile
+import json, math
 from pathlib import Path
 import pytest, torch
 from fastai.callback.core import Callback, CancelFitException
-from rnn_darts.core import set_seed
-from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.genotypes import PRIMITIVES, STEPS, edge_slices
-from rnn_darts.learner import search_learner
 from tests._reference import plain_from, plain_hypergrad_first, plain_hypergrad_second
+from tests._learners import tiny_learner, NODROP
 
 # the weights' steps are clipped to lr · clip = 5 as with the paper's lr 20 and clip 0.25, but α's hypergradient (~1e-2) is
 # above the clip: clipping it before Adam would change it (see the guard)
 BPTT, LR, WD, CLIP, ARCH_LR, ARCH_WD = 10, 5000., 5e-7, 1e-3, 3e-3, 1e-3
-NO_DROPOUT = dict(dropout=0., dropouth=0., dropoutx=0., dropouti=0., dropoute=0.)
-
-def learner(mode, seed=0, path=None, n_train=3000, **kw):
-    set_seed(seed)
-    c = numbers_corpus(seed=seed, n_train=n_train, n_valid=800, n_test=300)
-    dls = lm_dls(c, 8, BPTT, 'train', seed=seed)   # lengths around bptt (std 5): η = lr · seq_len / bptt varies batch to batch
-    kw = {**dict(emsize=8, nhid=8, mode=mode, lr=LR, wd=WD, clip=CLIP, arch_lr=ARCH_LR, arch_wd=ARCH_WD, checkpoint=False, curvature=False), **NO_DROPOUT, **kw}
-    learn = search_learner(dls, search_stream(c, 8), path=path or tempfile.mkdtemp(), **kw)
-    learn.remove_cb(learn.progress)
-    return learn
+# 8 wide, training-phase batch lengths around bptt (std 5): η = lr · seq_len / bptt varies batch to batch
+REFERENCE = dict(n_train=3000, phase='train', bptt=BPTT, lr=LR, wd=WD, clip=CLIP, arch_lr=ARCH_LR, arch_wd=ARCH_WD, **NODROP)
 
 class Recorder:
     "Per training batch: the model's state before any callback acts, the search batch, Adam's gradient and α after"
@@ -92,7 +82,7 @@ def reference_adam(steps, grads, lr=ARCH_LR, wd=ARCH_WD, betas=(0.9, 0.999), eps
 
 @pytest.mark.parametrize('mode', ['first', 'second'])
 def test_alpha_steps_of_a_fit_equal_the_reference(mode):
-    steps = record(learner(mode))
+    steps = record(tiny_learner(mode=mode, **REFERENCE))
     lens = {s['trn'][0].shape[1] for s in steps}
     assert len(lens) > 1, f"the test needs batches of different lengths (η = lr · seq_len / bptt): {lens}"
     grads = [reference_hypergrad(s, mode) for s in steps]
@@ -104,7 +94,7 @@ def test_alpha_steps_of_a_fit_equal_the_reference(mode):
 @pytest.mark.slow
 def test_second_order_term_is_large_enough_to_tell_eta_apart():
     "Guard of the test above: with η from `arch_lr`, or unscaled by seq_len, the reference hypergradient differs well beyond its tolerance"
-    steps = record(learner('second'), n=2)
+    steps = record(tiny_learner(mode='second', **REFERENCE), n=2)
     assert {s['trn'][0].shape[1] for s in steps} - {BPTT}, "the guard needs a batch whose η is scaled by seq_len / bptt"
     for s in steps:
         T = s['trn'][0].shape[1]
@@ -116,7 +106,7 @@ def test_second_order_term_is_large_enough_to_tell_eta_apart():
 
 def test_adam_sees_gradients_larger_than_the_clip():
     "Guard: α's hypergradient exceeds the weights' clip norm here, so clipping it before Adam would change what Adam sees"
-    steps = record(learner('second'), n=3)
+    steps = record(tiny_learner(mode='second', **REFERENCE), n=3)
     assert all(s['adam_grad'].norm() > CLIP for s in steps), [float(s['adam_grad'].norm()) for s in steps]
 
 def reference_genotype(weights):
@@ -129,7 +119,7 @@ def reference_genotype(weights):
 
 @pytest.mark.slow
 def test_derived_genotype_never_has_none_even_when_none_dominates(tmp_path):
-    learn = learner('first', path=tmp_path, arch_lr=1e-4, n_train=400)   # 2 epochs of 5 batches
+    learn = tiny_learner(path=tmp_path, **{**REFERENCE, 'mode': 'first', 'arch_lr': 1e-4, 'n_train': 400})   # 2 epochs of 5 batches
     with torch.no_grad(): learn.model.alpha[:, PRIMITIVES.index('none')] = 5.   # `none` wins every edge by far
     with learn.no_logging(): learn.fit(2)
     hist = json.loads((tmp_path/'history.json').read_text())

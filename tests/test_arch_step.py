@@ -1,23 +1,12 @@
 "The architecture step as users run it: `ArchParamUpdate` inside a real fastai `Learner` (`search_learner`, `fit`)."
-import tempfile
 import pytest, torch, torch.nn.functional as F
 from fastai.callback.core import Callback, CancelFitException
-from rnn_darts.core import set_seed
-from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.genotypes import PRIMITIVES
-from rnn_darts.learner import search_learner
 from rnn_darts.callbacks.arch import ArchParamUpdate, op_decay_grad
 from rnn_darts.bench import arch_updater
+from tests._learners import tiny_learner
 
 NHID = 8
-
-def learner(seed=0, n_train=1500, **kw):
-    set_seed(seed)
-    c = numbers_corpus(seed=seed, n_train=n_train, n_valid=800, n_test=300)
-    dls = lm_dls(c, 8, 10, 'search', seed=seed)
-    learn = search_learner(dls, search_stream(c, 8), emsize=NHID, nhid=NHID, checkpoint=False, path=tempfile.mkdtemp(), **kw)
-    learn.remove_cb(learn.progress)
-    return learn
 
 def fit(learn, *cbs):
     with learn.no_logging(): learn.fit(1, cbs=list(cbs))
@@ -47,7 +36,7 @@ class Around:
 @pytest.mark.slow
 @pytest.mark.parametrize('mode', ['first', 'second'])
 def test_arch_step_changes_alpha_only_never_the_bn_statistics_or_weights(mode):
-    learn = learner(mode=mode)
+    learn = tiny_learner(mode=mode)
     rec = Around()
     fit(learn, *rec.cbs())
     assert len(rec.snaps) > 10
@@ -77,7 +66,7 @@ class MaskSpy(Callback):
 
 @pytest.mark.parametrize('same', [True, False])
 def test_same_masks_decides_whether_the_passes_share_masks(same):
-    learn = learner(mode='second', same_masks=same, dropoutx=0.5, dropouth=0.5)
+    learn = tiny_learner(mode='second', same_masks=same, dropoutx=0.5, dropouth=0.5)
     spy = MaskSpy()
     fit(learn, spy)
     train = [(mx, mh) for key, mx, mh in spy.seen if key == 'train']
@@ -89,7 +78,7 @@ def test_same_masks_decides_whether_the_passes_share_masks(same):
 def test_zero_one_gradient_is_that_of_the_fair_darts_loss_with_its_sign():
     "`--method fair-darts` (Chu et al., ECCV 2020): sigmoid weights, first order, and its code's zero-one loss weight, 10"
     w = 10.
-    learn = learner(method='fair-darts')
+    learn = tiny_learner(method='fair-darts')
     assert (learn.model.relax, learn.arch_param_update.mode) == ('sigmoid', 'first')
     rec = {}
     class Spy(Callback):
@@ -114,7 +103,7 @@ def test_zero_one_gradient_is_that_of_the_fair_darts_loss_with_its_sign():
 
 def test_zero_one_with_softmax_is_an_error():
     with pytest.raises(ValueError, match=r"zero_one \(Fair DARTS's zero-one loss weight\) has an effect only with relax sigmoid, and relax is softmax"):
-        fit(learner(mode='first', zero_one=0.1))
+        fit(tiny_learner(mode='first', zero_one=0.1))
     from rnn_darts.model import DartsRnnSearch
     with pytest.raises(ValueError, match='zero_one'): arch_updater(DartsRnnSearch(20, 6, 6), 'first', zero_one=0.1)
 
@@ -132,7 +121,7 @@ def test_op_decay_reaches_the_callback_from_search_learner_and_spares_none():
     d, lr = 1e-3, 3e-3
     alphas = []
     for decay in (0., d):
-        learn = learner(mode='first', op_decay=decay, arch_lr=lr)
+        learn = tiny_learner(mode='first', op_decay=decay, arch_lr=lr)
         assert learn.arch_param_update.op_decay == decay
         rec = Around(stop_after=1)
         fit(learn, *rec.cbs())
@@ -145,7 +134,7 @@ def test_op_decay_reaches_the_callback_from_search_learner_and_spares_none():
 
 # ------------------------------------------------------------------ the guard
 def test_a_non_finite_hypergradient_moves_nothing_even_at_the_first_step():
-    learn = learner(mode='first')
+    learn = tiny_learner(mode='first')
     rec = Around(stop_after=2)
     calls = []
     class Poison(Callback):
@@ -162,7 +151,7 @@ def test_a_non_finite_hypergradient_moves_nothing_even_at_the_first_step():
 
 def test_a_hypergradient_that_overflows_adams_second_moment_moves_nothing():
     "A finite but huge hypergradient overflows exp_avg_sq (then α would stall for good): the step is skipped, the next one moves α"
-    learn = learner(mode='first')
+    learn = tiny_learner(mode='first')
     rec, calls = Around(stop_after=3), []
     class Huge(Callback):
         order = ArchParamUpdate.order - 0.5

@@ -7,19 +7,11 @@ import pytest
 from rnn_darts import cli, options, runs
 from rnn_darts.core import UsageError
 from rnn_darts.callbacks.checkpoint import latest_checkpoint
+from tests._learners import corpus_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ['--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4', '--emsize', '8', '--nhid', '8', '--device', 'cpu']
 NUM = ['--n-train', '3000', '--n-eval', '1500', *TINY]
-
-def small_corpus(d, train=None, valid=None, test=None, lines=300):
-    "A corpus folder of about 3,000 / 400 / 400 tokens (tiny runs: validation is quick); `lines=80`: 880 training tokens, 11 batches an epoch"
-    d = Path(d); d.mkdir(parents=True, exist_ok=True)
-    words = 'one two three four five six seven eight nine ten'.split()
-    line = lambda i: ' '.join(words[(i * 7 + k) % 10] for k in range(9))
-    for s, n, t in (('train', lines, train), ('valid', 40, valid), ('test', 40, test)):
-        (d/f'{s}.txt').write_bytes(t if isinstance(t, bytes) else (t or ''.join(f' {line(i)} \n' for i in range(n))).encode())
-    return str(d)
 
 def fails(capsys, argv, code, *parts):
     "Run `rnn-darts ARGV`: it must exit with `code` and print exactly one error line containing `parts`, no traceback"
@@ -38,7 +30,7 @@ RUN = [*TINY, '--mode', 'first', '--curvature', 'false']   # the finished run's 
 def run_dir(tmp_path_factory):
     "A finished 1-epoch search on a small corpus folder, 11 batches (its users share one worker: `xdist_group`, so it is made once)"
     d = tmp_path_factory.mktemp('run')
-    data = small_corpus(d/'corpus', lines=80)
+    data = corpus_folder(d/'corpus', lines=80)
     cli.run_command(['search', '--data', data, *RUN, '--out', str(d/'run')])
     return d/'run', data
 
@@ -117,7 +109,7 @@ def test_cuda_without_gpu(capsys):
     fails(capsys, ['search', *NUM[:-2], '--device', 'cuda'], 2, '--device cuda: CUDA was asked for')
 
 def test_batch_sizes_fit_their_splits_before_training(capsys, tmp_path):
-    data = small_corpus(tmp_path/'c')
+    data = corpus_folder(tmp_path/'c')
     fails(capsys, ['train', '--data', data, *TINY, '--test-bs', '1000', '--out', str(tmp_path/'o')], 2,
           '--test-bs 1000 is too large for', 'test.txt (400 tokens)', 'use at most 200')
     fails(capsys, ['search', '--data', data, *TINY, '--bs', '2000', '--out', str(tmp_path/'o')], 2, '--bs 2000 is too large for', 'train.txt')
@@ -181,18 +173,18 @@ def test_corpus_file_errors(capsys, tmp_path):
     fails(capsys, ['search', '--data', str(tmp_path/'nope'), *TINY], 1, f'corpus folder {tmp_path/"nope"} does not exist')
     (tmp_path/'loop').symlink_to(tmp_path/'loop')
     fails(capsys, ['search', '--data', str(tmp_path/'loop'), *TINY], 1, 'loop is a broken symbolic link or a symbolic link loop')
-    c = Path(small_corpus(tmp_path/'c1'))
+    c = Path(corpus_folder(tmp_path/'c1'))
     (c/'train.txt').unlink(); (c/'train.txt').symlink_to(c/'train.txt')
     fails(capsys, ['search', '--data', str(c), *TINY], 1, 'train.txt is a broken symbolic link or a symbolic link loop')
-    c = small_corpus(tmp_path/'c2', valid=b' one two \n one \x00 two \n' * 40)
+    c = corpus_folder(tmp_path/'c2', valid=b' one two \n one \x00 two \n' * 40)
     fails(capsys, ['search', '--data', c, *TINY], 1, 'valid.txt: line 2: a NUL byte at byte offset')
-    c = small_corpus(tmp_path/'c3', test=' one zebra \n' * 40)
+    c = corpus_folder(tmp_path/'c3', test=' one zebra \n' * 40)
     fails(capsys, ['search', '--data', c, *TINY], 1, "test.txt: line 1: word 'zebra' is not in the vocabulary")
     fails(capsys, ['search', '--data', c, *TINY, '--files', 'train.txt,valid.txt'], 2, '--files must name 3 files')
 
 @pytest.mark.slow
 def test_byte_order_mark_never_reaches_the_vocabulary(tmp_path):
-    c = Path(small_corpus(tmp_path/'c', lines=80))
+    c = Path(corpus_folder(tmp_path/'c', lines=80))
     (c/'train.txt').write_text('\ufeff' + (c/'train.txt').read_text(), encoding='utf-8')   # as some editors save
     learn = cli.run_command(['search', '--data', str(c), *RUN, '--out', str(tmp_path/'o')])
     assert learn.dls.vocab[0] == 'one' and not any('\ufeff' in w for w in learn.dls.vocab)
@@ -219,7 +211,7 @@ def test_overwrite_clears_the_old_run(capsys, run_dir, tmp_path):
     assert len((tmp_path/'r'/'log.csv').read_text().splitlines()) == 2   # header + the new epoch
 
 def test_a_locked_run_folder_is_refused(capsys, tmp_path):
-    data = small_corpus(tmp_path/'c')
+    data = corpus_folder(tmp_path/'c')
     with runs.RunLock(_mk(tmp_path/'o')):
         fails(capsys, ['search', '--data', data, *TINY, '--out', str(tmp_path/'o')], 1,
               f'run folder {tmp_path/"o"} is in use by pid {os.getpid()} on ')
@@ -279,13 +271,13 @@ def test_full_disk_while_checkpointing(capsys, tmp_path, monkeypatch):
     import rnn_darts.callbacks.checkpoint as ck
     def no_space(*a, **k): raise OSError(errno.ENOSPC, 'No space left on device')
     monkeypatch.setattr(ck.torch, 'save', no_space)
-    fails(capsys, ['search', '--data', small_corpus(tmp_path/'c', lines=80), *RUN, '--out', str(tmp_path/'o')], 1,
+    fails(capsys, ['search', '--data', corpus_folder(tmp_path/'c', lines=80), *RUN, '--out', str(tmp_path/'o')], 1,
           'no space left on device while writing checkpoint', 'the previous checkpoints are intact')
 
 def test_nan_with_on_nan_stop(capsys, tmp_path):
     "The weights blow up at once: --on-nan stop ends the first epoch with one line, exit 1, and derives no cell (the stop case of the test below)"
     out = tmp_path/'o'
-    line = fails(capsys, ['search', '--data', small_corpus(tmp_path/'c', lines=80), *TINY, '--epochs', '3', '--lr', '1e38', '--clip', '1e38',
+    line = fails(capsys, ['search', '--data', corpus_folder(tmp_path/'c', lines=80), *TINY, '--epochs', '3', '--lr', '1e38', '--clip', '1e38',
                           '--on-nan', 'stop', '--out', str(out)], 1, 'had a non-finite loss or gradient and were not applied', "stopping (on_nan='stop')")
     assert not (out/'genotype.json').exists(), line
 
@@ -295,7 +287,7 @@ def test_nan_with_on_nan_stop(capsys, tmp_path):
 def test_a_search_that_never_validated_finitely_fails(capsys, tmp_path, on_nan, says):
     "--lr 1e30 blows the supernet up at once: every --on-nan mode ends with one line and exit 1, and derives no cell (stop: test_nan_with_on_nan_stop)"
     out = tmp_path/'o'
-    line = fails(capsys, ['search', '--data', small_corpus(tmp_path/'c', lines=80), *RUN, '--epochs', '3', '--lr', '1e30', '--on-nan', on_nan,
+    line = fails(capsys, ['search', '--data', corpus_folder(tmp_path/'c', lines=80), *RUN, '--epochs', '3', '--lr', '1e30', '--on-nan', on_nan,
                           '--out', str(out)], 1, says, 'stopping')
     assert not (out/'genotype.json').exists(), line
 
@@ -348,7 +340,7 @@ def test_ptb_offline_is_one_line_naming_the_flag(capsys, monkeypatch, tmp_path):
     assert not (tmp_path/'o').exists() or not any((tmp_path/'o').iterdir())
 
 def test_unknown_word_names_the_unk_flag(capsys, tmp_path):
-    data = small_corpus(tmp_path/'c', valid='one two zebra\n')
+    data = corpus_folder(tmp_path/'c', valid='one two zebra\n')
     fails(capsys, ['search', '--data', data, *TINY, '--out', str(tmp_path/'o')], 1, "word 'zebra' is not in the vocabulary", "--unk '<unk>'")
 
 PLANTED = """

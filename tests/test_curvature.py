@@ -6,13 +6,11 @@ from pathlib import Path
 import pytest, torch
 from fastai.callback.core import Callback
 from rnn_darts import cli
-from rnn_darts.core import set_seed
-from rnn_darts.data import numbers_corpus, lm_dls, search_stream
-from rnn_darts.learner import search_learner
 from rnn_darts.model import DartsRnnSearch
 from rnn_darts.runners import twice_differentiable
 from rnn_darts.callbacks.logs import RunLogger
 from rnn_darts.callbacks.curvature import Curvature, CurvatureStop, curvature_batches, hessian_extremes
+from tests._learners import tiny_learner
 
 def full_hessian(m, batches, seed=0):
     "∇²_α of the same loss (masks from `seed`, frozen statistics), every row by autograd: the rows of the identity back through ∇_α L, batched (vmap), as a loop of 180 backward passes gives them bit for bit in a tenth of the time"
@@ -27,19 +25,15 @@ def full_hessian(m, batches, seed=0):
         m.alpha.requires_grad_(False)
     return (H + H.t()).double() / 2
 
-def learner(path, epochs_data=600, n_valid=400, bptt=10, **kw):
-    "A tiny first-order search: `epochs_data` training tokens (~`epochs_data` / (8 `bptt`) batches an epoch), `n_valid` validation tokens"
-    set_seed(0)
-    c = numbers_corpus(0, epochs_data, n_valid, 100)
-    dls = lm_dls(c, 8, bptt, 'search', eval_bs=4, seed=0)
-    kw = dict(dict(emsize=12, nhid=12, mode='first', dropout=0.2, dropouth=0.1, dropoutx=0.1, dropouti=0.1, path=path, compile=False), **kw)
-    return search_learner(dls, search_stream(c, 8), **kw)
+# a tiny first-order search with dropout and λ_max, on ~n_train / (8 bptt) batches an epoch
+CURVATURE = dict(n_train=600, n_valid=400, n_test=100, eval_bs=4, nhid=12, mode='first', dropout=0.2, dropouth=0.1, dropoutx=0.1, dropouti=0.1,
+                 compile=False, curvature=True, checkpoint=True, quiet=False)
 
 @pytest.mark.slow
 @pytest.mark.parametrize('trained', [False, True])
 def test_lambda_max_is_the_full_hessians(tmp_path, trained):
     "Within 1% of the largest eigenvalue of the full 180 x 180 Hessian (eigvalsh), at initialisation and after a short search"
-    learn = learner(tmp_path, curvature=False, checkpoint=False)
+    learn = tiny_learner(path=tmp_path, **{**CURVATURE, 'curvature': False, 'checkpoint': False})
     if trained:
         with learn.no_bar(), learn.no_logging(): learn.fit(2)
     m = learn.model
@@ -53,9 +47,9 @@ def test_lambda_max_is_the_full_hessians(tmp_path, trained):
 def test_logged_every_epoch_without_changing_the_search(tmp_path):
     """lambda_max in log.csv and history.json is the median over the windows at the epoch's end; the search's losses and α are
     those of a search without it. Windows of 5 tokens (`bptt` 5): each window's Lanczos run is most of the time"""
-    a = learner(tmp_path/'a', 300, 240, bptt=5, cbs=[RunLogger('log.csv')], curvature_windows=3)
+    a = tiny_learner(path=tmp_path/'a', **{**CURVATURE, 'n_train': 300, 'n_valid': 240, 'bptt': 5}, cbs=[RunLogger('log.csv')], curvature_windows=3)
     with a.no_bar(): a.fit(2)
-    b = learner(tmp_path/'b', 300, 240, bptt=5, curvature=False)
+    b = tiny_learner(path=tmp_path/'b', **{**CURVATURE, 'n_train': 300, 'n_valid': 240, 'bptt': 5, 'curvature': False})
     with b.no_bar(): b.fit(2)
     va, vb = a.recorder.values, b.recorder.values
     assert [r[:-1] for r in va] == vb and torch.equal(a.model.alpha, b.model.alpha)   # the measurement forks the RNG
@@ -72,7 +66,7 @@ def test_logged_every_epoch_without_changing_the_search(tmp_path):
 
 def test_the_median_ignores_one_wild_window(tmp_path):
     "One window whose λ_max is 1,000 times the others' (as PTB gave) moves the median not at all, and a non-finite one makes it NaN"
-    learn = learner(tmp_path, epochs_data=200, n_valid=100, curvature_windows=5, checkpoint=False)   # the fits only carry the planted values
+    learn = tiny_learner(path=tmp_path, **{**CURVATURE, 'n_train': 200, 'n_valid': 100, 'checkpoint': False}, curvature_windows=5)   # the fits only carry the planted values
     curv = learn.curvature
     vals = [[0., 1.], [0., 2.], [0., 3.], [0., 4.], [0., 5.]]
     curv.measure = lambda: torch.tensor(vals)
@@ -104,7 +98,7 @@ PLANTED = [1.] * 8 + [5., 9., 20., 30., 40., 50.]
 
 def es_learner(path, **kw):
     "A search under DARTS-ES with planted λ_max values: 2 training batches an epoch (α moves at each), 3 evaluation batches"
-    learn = learner(path, epochs_data=160, n_valid=100, curvature=False, **kw)
+    learn = tiny_learner(path=path, **{**CURVATURE, 'n_train': 160, 'n_valid': 100, 'curvature': False, **kw})
     learn.add_cbs([Planted(PLANTED), CurvatureStop(start=2)])
     return learn
 
@@ -157,4 +151,4 @@ def test_cli_early_stop_flag_and_report(tmp_path):
     assert 'lambda_max' in (out/'log.csv').read_text().splitlines()[0]
     cli.run_command(['report', str(out)])
     assert (out/'report'/'curvature.png').is_file()
-    with pytest.raises(ValueError, match='early_stop true needs curvature true'): learner(tmp_path/'x', curvature=False, early_stop=True)
+    with pytest.raises(ValueError, match='early_stop true needs curvature true'): tiny_learner(path=tmp_path/'x', **{**CURVATURE, 'curvature': False}, early_stop=True)

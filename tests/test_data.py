@@ -6,17 +6,15 @@ from torch import nn
 from rnn_darts import data as D
 from rnn_darts.data import (Corpus, read_corpus, write_corpus, numbers_corpus, number_words, get_ptb, PTB_HASHES,
                             batchify, StreamDL, SearchStream, lm_dls, search_stream, EOS, NUMBER_WORDS)
+from tests._learners import corpus_folder
 
 PENN = Path(__file__).resolve().parents[1].parent/'shared'/'data'/'penn'
 needs_penn = pytest.mark.skipif(not (PENN/'valid.txt').exists() or not (PENN/'test.txt').exists(),
                                 reason=f"the PTB valid/test files are not at {PENN}")
 
 def mkcorpus(d, train=" the cat sat \n the dog \n", valid=" the cat \n", test=" a dog \n"):
-    d = Path(d); d.mkdir(parents=True, exist_ok=True)
-    for s, t in dict(train=train, valid=valid, test=test).items():
-        if isinstance(t, bytes): (d/f'{s}.txt').write_bytes(t)
-        else: (d/f'{s}.txt').write_text(t)
-    return d
+    "A corpus folder of a few words"
+    return Path(corpus_folder(d, train, valid, test))
 
 def words(c, split): return [c.vocab[i] for i in getattr(c, split).tolist()]
 

@@ -1,30 +1,22 @@
 """The DARTS family's parts on the one supernet (`rnn_darts.relax`, `rnn_darts.callbacks.arch`): each part's equation against
 a plain version written here, and each method through a real `search_learner` fit; bad combinations get one line. That each method's seeded fit
 repeats and resumes bit for bit is tests/test_resume.py's."""
-import functools, tempfile
+import functools
 import pytest, torch, torch.nn.functional as F
 from fastai.callback.core import Callback
-from rnn_darts.core import set_seed, UsageError
+from rnn_darts.core import UsageError
 from rnn_darts.config import SearchConfig, METHODS, RELAXATIONS as RELAX_NAMES, TEMPERED, DRAWN, configured
-from rnn_darts.data import numbers_corpus, lm_dls, search_stream
+from rnn_darts.data import numbers_corpus, lm_dls
 from rnn_darts.genotypes import edge_slices, derive_genotype
 from rnn_darts.learner import search_learner
 from rnn_darts.model import DartsRnnSearch
 from rnn_darts.relax import RELAXATION_CLASSES, Drnas, Gdas, dirichlet_concentration
 from rnn_darts.callbacks.arch import (hypergrad, hypergrad_mixed, hypergrad_single, train_loss, search_loss, penalty_grad,
                                       beta_decay_loss, alpha_penalty, alpha_terms, arch_grad)
+from tests._learners import tiny_learner
 
 NHID = 8
-
-def learner(path=None, seed=0, n_train=1200, n_valid=800, bptt=10, **kw):
-    "A search learner at batch size 8 over a numbers corpus: 1200 training tokens, 15 batches an epoch (at bptt 10); each test passes the fewest its property needs"
-    set_seed(seed)
-    c = numbers_corpus(seed=seed, n_train=n_train, n_valid=n_valid, n_test=300)
-    dls = lm_dls(c, 8, bptt, 'search', seed=seed)
-    kw = dict(dict(checkpoint=False, curvature=False), **kw)
-    learn = search_learner(dls, search_stream(c, 8), emsize=NHID, nhid=NHID, path=path or tempfile.mkdtemp(), **kw)
-    learn.remove_cb(learn.progress)
-    return learn
+FAMILY = 1200   # training tokens: 15 batches an epoch at bs 8 and bptt 10; each test passes the fewest its property needs
 
 def fit(learn, n=1, cbs=()):
     with learn.no_logging(): learn.fit(n, cbs=list(cbs))
@@ -159,7 +151,7 @@ def test_schedules_follow_the_papers_over_the_fit(method, want):
     """Three epochs of two or three training batches each (the τ schedule's start, middle and end); β-DARTS's λ in the
     last two of the paper's 50 epochs (a fit of 50 from epoch 48), where its authors' code, 50 × epoch / 100, reaches 24.5"""
     rec = Taus()
-    learn = learner(method=method, n_train=100, n_valid=100)
+    learn = tiny_learner(method=method, n_train=100, n_valid=100)
     if method == 'beta-darts':
         with learn.no_logging(): learn.fit(50, start_epoch=48, cbs=[rec])
     else: fit(learn, 3, [rec])
@@ -175,7 +167,7 @@ def test_the_taus_a_run_uses_are_its_recorded_settings():
     from rnn_darts.options import settings_and_sources, check_settings
     from rnn_darts.runs import settings_diff
     c = SearchConfig(method='gdas')
-    assert (c.tau_max, c.tau_min) == TAU['gdas'] == (10., 0.1) and c.sources()['tau_max'] == 'relax'
+    assert (c.tau_max, c.tau_min) == TAU['gdas'] == (10., 0.1) and c.sources()['tau_max'] == '--relax gdas'
     assert (SearchConfig(relax='snas', mode='single', tau_min=0.5).tau_max, SearchConfig().tau_max) == (1., None)
     s, src = settings_and_sources('search', method='snas', tau_max=2.)
     assert (s['tau_max'], s['tau_min'], src['tau_max'], src['tau_min']) == (2., 0.03, 'flag', '--relax snas')
@@ -186,7 +178,7 @@ def test_the_taus_a_run_uses_are_its_recorded_settings():
 
 def test_tau_settings_override_the_papers():
     rec = Taus()
-    fit(learner(method='gdas', tau_max=4., tau_min=2., n_train=100, n_valid=100), 2, [rec])
+    fit(tiny_learner(method='gdas', tau_max=4., tau_min=2., n_train=100, n_valid=100), 2, [rec])
     assert [round(t, 6) for t, _ in rec.seen] == [4., 2.]
 
 # ------------------------------------------------------------------ bad combinations
@@ -206,7 +198,7 @@ def test_tau_settings_override_the_papers():
     (dict(method='random', beta_decay=2.), "beta_decay applies to the architecture weights α, which random search (mode random) does not have"),
 ])
 def test_bad_combinations_are_refused_with_one_line(settings, msg):
-    with pytest.raises(ValueError) as e: learner(**settings)
+    with pytest.raises(ValueError) as e: tiny_learner(**{'n_train': FAMILY, **settings})
     assert msg in str(e.value) and '\n' not in str(e.value)
 
 @pytest.mark.slow
@@ -221,16 +213,16 @@ def test_a_method_fixes_its_parts_and_leaves_its_own_settings_to_the_user(tmp_pa
     from rnn_darts.learner import load_preset
     msg = "method gdas sets mode to 'first'; mode 'second' contradicts it"
     for make in (lambda: SearchConfig(method='gdas', mode='second'), lambda: SearchConfig(method='gdas').updated('search_learner', mode='second'),
-                 lambda: learner(method='gdas', mode='second')):
+                 lambda: tiny_learner(n_train=FAMILY, method='gdas', mode='second')):
         with pytest.raises(UsageError, match=msg): make()
     with pytest.raises(SystemExit) as e: cli.run_command(['search', '--method', 'gdas', '--mode', 'second', '--out', str(tmp_path/'no')])
     assert e.value.code == 2 and capsys.readouterr().err == "rnn-darts: error: --method gdas sets mode to 'first'; --mode 'second' contradicts it\n"
     c = SearchConfig(method='drnas', dirichlet_kl=5e-3)
     assert (c.relax, c.mode, c.dirichlet_kl, SearchConfig(method='beta-darts', beta_decay=10.).beta_decay) == ('drnas', 'first', 5e-3, 10.)
     assert {k: c.sources()[k] for k in ('method', 'dirichlet_kl', 'relax', 'mode', 'lr')} == dict(
-        method='user', dirichlet_kl='user', relax='method', mode='method', lr='default')
+        method='user', dirichlet_kl='user', relax='--method drnas', mode='--method drnas', lr='default')   # as run.json's sources say it
     assert SearchConfig(method='drnas').updated('search_learner', seed=1).dirichlet_kl == 1e-3   # the method's, kept through a change
-    assert learner(method='drnas', dirichlet_kl=5e-3).arch_param_update.dirichlet_kl == 5e-3
+    assert tiny_learner(n_train=FAMILY, method='drnas', dirichlet_kl=5e-3).arch_param_update.dirichlet_kl == 5e-3
     out = tmp_path/'drnas'
     cli.run_command(['search', '--data', 'numbers', '--n-train', '400', '--n-eval', '200', '--epochs', '1', '--bs', '8', '--bptt', '4', '--eval-bs', '4',
                      '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--method', 'drnas', '--dirichlet-kl', '0.005', '--curvature', 'false', '--out', str(out)])
@@ -261,7 +253,7 @@ class Mixes(Callback):
 def sdarts_fit(kind):
     "One epoch of 7 batches (bptt 5) under SDARTS's `kind` perturbation with its mixing weights recorded, made once per module (the adversarial one serves two tests)"
     rec = Mixes()
-    learn = learner(perturb=kind, mode='first', n_train=280, n_valid=60, bptt=5)
+    learn = tiny_learner(perturb=kind, mode='first', n_train=280, n_valid=60, bptt=5)
     fit(learn, 1, [rec])
     return learn, rec
 
@@ -297,7 +289,7 @@ from rnn_darts.data import batchify
 
 def test_darts_pt_keeps_per_node_the_pair_whose_removal_hurts_most():
     "Without fine-tuning the supernet does not change between decisions: each decision is checked again, pair by pair, with a plain loop"
-    learn = learner(method='darts-pt', pt_tune=0, n_train=50, n_valid=40, bptt=2)   # 3 batches; each pair's loss: one 2-step pass over 13 rows
+    learn = tiny_learner(method='darts-pt', pt_tune=0, n_train=50, n_valid=40, bptt=2)   # 3 batches; each pair's loss: one 2-step pass over 13 rows
     fit(learn, 1)
     pt, m = learn.pt_selection, learn.model
     rec = pt.record['decisions']
@@ -322,7 +314,7 @@ def test_darts_pt_keeps_per_node_the_pair_whose_removal_hurts_most():
 
 def test_darts_pt_runs_its_cell_after_and_then_the_supernet_again(tmp_path):
     "After the selection the model runs the chosen cell; a later fit trains the supernet again (that the selection repeats from its seed and resumes: tests/test_resume.py)"
-    a = learner(method='darts-pt', pt_tune=1, n_train=50, n_valid=40, bptt=2); fit(a, 1)   # a batch of fine-tuning after each decision
+    a = tiny_learner(method='darts-pt', pt_tune=1, n_train=50, n_valid=40, bptt=2); fit(a, 1)   # a batch of fine-tuning after each decision
     w = a.model.mixing_weights()
     for sl in edge_slices(8): assert w[sl].sum() == 1 and (w[sl] == 1).sum() == 1   # one-hot per node: the chosen cell
     class Hooks(Callback):

@@ -4,13 +4,14 @@ records it once with make_fx and replays the recorded operators, as a CUDA graph
 from contextlib import contextmanager
 import pytest, torch
 from rnn_darts.core import set_seed
-from rnn_darts.learner import search_learner, train_learner
+from rnn_darts.learner import search_learner
 from rnn_darts.data import lm_dls, search_stream, numbers_corpus
 from rnn_darts.model import DartsRnn
 from rnn_darts.genotypes import DARTS_V2
 from rnn_darts.callbacks.graphs import StepGraphs, Captured
 from rnn_darts.config import FAMILY, METHODS
 from tests.test_learner import state, assert_same
+from tests._learners import twin_learner
 
 @pytest.fixture(scope='module')
 def corpus():
@@ -23,19 +24,6 @@ def small():
     return numbers_corpus(n_train=500, n_valid=200, n_test=100)
 
 SMALL = dict(nhid=8)   # the graphs' bookkeeping does not depend on the width
-
-def make(kind, corpus, path, seed=0, device='cpu', bptt=10, nhid=16, **kw):
-    "A tiny search learner (first order, no λ_max, unless `kw` says) or a derived-cell learner, on `device`"
-    set_seed(seed)
-    if kind == 'search':
-        dls = lm_dls(corpus, bs=8, bptt=bptt, phase='search', eval_bs=4, device=device)
-        learn = search_learner(dls, search_stream(corpus, 8, device=device), path=path, emsize=nhid, nhid=nhid, **{'mode': 'first', 'curvature': False, **kw})
-    else:
-        dls = lm_dls(corpus, bs=8, bptt=bptt, phase='train', eval_bs=4, device=device)
-        learn = train_learner(dls, DARTS_V2, path=path, emsize=nhid, nhid=nhid, **kw)
-    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
-    learn.recorder.silent = True
-    return learn
 
 def outcome(learn):
     "What a fit leaves: the weights and α, the recorded losses and epoch values, the carried hidden states, the flat gradient"
@@ -63,8 +51,8 @@ def test_emulated_graphs_fit_like_eager(kind, kw, kinds, small, tmp_path):
     "Every batch through its graph's bookkeeping (static inputs, one graph per shape, the hidden-state carry, device-side learning rates) equals the eager fit bit for bit; exact mode's α step stays eager. Two epochs for first order and the training (the graphs and the carry across an epoch's end), one for the others (a second epoch would show nothing new)"
     kw = dict(kw, curvature=False) if kind == 'search' else kw   # λ_max runs eager: the graphs are the point here
     n = 1 if kw.get('mode') in ('second', 'exact') else 2
-    a = make(kind, small, tmp_path/'a', graphs=False, **SMALL, **kw); a.fit(n)
-    b = make(kind, small, tmp_path/'b', graphs='emulate', **SMALL, **kw); b.fit(n)
+    a = twin_learner(kind, small, tmp_path/'a', graphs=False, **SMALL, **kw); a.fit(n)
+    b = twin_learner(kind, small, tmp_path/'b', graphs='emulate', **SMALL, **kw); b.fit(n)
     assert a.cuda_graphs.graphs is None
     assert_same_fit(a, b)
     assert graph_kinds(b) == kinds
@@ -97,7 +85,7 @@ def test_traced_graphs_take_the_learning_rate_as_an_input(short, tmp_path):
     the second-order step (make_fx over the unrolled step and both gradients) is most of it"""
     runs = []
     for graphs in (False, 'trace'):
-        learn = make('search', short, tmp_path/str(graphs), graphs=graphs, mode='second', curvature=False, checkpoint=False, bptt=TRACE_BPTT, **SMALL)
+        learn = twin_learner('search', short, tmp_path/str(graphs), graphs=graphs, mode='second', curvature=False, checkpoint=False, bptt=TRACE_BPTT, **SMALL)
         with capturable_adam_on_cpu(learn): learn.fit_one_cycle(1, 5.)
         runs.append(learn)
     assert_same_fit(*runs)
@@ -112,7 +100,7 @@ def test_traced_graphs_train_a_derived_cell_like_eager(short, tmp_path):
     "The derived cell's training batches and evaluation, recorded once and replayed under `fit_one_cycle` with NT-ASGD: equal to eager bit for bit"
     runs = []
     for graphs in (False, 'trace'):
-        learn = make('train', short, tmp_path/str(graphs), graphs=graphs, asgd=True, checkpoint=False, bptt=TRACE_BPTT, **SMALL)
+        learn = twin_learner('train', short, tmp_path/str(graphs), graphs=graphs, asgd=True, checkpoint=False, bptt=TRACE_BPTT, **SMALL)
         learn.fit_one_cycle(1, 5.)
         runs.append(learn)
     assert_same_fit(*runs)
@@ -132,7 +120,7 @@ def test_the_family_traced_fits_like_eager(kw, short, tmp_path):
     keeps or reverts its perturbation on the device"""
     runs = []
     for graphs in (False, 'trace'):
-        learn = make('search', short, tmp_path/str(graphs), graphs=graphs, curvature=False, checkpoint=False, bptt=TRACE_BPTT, **SMALL, **kw)
+        learn = twin_learner('search', short, tmp_path/str(graphs), graphs=graphs, curvature=False, checkpoint=False, bptt=TRACE_BPTT, **SMALL, **kw)
         with capturable_adam_on_cpu(learn): learn.fit(2 if kw.get('beta_decay') else 1)
         runs.append(learn)
     g = runs[1].cuda_graphs.graphs
@@ -143,7 +131,7 @@ def test_the_family_traced_fits_like_eager(kw, short, tmp_path):
 @pytest.mark.slow
 def test_a_failed_capture_falls_back_to_eager_saying_why(short, tmp_path, capsys):
     "A step that reads a value on the host cannot be captured: α's CPU Adam reads its step count. The fit goes on eager, and says so once"
-    learn = make('search', short, tmp_path, graphs='trace', mode='first', curvature=False, checkpoint=False, bptt=TRACE_BPTT, **SMALL)
+    learn = twin_learner('search', short, tmp_path, graphs='trace', mode='first', curvature=False, checkpoint=False, bptt=TRACE_BPTT, **SMALL)
     learn.fit(1)
     out = capsys.readouterr().out
     assert out.count('CUDA graphs: capturing a step failed') == 1 and 'the steps run eager from here' in out
@@ -154,7 +142,7 @@ def test_lr_find_with_graphs_equals_eager(small, tmp_path):
     "lr_find's batches (α steps aside) go through the graphs and suggest what eager suggests, leaving the weights as they were"
     res = []
     for graphs in (False, 'emulate'):
-        learn = make('search', small, tmp_path/str(graphs), graphs=graphs, **SMALL)
+        learn = twin_learner('search', small, tmp_path/str(graphs), graphs=graphs, **SMALL)
         w0 = state(learn)
         res.append((learn.lr_find(num_it=12, show_plot=False), [float(x) for x in learn.recorder.losses]))
         assert_same(state(learn), w0)
@@ -199,8 +187,8 @@ def test_each_method_of_the_family_fits_as_graphs_like_eager(method, small, tmp_
     """(#67) Every method of the family (its relaxation, α step, perturbation, selection) through the graphs'
     bookkeeping, a training, α and evaluation graph each, equals its eager fit bit for bit over an epoch"""
     kw = dict(method=method, mode=METHODS[method]['mode'])
-    a = make('search', small, tmp_path/'a', graphs=False, **SMALL, **kw); a.fit(1)
-    b = make('search', small, tmp_path/'b', graphs='emulate', **SMALL, **kw); b.fit(1)
+    a = twin_learner('search', small, tmp_path/'a', graphs=False, **SMALL, **kw); a.fit(1)
+    b = twin_learner('search', small, tmp_path/'b', graphs='emulate', **SMALL, **kw); b.fit(1)
     assert_same_fit(a, b)
     assert graph_kinds(b) == ['arch', 'eval', 'train']
 
@@ -219,13 +207,13 @@ def test_graphs_say_why_they_are_off(small, tmp_path, capsys):
     "Asked for on a CPU, or with bf16, one line says why and the fit runs eager; by default on a CPU nothing is said; random search refuses them"
     for graphs, bf16, line in ((True, False, 'CUDA graphs off: they need a GPU, and the device is cpu; the steps run eager'),
                                (None, True, None), (None, False, None)):
-        learn = make('train', small, tmp_path/f'{graphs}{bf16}', graphs=graphs, precision='bf16' if bf16 else 'fp32', checkpoint=False, **SMALL)
+        learn = twin_learner('train', small, tmp_path/f'{graphs}{bf16}', graphs=graphs, precision='bf16' if bf16 else 'fp32', checkpoint=False, **SMALL)
         learn.fit(1)
         out = capsys.readouterr().out
         assert (out.count(line) == 1) if line else 'CUDA graphs' not in out   # said once, by the plan
         assert learn.cuda_graphs.graphs is None and learn.plan.graphs is False
     with pytest.raises(ValueError, match="graphs true with precision bf16: bf16 autocast's cache of cast weights cannot be captured"):
-        make('train', small, tmp_path/'bf16', graphs='emulate', precision='bf16', checkpoint=False, **SMALL)   # as the command line refuses it
+        twin_learner('train', small, tmp_path/'bf16', graphs='emulate', precision='bf16', checkpoint=False, **SMALL)   # as the command line refuses it
     dls = lm_dls(small, bs=8, bptt=10, eval_bs=4, device='cpu')
     with pytest.raises(ValueError, match="graphs true: random search runs another cell every batch, and each would need its own CUDA graphs"):
         search_learner(dls, search_stream(small, 8, device='cpu'), mode='random', graphs=True, emsize=8, nhid=8)
@@ -251,7 +239,7 @@ def test_cuda_graphs_fit_like_eager_on_a_gpu(corpus, tmp_path):
     for kind, kw in (('search', dict(mode='second', curvature=False)), ('train', {})):
         runs = []
         for graphs in (False, True):
-            learn = make(kind, corpus, tmp_path/f'{kind}{graphs}', device='cuda', graphs=graphs, compile=False, checkpoint=False, **kw)
+            learn = twin_learner(kind, corpus, tmp_path/f'{kind}{graphs}', device='cuda', graphs=graphs, compile=False, checkpoint=False, **kw)
             learn.fit(2)
             runs.append(learn)
         g = runs[1].cuda_graphs.graphs
@@ -267,7 +255,7 @@ def test_the_family_captures_and_fits_like_eager_on_a_gpu(kw, corpus, tmp_path, 
     if not torch.cuda.is_available(): pytest.skip('no CUDA device')
     runs = []
     for graphs in (False, True):
-        learn = make('search', corpus, tmp_path/str(graphs), device='cuda', graphs=graphs, compile=False, checkpoint=False, curvature=False, **kw)
+        learn = twin_learner('search', corpus, tmp_path/str(graphs), device='cuda', graphs=graphs, compile=False, checkpoint=False, curvature=False, **kw)
         learn.fit(1)
         runs.append(learn)
     g = runs[1].cuda_graphs.graphs
@@ -281,7 +269,7 @@ def test_the_family_captures_and_fits_like_eager_on_a_gpu(kw, corpus, tmp_path, 
 def test_an_exact_search_captures_its_weight_steps_on_a_gpu(corpus, tmp_path, capsys):
     "The exact hypergradient runs eager (double backward) right before each graphed weight step: nothing of its autograd graph may outlive it, or the capture fails"
     if not torch.cuda.is_available(): pytest.skip('no CUDA device')
-    learn = make('search', corpus, tmp_path, device='cuda', graphs=True, compile=False, checkpoint=False, mode='exact', curvature=False)
+    learn = twin_learner('search', corpus, tmp_path, device='cuda', graphs=True, compile=False, checkpoint=False, mode='exact', curvature=False)
     learn.fit(1)
     g = learn.cuda_graphs.graphs
     assert 'capturing a step failed' not in capsys.readouterr().out and g.failed is None

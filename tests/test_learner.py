@@ -8,31 +8,18 @@ from fastai.losses import CrossEntropyLossFlat
 from fastai.callback.rnn import ModelResetter, RNNCallback
 from rnn_darts.core import set_seed
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream, test_dl as split_dl   # not collected as a test
-from rnn_darts.genotypes import DARTS_V2
 from rnn_darts.model import DartsRnnSearch
 from rnn_darts.runners import Fused
-from rnn_darts.learner import search_learner, train_learner, SeqCrossEntropy, load_preset, flat_splitter
+from rnn_darts.learner import SeqCrossEntropy, load_preset, flat_splitter
 from rnn_darts.callbacks.arch import ArchParamUpdate
 from rnn_darts.callbacks.training import FlatGradClip, FusedDecoderLoss
 from tests._devices import ON_DEVICES
+from tests._learners import twin_learner
 
 TINY = dict(emsize=16, nhid=16)
 
 @pytest.fixture(scope='module')
 def corpus(): return numbers_corpus(n_train=1_500, n_valid=600, n_test=400)
-
-def make(kind, corpus, path, seed=0, device='cpu', bptt=10, **kw):
-    "A tiny search learner (first order unless `mode` says) or a derived-cell learner (19 training batches an epoch at `bptt` 10), on `device`"
-    set_seed(seed)
-    if kind == 'search':
-        dls = lm_dls(corpus, bs=8, bptt=bptt, phase='search', eval_bs=4, device=device)
-        learn = search_learner(dls, search_stream(corpus, 8, device=device), path=path, **TINY, **{'mode': 'first', 'curvature': False, **kw})   # λ_max: tests/test_curvature.py
-    else:
-        dls = lm_dls(corpus, bs=8, bptt=bptt, phase='train', eval_bs=4, device=device)
-        learn = train_learner(dls, DARTS_V2, path=path, **TINY, **kw)
-    learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
-    learn.recorder.silent = True
-    return learn
 
 def state(o):
     "Weights of a learner's or a model's (α and BatchNorm statistics included), as copies"
@@ -50,7 +37,7 @@ def test_fused_steps_fit_like_the_unfused_ones(kind, corpus, tmp_path):
     pytest.importorskip('triton')
     losses = []
     for fuse in (False, True):
-        learn = make(kind, corpus, tmp_path/str(fuse), device='cuda', compile=False, fuse=fuse)
+        learn = twin_learner(kind, corpus, tmp_path/str(fuse), device='cuda', compile=False, fuse=fuse)
         learn.fit(1)
         assert isinstance(learn.model.runner, Fused) == fuse
         losses.append(torch.stack([torch.as_tensor(l) for l in learn.recorder.losses]))
@@ -61,7 +48,7 @@ def test_fused_steps_fit_like_the_unfused_ones(kind, corpus, tmp_path):
 def test_lr_find_suggests_steps_aside_and_leaves_the_run_as_before(kind, corpus, tmp_path):
     "lr_find over more than one epoch: a suggestion, no checkpoint/log/switch, and a later fit is the fit without lr_find, bit for bit"
     kw = dict(asgd=True) if kind == 'train' else {}
-    a, b = make(kind, corpus, tmp_path/'a', **kw), make(kind, corpus, tmp_path/'b', **kw)
+    a, b = twin_learner(kind, corpus, tmp_path/'a', **kw), twin_learner(kind, corpus, tmp_path/'b', **kw)
     w0, rng, dl0 = state(a), torch.get_rng_state(), a.dls.train.state_dict()
     res = a.lr_find(num_it=30, show_plot=False)   # 30 batches: crosses the end of the first epoch
     assert 0 < res.valley < 10 and len(a.recorder.losses) >= 20
@@ -86,7 +73,7 @@ def plain_probs(model, dl):
 @pytest.mark.slow
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_fit_one_cycle_get_preds_validate_export_and_load_learner(kind, corpus, tmp_path):
-    learn = make(kind, corpus, tmp_path, **(dict(asgd=True) if kind == 'train' else {}))
+    learn = twin_learner(kind, corpus, tmp_path, **(dict(asgd=True) if kind == 'train' else {}))
     w0 = state(learn)
     learn.fit_one_cycle(1, 1.)
     assert all(v == v for v in learn.recorder.values[-1])
@@ -115,7 +102,7 @@ def test_fit_one_cycle_get_preds_validate_export_and_load_learner(kind, corpus, 
 
 @pytest.mark.slow
 def test_predict_generates_words_from_the_vocabulary_like_plain_sampling(corpus, tmp_path):
-    learn = make('search', corpus, tmp_path)
+    learn = twin_learner('search', corpus, tmp_path)
     learn.fit(1)
     hidden = dict(learn.model.hidden); learn.model.train()
     torch.manual_seed(5); out = learn.predict('one two three', 7, temperature=0.7)
@@ -201,7 +188,7 @@ def test_a_training_step_never_reads_a_device_value_on_the_host(kind, kw, corpus
     """The learners' whole training step (α's guarded Adam step, the unrolled and finite-difference passes, clipping, NT-ASGD's
     average, the divergence guard, the regularizer) reads no tensor value on the host, so on CUDA it never waits for the device.
     The one read is α's Adam step count, and only where it lives on the host: the optimizer is capturable (count on the device) on CUDA"""
-    learn = make(kind, corpus, tmp_path, device=device, **kw)
+    learn = twin_learner(kind, corpus, tmp_path, device=device, **kw)
     reads = host_reads_in_training_batches(learn)
     assert learn.train_iter >= 15   # every training batch was watched
     if kind == 'search':
@@ -216,7 +203,7 @@ def test_host_reads_are_seen(corpus, tmp_path):
     class ReadsTheLoss(Callback):
         def after_batch(self):
             if self.training: self.seen = float(self.learn.loss.detach())
-    learn = make('train', corpus, tmp_path, cbs=[ReadsTheLoss()])
+    learn = twin_learner('train', corpus, tmp_path, cbs=[ReadsTheLoss()])
     reads = host_reads_in_training_batches(learn)
     assert len(reads) == learn.train_iter and all(name == '_local_scalar_dense' for name, *_ in reads)
     assert all(any('after_batch' in w for w in where) for *_, where in reads), reads[0][2]

@@ -12,17 +12,15 @@ from rnn_darts import cli, runs
 from rnn_darts.callbacks.checkpoint import load_checkpoint, latest_checkpoint
 from rnn_darts.callbacks.preemption import Preemption
 from tests._signals import stop_at
+from tests._learners import corpus_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
 def corpus(d, n=200, n_eval=60):
     """A small corpus folder of `n` training lines (~8 tokens each: n=200 gives 20 batches at bs 8, bptt 10, ~2 s of an epoch
     at one thread, so that a signal sent 0.3 s into an epoch lands inside it) and `n_eval` validation and test lines"""
-    d.mkdir(parents=True, exist_ok=True)
     words = 'the cat sat on a mat and saw one dog run to the red barn at noon'.split()
-    for s, k in (('train', n), ('valid', n_eval), ('test', n_eval)):
-        (d/f'{s}.txt').write_text(''.join(' ' + ' '.join(words[(i * 7 + j) % len(words)] for j in range(3 + i % 9)) + ' \n' for i in range(k)))
-    return d
+    return Path(corpus_folder(d, lines=n, eval_lines=n_eval, words=words, length=lambda i: 3 + i % 9))
 
 def args(data, out, *more):
     # eager (--compile false): a longer run would pass AutoCompile's 150 batches, and each process would spend ~40 s compiling;

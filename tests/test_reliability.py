@@ -1,7 +1,7 @@
 """Reliability: kill and resume, divergence, checkpoint mismatch, bad input, determinism, disk.
 
 Every failure named in the reliability issue gets a test here. All runs are tiny (emsize = nhid = 16, bs 8, bptt 10,
-a numbers corpus of ~800 training tokens: 10 batches an epoch, `tests/_resume_script.py`'s CORPUS) and on the CPU with
+a numbers corpus of ~800 training tokens: 10 batches an epoch, `tests/_resume_script.py`'s RUN) and on the CPU with
 one thread, so they are bit-reproducible.
 
 Bad input already covered elsewhere (not repeated here): missing corpus folder, a file instead of a folder, a missing
@@ -14,18 +14,19 @@ import errno, json, os, random, signal, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from fastai.callback.core import Callback
-from rnn_darts.core import set_seed, read_preset, get_device, UsageError
+from rnn_darts.core import read_preset, get_device, UsageError
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream, NUMBER_WORDS
 from rnn_darts.genotypes import load_genotype, DARTS_V1, DARTS_V2
 from rnn_darts.model import DartsRnn, DartsRnnSearch
-from rnn_darts.learner import search_learner, train_learner
+from rnn_darts.learner import search_learner
 from rnn_darts.callbacks.checkpoint import Checkpoint, latest_checkpoint, epoch_checkpoints, load_checkpoint, restore, save_atomic
 from rnn_darts.callbacks.divergence import DivergenceGuard
 from rnn_darts.callbacks.asgd import ASGDSwitch
 from rnn_darts.callbacks.training import RNNRegularizer
-from tests._resume_script import build, weights_hash, CORPUS
+from tests._resume_script import build, weights_hash, RUN
 from tests._devices import ON_DEVICES
 from tests._signals import Job
+from tests._learners import tiny_learner
 
 HERE = Path(__file__).parent
 SCRIPT = HERE/'_resume_script.py'
@@ -43,11 +44,9 @@ def safe_tar(learn):
         learn.remove_cb(old); learn.add_cb(RNNRegularizer(old.alpha, old.beta))
     return learn
 
-def tiny_train(path, seed=0, genotype=DARTS_V2, **kwargs):
-    set_seed(seed)
-    c = numbers_corpus(seed, *CORPUS)
-    dls = lm_dls(c, 8, 10, 'train', eval_bs=8, seed=seed, device='cpu')
-    return train_learner(dls, genotype, **dict(dict(emsize=16, nhid=16, path=path, keep=2), **kwargs))
+def tiny_train(path, **kw):
+    "A tiny DARTS_V2 training (`tests/_resume_script.py`'s sizes), checkpoints in `path`"
+    return tiny_learner('train', path=path, **{**RUN, 'device': 'cpu', **kw})
 
 # ---------------------------------------------------------------- 1. kill and resume
 def _run_script(run, n, device='cpu', **kw):

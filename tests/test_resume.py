@@ -14,24 +14,12 @@ second SIGINT), tests/test_random.py (while scoring) and tests/test_study.py (a 
 import signal
 import pytest, torch
 from fastai.callback.core import Callback
-from rnn_darts.core import set_seed
-from rnn_darts.data import numbers_corpus, lm_dls, search_stream
-from rnn_darts.genotypes import DARTS_V2
-from rnn_darts.learner import search_learner, train_learner
 from rnn_darts.callbacks.preemption import Preemption
+from tests._learners import tiny_learner
 
 NHID, EPOCHS = 8, 2
 
-def learner(path, kind='search', seed=0, **kw):
-    "A tiny search (or, `kind='train'`, a DARTS_V2 training) learner with checkpoints in `path`"
-    set_seed(seed)
-    c = numbers_corpus(seed=seed, n_train=800, n_valid=300, n_test=100)   # 10 training batches an epoch
-    dls = lm_dls(c, 8, 10, 'search' if kind == 'search' else 'train', eval_bs=8, seed=seed)
-    kw = dict(emsize=NHID, nhid=NHID, path=path, **kw)
-    if kind == 'search': learn = search_learner(dls, search_stream(c, 8), **dict({} if kw.get('mode') == 'random' else dict(curvature=False), **kw))
-    else: learn = train_learner(dls, DARTS_V2, **kw)
-    learn.remove_cb(learn.progress)
-    return learn
+RESUME = dict(n_train=800, n_valid=300, n_test=100, eval_bs=8, checkpoint=True)   # 10 training batches an epoch, checkpoints in the run's folder
 
 class StopAt(Callback):
     "Stop the fit after training batch `it` of `epoch`, as SIGINT does (`Preemption` writes the mid-epoch checkpoint); `it=None`: at the epoch's end, before any checkpoint of later epochs"
@@ -56,7 +44,7 @@ def reference(path, kind, kw):
     "The uninterrupted fit's outcome, made once per part: its mid-epoch and epoch-end cases compare with the same one"
     key = (kind, repr(sorted(kw.items())))
     if key not in _REFERENCES:
-        ref = learner(path, kind, **kw); fit(ref)
+        ref = tiny_learner(kind, path=path, **RESUME, **kw); fit(ref)
         _REFERENCES[key] = outcome(ref)
     return _REFERENCES[key]
 
@@ -73,14 +61,14 @@ CASES = [pytest.param(*p.values, 'mid-epoch', id=f'{p.id}-mid-epoch') for p in P
 @pytest.mark.parametrize('kind,kw,stop', CASES)
 def test_a_resumed_fit_ends_as_the_uninterrupted_one(kind, kw, stop, tmp_path):
     "Every part's state comes back from a mid-epoch checkpoint (the loaders' positions, hidden states, both optimizers, the callbacks', the RNG states); an epoch's end too, for the search and the training"
-    run = learner(tmp_path/'run', kind, **kw)
+    run = tiny_learner(kind, path=tmp_path/'run', **RESUME, **kw)
     if stop == 'mid-epoch':
         fit(run, [StopAt(1, 6)])
         assert run.interrupted and (tmp_path/'run'/'checkpoints'/'mid_epoch.pth').is_file()
     else:
         with pytest.raises(KeyboardInterrupt): fit(run, [StopAt(0)])
     torch.manual_seed(99)   # the checkpoint brings the RNG states back, not the seed
-    resumed = learner(tmp_path/'run', kind, resume=True, **kw)
+    resumed = tiny_learner(kind, path=tmp_path/'run', resume=True, **RESUME, **kw)
     fit(resumed)
     assert resumed.first_epoch == 1
     (wa, ha, va), (wb, hb, vb) = reference(tmp_path/'ref', kind, kw), outcome(resumed)

@@ -15,7 +15,8 @@ from rnn_darts.callbacks.checkpoint import check_meta, model_meta
 from rnn_darts.pt_select import decided_genotype, node_pairs_of
 from rnn_darts.random_search import draw_candidates, space_size
 from rnn_darts.model import DartsRnnSearch
-from tests.test_arch import small_learner
+from tests.test_arch import SMALL
+from tests._learners import tiny_learner
 from tests._reference import plain_search_step, run_plain
 from tests.test_cli_errors import NUM, fails
 
@@ -24,7 +25,7 @@ def swish(x): return x * torch.sigmoid(x)
 def test_a_registered_op_is_searched_derived_trained_and_evaluated(tmp_path):
     "In Python: a user's op in a 3-node space; α's shape, the derived cell, its file and its training follow"
     register_op('swish', swish)
-    learn, c = small_learner('first', ops=('tanh', 'swish', 'identity'), nodes=3)
+    learn = tiny_learner(mode='first', ops=('tanh', 'swish', 'identity'), nodes=3, **SMALL); c = learn.dls.corpus
     assert tuple(learn.model.alpha.shape) == (6, 4) and learn.model.cell.fns[2] is swish   # identity first, then tanh, swish
     with torch.no_grad(): learn.model.alpha[:, 2] = 3.   # swish wins every edge: the derived cell uses the user's op
     learn.fit(1)
@@ -45,7 +46,7 @@ def test_the_parts_of_the_family_follow_the_space():
     assert (w[:, 0] == 0).all() and [float(w[sl].sum()) for sl in (slice(0, 1), slice(1, 3), slice(3, 6))] == [1., 1., 1.]
     assert node_pairs_of(1, steps, 4) == [(e, k) for e in (1, 2) for k in (1, 2, 3)]
     assert decided_genotype({0: (0, 3), 1: (2, 2), 2: (3, 1)}, steps, ops) == Genotype((('elu', 0), ('gelu', 1), ('relu', 0)), (1, 2, 3))
-    learn, _ = small_learner('first', ops=ops, nodes=steps)
+    learn = tiny_learner(mode='first', ops=ops, nodes=steps, **SMALL)
     assert op_param_counts(learn.model).tolist() == [0.] + [12 * 24 + 1.] * 3
     cells = draw_candidates(20, steps, 0, ops)
     assert space_size(steps, ops) == 3**3 * 6 and all({op for op, _ in g.recurrent} <= set(ops) for g in cells)
@@ -60,10 +61,10 @@ def test_written_before_the_space_was_data_loads_as_the_papers(tmp_path):
     "A genotype file without 'ops' is the paper's; a checkpoint's meta without 'ops' fits the paper's set and no other"
     (tmp_path/'g.json').write_text(json.dumps(dict(recurrent=[['relu', 0], ['tanh', 1]], concat=[1, 2])))
     assert load_genotype(tmp_path/'g.json') == Genotype((('relu', 0), ('tanh', 1)), (1, 2))
-    paper, _ = small_learner('first')
+    paper = tiny_learner(mode='first', **SMALL)
     old = {k: v for k, v in model_meta(paper.model).items() if k != 'ops'}
     check_meta(old, paper.model, 'old.pth')
-    other, _ = small_learner('first', ops='tanh,relu,sigmoid,identity,gelu')
+    other = tiny_learner(mode='first', ops='tanh,relu,sigmoid,identity,gelu', **SMALL)
     with pytest.raises(ValueError, match=r"old\.pth does not fit this model \(ops: checkpoint \['tanh', 'relu', 'sigmoid', 'identity'\], model \['tanh', 'relu', 'sigmoid', 'identity', 'gelu'\]\)"):
         check_meta(old, other.model, 'old.pth')
 
@@ -126,7 +127,7 @@ def test_edge_normalisation_derives_by_edge_weight_times_op_weight():
 def test_beta_hypergradient_first_order_equals_finite_differences():
     "∇β of the validation loss (first order), against central differences in float64"
     from rnn_darts.callbacks.arch import arch_grad, hypergrad
-    learn, c = small_learner('first', ops='tanh,relu,gelu', nodes=3, edge_norm=True, dropout=0., dropouth=0., dropoutx=0., dropouti=0.)
+    learn = tiny_learner(mode='first', ops='tanh,relu,gelu', nodes=3, edge_norm=True, dropout=0., dropouth=0., dropoutx=0., dropouti=0., **SMALL); c = learn.dls.corpus
     m = learn.model.double()
     trn = val = next(iter(learn.dls.train))
     trn = tuple(t for t in trn)
@@ -148,7 +149,7 @@ def test_beta_hypergradient_first_order_equals_finite_differences():
 def test_beta_second_order_hypergradient_equals_the_exact_one():
     "The unrolled step's β part: with its finite-difference Hessian-vector product, as with autograd's double backward (exact), float64"
     from rnn_darts.callbacks.arch import arch_grad, hypergrad
-    learn, c = small_learner('second', ops='tanh,relu,gelu', nodes=3, edge_norm=True, dropout=0., dropouth=0., dropoutx=0., dropouti=0.)
+    learn = tiny_learner(mode='second', ops='tanh,relu,gelu', nodes=3, edge_norm=True, dropout=0., dropouth=0., dropoutx=0., dropouti=0., **SMALL); c = learn.dls.corpus
     m = learn.model.double()
     it = iter(learn.dls.train); trn, val = next(it), next(it)
     with torch.no_grad(): m.alpha.normal_()
@@ -162,7 +163,7 @@ def test_beta_second_order_hypergradient_equals_the_exact_one():
 @pytest.mark.parametrize('method', [m for m in METHODS if m not in ('darts', 'random')])
 def test_edge_normalisation_composes_with_every_method(method):
     "Each method (so each α step kind: second, first, exact, mixed, single) learns β beside α, one Adam over one tensor, its logs finite"
-    learn, _ = small_learner(METHODS[method].get('mode', 'first'), method=method, ops='tanh,relu', nodes=3, edge_norm=True, pt_tune=1)
+    learn = tiny_learner(mode=METHODS[method].get('mode', 'first'), method=method, ops='tanh,relu', nodes=3, edge_norm=True, pt_tune=1, **SMALL)
     before = learn.model.alpha.detach().clone()
     learn.fit(1)
     moved = (learn.model.alpha.detach() - before).abs()
