@@ -23,7 +23,7 @@ class RunFolder:
     CHECKPOINTS, REPORT, LOCK = 'checkpoints', 'report', '.lock'
     BEST, MID_EPOCH, SCORING = 'best.pth', 'mid_epoch.pth', 'candidates.json'   # in `checkpoints/`
     EPOCH, EARLY_STOP_EPOCH = 'epoch_{:04d}.pth', 'es_epoch_{:04d}.pth'        # in `checkpoints/`: an epoch's state; DARTS-ES's snapshot
-    EPOCH_RE = r'epoch_(\d+)\.pth'
+    EPOCH_RE, EARLY_STOP_RE = r'epoch_(\d+)\.pth', r'es_epoch_(\d+)\.pth'
     STUDY_RECORD, STUDY_TABLE, FINAL = 'study.json', 'study.csv', 'final'      # a study's record, table, and final stage's folder
     STOP, RAY_PROBE, RAY_LOGS = '.stop', '.ray-probe', 'ray-logs'               # a study's stop request, Ray's probe, its stages' output
     RUN_FILES = (RECORD, LOG, HISTORY, GENOTYPE, CANDIDATES, CHECKPOINTS)
@@ -83,7 +83,8 @@ def _record(self, check:bool=True) -> dict:
     p = self.record_file
     if not p.is_file(): raise FileNotFoundError(f"{p} does not exist: is {self.path} a run folder?")
     info = _read_json(p, 'run record')
-    if check and not isinstance(info, dict) or info.get('command') not in ('search', 'train') or not isinstance(info.get('settings'), dict):
+    if not check: return info
+    if not isinstance(info, dict) or info.get('command') not in ('search', 'train') or not isinstance(info.get('settings'), dict):
         raise UserError(f"{p} is not a run record: it needs \"command\" (search or train) and \"settings\"")
     return info
 
@@ -98,12 +99,12 @@ def _finish_record(self, **extra):
     info = self.record() if self.record_file.exists() else {}
     info.update(extra, finished=True); self.write_record(info)
 
-def _study_record(self) -> dict|None:
-    "A study's record, `study.json`, or None where there is none"
+def _study_record(self, check:bool=True) -> dict|None:
+    "A study's record, `study.json`, or None where there is none; `check`ed: it holds the study's settings"
     p = self.study_record_file
     if not p.is_file(): return None
     rec = _read_json(p, 'study record')
-    if not isinstance(rec, dict) or not isinstance(rec.get('settings'), dict): raise UserError(f"{p} is not a study record: it needs \"settings\"")
+    if check and not isinstance(rec, dict) or not isinstance(rec.get('settings'), dict): raise UserError(f"{p} is not a study record: it needs \"settings\"")
     return rec
 
 def _log_rows(self) -> list:

@@ -8,7 +8,7 @@ import inspect, os
 from dataclasses import fields, asdict
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, read_preset, option_type, PAPER_NODES
-from rnn_darts.config import CONFIGS, METHODS, MODES, RELAXATIONS, TEMPERED, check_rules, check_random, check_value, resolve
+from rnn_darts.config import CONFIGS, MODES, RELAXATIONS, TEMPERED, check_rules, check_random, check_value, resolve
 
 # %% auto #0
 __all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'FLAG_ORDER', 'FLAG_GROUPS', 'FLAG_SUMMARY', 'FLAGS', 'CHECKS', 'CHOICES',

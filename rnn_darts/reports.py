@@ -146,7 +146,7 @@ def write_study_report(study_dir, df=None) -> Path:
         p = f.study_table_file
         if not p.is_file(): raise FileNotFoundError(f"{p} does not exist: run rnn-darts study --out {f} to finish the study first")
         df = pd.read_csv(p).astype(dict(seed='Int64'))
-    s = (f.study_record() or {}).get('settings', {})
+    s = ((f.study_record(check=False) if f.is_study() else None) or {}).get('settings', {})   # what it lacks, the page says it lacks
     f.report.mkdir(exist_ok=True)
     L = [f"# rnn_darts study: {f.path.resolve().name}", '',
          f"Searches: {s.get('methods', '?')} × seeds {s.get('seeds', '?')} (preset `{s.get('search_preset', '?')}`); "
@@ -165,7 +165,7 @@ def write_study_report(study_dir, df=None) -> Path:
                  '; the final training has not finished'), '', f"![selected cell]({f.figure('selected').name})", '']
         fin = f.final()
         if fin.log_file.is_file():
-            fr = fin.record_or_none() or {}
+            fr = fin.record(check=False) if fin.is_run() else {}
             plot_curves(fin.log_file, fr.get('asgd_epoch'), f.figure('final_curves'), title='final training of the selected cell')
             L += [f"![final training]({f.figure('final_curves').name})", '', '*Final training: losses and validation perplexity.*', '']
     cols = [c for c in df.columns if c != 'genotype']   # `rnn_darts.study.STUDY_COLUMNS`

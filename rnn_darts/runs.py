@@ -4,9 +4,9 @@
 
 # %% ../nbs/07b_runs.ipynb #b7e5b5b2
 from __future__ import annotations
-import json, os, sys, time
+import os, sys, time
 from pathlib import Path
-from rnn_darts.core import UserError, UsageError, get_device, set_seed, check_number, check_choice
+from rnn_darts.core import UsageError, get_device, set_seed, check_number, check_choice
 from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, with_taus
 from rnn_darts.plan import plan_of, with_fit, compile_key
 from rnn_darts.folder import RunFolder, RunLock, write_json_atomic
@@ -86,7 +86,7 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
             if moved and not override:
                 k, (a, b) = next(iter(moved.items()))
                 raise UsageError(f"--resume: the {k} changed since the run started: it was {a}, it is {b}; resume on the data "
-                                 f"the run was trained on, or pass --override true to continue on this data (recorded in run.json)")
+                                 f"the run was trained on, or pass --override true to continue on this data (recorded in {folder.RECORD})")
             changes.update(moved)
             if changes and not override:
                 raise UsageError(f"--resume: these settings differ from {folder.record_file}: {_fmt_changes(changes)}; "

@@ -21,7 +21,7 @@ def tiny_learner(kind='search', corpus=None, path=None, seed=0, n_train=1500, n_
                  **({} if eval_bs is None else dict(eval_bs=eval_bs)))
     kw = {'emsize': nhid, 'nhid': nhid, 'checkpoint': False, 'path': path or tempfile.mkdtemp(), **kw}
     if kind == 'train': learn = train_learner(dls, genotype, **kw)
-    else: learn = search_learner(dls, search_stream(c, bs, device=device), **{**({} if kw.get('mode') == 'random' else {'curvature': False}), **kw})
+    else: learn = search_learner(dls, search_stream(c, bs, device=device), **{**({} if 'random' in (kw.get('mode'), kw.get('method')) else {'curvature': False}), **kw})
     if quiet:
         learn.remove_cbs([cb for cb in learn.cbs if type(cb).__name__ == 'ProgressCallback'])
         learn.recorder.silent = True

@@ -438,7 +438,7 @@ def test_report_search_run(tmp_path, fmt, monkeypatch):
     d, run = make_run(tmp_path/'run', epochs=4)
     if fmt == 'html':
         for f in ('plot_genotype', 'plot_alphas', 'genotype_gif', 'plot_curves'):
-            monkeypatch.setattr(P, f, lambda *a, **k: next(x for x in a if isinstance(x, Path)).write_bytes(b''))
+            monkeypatch.setattr(R, f, lambda *a, **k: next(x for x in a if isinstance(x, Path)).write_bytes(b''))
     rep = R.write_report(d, fmt)
     assert rep == d/'report'/f'report.{fmt}'
     text = rep.read_text()
@@ -475,9 +475,11 @@ def test_report_train_run_without_dot(no_dot, tmp_path):
 
 def test_report_falls_back_to_log(tmp_path):
     d, run = make_run(tmp_path/'run', command='train', epochs=3)
-    r = json.loads((d/'run.json').read_text()); del r['best_valid_loss'], r['epoch_times']
+    r = json.loads((d/'run.json').read_text()); del r['best_valid_loss'], r['epoch_times'], r['command'], r['settings']   # a run.json from elsewhere
     (d/'run.json').write_text(json.dumps(r))
     s = R.run_summary(d)
+    assert (s['command'], s['settings']) == ('?', {})
+    assert R.search_comparison(tmp_path) == []   # a folder beside searches with such a record is no search: left out, not an error
     assert s['best_valid_loss'] == pytest.approx(pd.read_csv(d/'log.csv')['valid_loss'].min())
     assert s['mean_epoch_time'] == pytest.approx(65.0)                # from the log's 'mm:ss' column
     assert f"{s['best_perplexity']:.2f}" in R.write_report(d).read_text()

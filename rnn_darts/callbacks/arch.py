@@ -219,6 +219,7 @@ class ArchParamUpdate(Callback):
         self.zero_one, self.op_decay, self.mixed_lambda, self.beta_decay, self.dirichlet_kl = zero_one, op_decay, mixed_lambda, beta_decay, dirichlet_kl
         self.terms = None         # the regularisers α's loss adds (`alpha_terms`), made on α's device at the first fit
         self.lr_finding, self.weight_clip = False, None   # what `before_fit` decides for each fit
+        self.decided = False
         self.arch_bf16 = arch_bf16
         self.arch_lr, self.arch_betas, self.arch_wd = arch_lr, arch_betas, arch_wd
         self.arch_opt, self.n_skipped, self.loss_sum, self.n_steps = None, None, None, 0
@@ -249,7 +250,7 @@ class ArchParamUpdate(Callback):
         if hasattr(self.search_dl, 'to'): self.search_dl.to(a.device)
         if self.n_skipped is None: self.n_skipped = torch.zeros((), dtype=torch.long, device=a.device)
         self.lr_finding = in_lr_find(self.learn)   # lr_find's throw-away steps take no α step: decided once a fit, not per batch
-        self.weight_clip = self.max_norm()         # with clip 'learn': the learner's `FlatGradClip` as this fit starts
+        self.weight_clip, self.decided = self.max_norm(), True   # the learner's `FlatGradClip` (clip 'learn') as this fit starts
 
     def before_train(self): self.loss_sum, self.n_steps = None, 0
 
@@ -275,7 +276,7 @@ class ArchParamUpdate(Callback):
         if self.hypers is not None: return self.hypers
         if self.mode not in UNROLLED: return 0., 0., None
         hyp = self.opt.hypers[-1]
-        return hyp['lr'], hyp.get('wd', 0.), self.weight_clip if self.clip == 'learn' else self.clip
+        return hyp['lr'], hyp.get('wd', 0.), self.weight_clip if self.decided else self.max_norm()   # outside a fit: looked up now
 
     def hypergrad(self, trn, val):
         "The hypergradient of the mode and the search loss"

@@ -181,7 +181,7 @@ class Checkpoint(TrainEpochEnd):
     def before_fit(self):
         self.mid, self.tracker = None, best_tracker(self.learn, 'Checkpoint', self.handed)
         if rank_distrib() == 0:
-            gone = remove_stale_tmp(self.folder, '|'.join([RunFolder.EPOCH_RE, 'es_' + RunFolder.EPOCH_RE, *map(re.escape, (RunFolder.BEST, RunFolder.MID_EPOCH))])) + remove_stale_tmp(Path(self.path), r'[^/]+\.json|[^/]+\.csv')
+            gone = remove_stale_tmp(self.folder, '|'.join([RunFolder.EPOCH_RE, RunFolder.EARLY_STOP_RE, *map(re.escape, (RunFolder.BEST, RunFolder.MID_EPOCH))])) + remove_stale_tmp(Path(self.path), r'[^/]+\.json|[^/]+\.csv')
             if gone: print(f"removed temporary files left by a killed run: {', '.join(gone)}")
         if self.resume is None or self.resume is False or in_lr_find(self.learn): return   # lr_find leaves the resume to the fit
         p = self.newest() if self.resume is True else Path(self.resume)

@@ -14,7 +14,6 @@ from rnn_darts.core import naming, write_text_atomic
 from rnn_darts.folder import RunFolder, write_json_atomic
 from rnn_darts.genotypes import genotype_to_dict
 from rnn_darts.callbacks.epochs import TrainEpochEnd, collaborator, in_lr_find
-from rnn_darts.callbacks.curvature import Curvature
 from rnn_darts.callbacks.asgd import ASGDSwitch
 
 # %% auto #0
@@ -25,7 +24,9 @@ class GenotypeLogger(TrainEpochEnd):
     "Each epoch: the current genotype and mixing weights, to the console and to `history.json`"
     order = ASGDSwitch.order + 1
     def __init__(self, fname=RunFolder.HISTORY, show=True, curvature=None): self.fname, self.show, self.history, self.handed = fname, show, [], curvature
-    def before_fit(self): self.curv = collaborator(self.learn, Curvature, self.handed)   # λ_max of each epoch, where it is measured
+    def before_fit(self):
+        from rnn_darts.callbacks.curvature import Curvature   # here: `plain_output`'s importers need none of λ_max's machinery
+        self.curv = collaborator(self.learn, Curvature, self.handed)   # λ_max of each epoch, where it is measured
     def epoch_done(self):
         m = self.model
         g = m.genotype()
