@@ -256,38 +256,52 @@ class _GroupTap(torch.autograd.Function):
         ctx.group.add(ctx.group.inputs[ctx.t], g)
         return None, None, None, None   # the token's backward still runs, after every tap's
 
+_SCRATCH = {}   # (shape, dtype, device) -> a buffer
+
+def _scratch(shape, like) -> torch.Tensor:
+    """A buffer of `shape` like `like`, the same one each time it is asked for: what a flush concatenates into and reads
+    before it returns. A fresh one above malloc's mmap threshold (32 MB: a `WeightGroup`'s 22,200 × 512 floats at nhid 300)
+    costs its page faults at every flush, more than the copy itself"""
+    key = (tuple(shape), like.dtype, like.device)
+    buf = _SCRATCH.get(key)
+    if buf is None: buf = _SCRATCH[key] = like.new_empty(shape)
+    return buf
+
 class StepWeight(NamedTuple):
     "What a compiled time step gets for a weight of a `WeightGroup`: the weight detached, the step's tap, and the tap's columns of this weight's product"
     W: torch.Tensor
     tap: torch.Tensor
     start: int
     stop: int
+    transposed: bool = False   # the tap is (Σ out × bs): its gradient comes as Gᵀ, the layout the weights' products take
 
 class _Tapped:
     "Inside a compiled step: `a Wᵀ + tap[:, start:stop]` with `W` detached (no per-step ∂W), keeping `a` for the summed gradient"
     def __init__(self, sw): self.sw, self.a = sw, None
     def __call__(self, a):
-        self.a = a.detach()
-        return linear(a, self.sw.W) + self.sw.tap[..., self.sw.start:self.sw.stop]
+        self.a, sw = a.detach(), self.sw
+        return linear(a, sw.W) + (sw.tap[sw.start:sw.stop].t() if sw.transposed else sw.tap[..., sw.start:sw.stop])
 
 class WeightGroup:
     """The weights (out_k × in) a compiled forward's time steps multiply by, their gradients deferred together: each time
     step gets one tap for all its products (`taps`) and hands back their inputs stacked (`inputs[t]`: weights × bs × in);
     every `steps_per_product` time steps, one product per weight `G_kᵀ A_k` over them is added to its gradient"""
     steps_per_product = 8
-    def __init__(self, Ws):
-        self.Ws = [W.detach() for W in Ws]
+    def __init__(self, Ws, transposed=False):
+        "`transposed`: taps of shape (Σ out × bs), whose gradients a compiled graph writes as the products take them (no transposing copy)"
+        self.Ws, self.transposed = [W.detach() for W in Ws], transposed
         ends = [0] + list(itertools.accumulate(W.shape[0] for W in Ws))
         self.cols = list(zip(ends[:-1], ends[1:]))
         self.stash, self.inputs, self.grads = [], [], None
         self.token = _GroupGrad.apply(self, *Ws)
     def tap(self, t, bs):
         "Time step `t`'s tap: a zero (bs × Σ out) whose gradient, the products' output gradients side by side, is stashed with `inputs[t]`"
-        return _GroupTap.apply(self.token, self, t, (bs, self.cols[-1][1]))
+        n = self.cols[-1][1]
+        return _GroupTap.apply(self.token, self, t, (n, bs) if self.transposed else (bs, n))
     def taps(self, t, bs):
         "Time step `t`'s `StepWeight`s, in the order of the weights, sharing one tap"
         tap = self.tap(t, bs)
-        return [StepWeight(W, tap, a, b) for W, (a, b) in zip(self.Ws, self.cols)]
+        return [StepWeight(W, tap, a, b, self.transposed) for W, (a, b) in zip(self.Ws, self.cols)]
     def add(self, a, g):
         self.stash.append((a, g))
         if len(self.stash) == self.steps_per_product: self.flush()
@@ -295,7 +309,8 @@ class WeightGroup:
         "Add each weight's `Σ_t g_tᵀ a_t` over the stash to its gradient; returns the gradients so far"
         if self.stash:
             A = torch.cat([a for a, _ in self.stash], 1)                 # weights × (steps·bs) × in
-            GT = torch.cat([g.t() for _, g in self.stash], 1)            # Σ out × (steps·bs), contiguous: see `_mm_t_backward`
+            gs = [g if self.transposed else g.t() for _, g in self.stash]
+            GT = torch.cat(gs, 1, out=_scratch((gs[0].shape[0], sum(g.shape[1] for g in gs)), gs[0]))   # Σ out × (steps·bs), contiguous: see `_mm_t_backward`
             self.stash = []
             gWs = [mm_t(GT[a:b], A[k].t()) for k, (a, b) in enumerate(self.cols)]
             self.grads = gWs if self.grads is None else [g.add_(d) for g, d in zip(self.grads, gWs)]

@@ -98,7 +98,7 @@ class Compiled(Eager):
         deferred = _collect(ctx, Deferred)
         if deferred and max(d.W.numel() for d in deferred) < kernels.TAP_MIN_NUMEL: ctx, deferred = _map(ctx, Deferred, lambda d: d.W), []
         if not deferred: return lambda t, xw_t, h, mh: self.plain(xw_t, h, mh, ctx)
-        group = WeightGroup([d.W for d in deferred])
+        group = WeightGroup([d.W for d in deferred], transposed=True)
         def step(t, xw_t, h, mh):
             taps = iter(group.taps(t, h.shape[0]))
             h, inputs = self.tapped(xw_t, h, mh, _map(ctx, Deferred, lambda d: next(taps)))
