@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv, json, os, socket
 from contextlib import suppress
 from pathlib import Path
+from fastcore.basics import patch
 from rnn_darts.core import UserError, naming, write_text_atomic
 
 # %% auto #0
@@ -33,10 +34,8 @@ class RunFolder:
     PAGE = 'report'   # a report's page: `report/report.md` (or .html) in a run or study, `report.md` beside a folder's searches
 
     def __init__(self, path): self.path = Path(path)
-    def __fspath__(self): return str(self.path)
     def __str__(self): return str(self.path)
     def __repr__(self): return f"RunFolder({str(self.path)!r})"
-    def __truediv__(self, name): return self.path/name
 
     record_file = property(lambda self: self.path/self.RECORD)
     log_file = property(lambda self: self.path/self.LOG)
@@ -45,7 +44,6 @@ class RunFolder:
     candidates_file = property(lambda self: self.path/self.CANDIDATES)
     checkpoints = property(lambda self: self.path/self.CHECKPOINTS)
     best_checkpoint = property(lambda self: self.checkpoints/self.BEST)
-    mid_epoch_checkpoint = property(lambda self: self.checkpoints/self.MID_EPOCH)
     scoring_file = property(lambda self: self.checkpoints/self.SCORING)
     report = property(lambda self: self.path/self.REPORT)
     ray_logs = property(lambda self: self.path/self.RAY_LOGS)
@@ -54,8 +52,7 @@ class RunFolder:
     study_record_file = property(lambda self: self.path/self.STUDY_RECORD)
     study_table_file = property(lambda self: self.path/self.STUDY_TABLE)
 
-    def stage(self, name) -> RunFolder: return RunFolder(self.path/name)
-    def final(self) -> RunFolder: return self.stage(self.FINAL)
+    def final(self) -> RunFolder: return RunFolder(self.path/self.FINAL)   # a study's final training
     def figure(self, key:str, beside:bool=False) -> Path:
         "Where a report's figure `key` goes: in `report/`, or `beside` the page of a folder's searches"
         return (self.path if beside else self.report)/self.FIGURES[key]
@@ -78,48 +75,50 @@ def _read_json(p:Path, what:str):
         raise UserError(f"{p} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); the {what} is damaged or half-written") from None
     except UnicodeDecodeError as e: raise UserError(f"{p} is not valid UTF-8 (byte offset {e.start}); the {what} is damaged") from None
 
-def _record(self, check:bool=True) -> dict:
+@patch
+def record(self:RunFolder, check:bool=True) -> dict:
     "The run's record, `run.json`; `check`ed: it names its command (search or train) and holds its settings"
     p = self.record_file
     if not p.is_file(): raise FileNotFoundError(f"{p} does not exist: is {self.path} a run folder?")
     info = _read_json(p, 'run record')
-    if not check: return info
-    if not isinstance(info, dict) or info.get('command') not in ('search', 'train') or not isinstance(info.get('settings'), dict):
+    if check and not (isinstance(info, dict) and info.get('command') in ('search', 'train') and isinstance(info.get('settings'), dict)):
         raise UserError(f"{p} is not a run record: it needs \"command\" (search or train) and \"settings\"")
     return info
 
-def _record_or_none(self) -> dict|None:
+@patch
+def record_or_none(self:RunFolder) -> dict|None:
     "The run's record, or None where the run has written none yet"
-    return self.record() if self.record_file.is_file() else None
+    return self.record() if self.is_run() else None
 
-def _write_record(self, info:dict): write_json_atomic(info, self.record_file)
+@patch
+def write_record(self:RunFolder, info:dict): write_json_atomic(info, self.record_file)
 
-def _finish_record(self, **extra):
+@patch
+def finish_record(self:RunFolder, **extra):
     "Add `extra` to the record and mark the run `finished` (the command ended: a study skips such a stage)"
     info = self.record() if self.record_file.exists() else {}
     info.update(extra, finished=True); self.write_record(info)
 
-def _study_record(self, check:bool=True) -> dict|None:
+@patch
+def study_record(self:RunFolder, check:bool=True) -> dict|None:
     "A study's record, `study.json`, or None where there is none; `check`ed: it holds the study's settings"
-    p = self.study_record_file
-    if not p.is_file(): return None
-    rec = _read_json(p, 'study record')
-    if check and not isinstance(rec, dict) or not isinstance(rec.get('settings'), dict): raise UserError(f"{p} is not a study record: it needs \"settings\"")
+    if not self.is_study(): return None
+    rec = _read_json(self.study_record_file, 'study record')
+    if check and not (isinstance(rec, dict) and isinstance(rec.get('settings'), dict)):
+        raise UserError(f"{self.study_record_file} is not a study record: it needs \"settings\"")
     return rec
 
-def _log_rows(self) -> list:
-    "The rows of `log.csv` as dicts of text (none before the first epoch ended)"
+@patch
+def write_study_record(self:RunFolder, rec:dict): write_json_atomic(rec, self.study_record_file)
+
+@patch
+def log_rows(self:RunFolder) -> list:
+    "The rows of `log.csv` as dicts of text (none before the first epoch ended; a resumed run's repeated header left out)"
     if not self.log_file.is_file(): return []
     with self.log_file.open(newline='') as f: return [r for r in csv.DictReader(f) if r.get('epoch') != 'epoch']
 
-def _history(self) -> list|None:
-    "The parsed `history.json` (a search's per-epoch genotype and mixing weights), or None"
-    return _read_json(self.history_file, 'history') if self.history_file.is_file() else None
-
-RunFolder.record, RunFolder.record_or_none, RunFolder.write_record, RunFolder.finish_record = _record, _record_or_none, _write_record, _finish_record
-RunFolder.study_record, RunFolder.log_rows, RunFolder.history = _study_record, _log_rows, _history
-RunFolder.epochs_logged = lambda self: len(self.log_rows())
-RunFolder.write_study_record = lambda self, rec: write_json_atomic(rec, self.study_record_file)
+@patch
+def epochs_logged(self:RunFolder) -> int: return len(self.log_rows())
 
 # %% ../nbs/00c_folder.ipynb #76867f2e
 class RunLock:

@@ -227,6 +227,7 @@ def search(**flags):
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
         from rnn_darts.callbacks.logs import RunLogger, plain_output
         s, dev, out, corpus, resume = r.s, r.dev, r.out, r.corpus, r.resume
+        folder = RunFolder(out)
         if r.rank == 0: print(f"search {method_text(s)} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}; {r.plan.path}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         rnd = s['mode'] == 'random'
@@ -239,16 +240,16 @@ def search(**flags):
         if rnd:
             from rnn_darts.random_search import choose_cell
             t0, df = time.time(), choose_cell(learn)
-            if r.rank == 0: RunFolder(out).finish_record(genotype=genotype_to_dict(learn.random_arch.chosen, learn.model.ops),
+            if r.rank == 0: folder.finish_record(genotype=genotype_to_dict(learn.random_arch.chosen, learn.model.ops),
                                         candidates=dict(n=len(df), top=int(df.valid_loss.notna().sum()), seconds=time.time() - t0,
                                                         valid_loss=float(df.valid_loss[0])))
         elif r.rank == 0:
             g = run_genotype(learn)
-            save_genotype(g, RunFolder(out).genotype_file, learn.model.ops)
-            print(f"genotype: {g}\nwritten to {RunFolder(out).genotype_file}")
+            save_genotype(g, folder.genotype_file, learn.model.ops)
+            print(f"genotype: {g}\nwritten to {folder.genotype_file}")
             es = getattr(getattr(learn, 'curvature_stop', None), 'stopped', None)
             pt = getattr(learn, 'pt_selection', None)
-            RunFolder(out).finish_record(genotype=genotype_to_dict(g, learn.model.ops), early_stop=es, **({} if pt is None else dict(pt_select=pt.record)))
+            folder.finish_record(genotype=genotype_to_dict(g, learn.model.ops), early_stop=es, **({} if pt is None else dict(pt_select=pt.record)))
         cleanup_distrib()
         return learn
     finally: r.close()

@@ -13,7 +13,7 @@ from rnn_darts.relax import dirichlet_kl, linear_schedule
 from rnn_darts.runners import twice_differentiable
 from rnn_darts.plan import arch_step_graphed
 from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, check_flat_opt
-from rnn_darts.callbacks.epochs import in_lr_find
+from rnn_darts.callbacks.epochs import collaborator, in_lr_find
 
 # %% auto #0
 __all__ = ['UNROLLED', 'ARCH_BETAS', 'train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first', 'fd_hvp',
@@ -268,7 +268,7 @@ class ArchParamUpdate(Callback):
     def max_norm(self):
         "The clip of the virtual weight step: `clip`, or with 'learn' the max norm of the learner's `FlatGradClip` (none without one)"
         if self.clip != 'learn': return self.clip
-        cb = next((c for c in getattr(self.learn, 'cbs', ()) if isinstance(c, FlatGradClip)), None)
+        cb = collaborator(self.learn, FlatGradClip)
         return cb.max_norm if cb is not None else None
 
     def step_hypers(self):
