@@ -10,10 +10,11 @@ from pathlib import Path
 
 # %% auto #0
 __all__ = ['PAPER_OPS', 'PAPER_NODES', 'HOLD_ENV', 'HOLD_LIMIT', 'RENAMED', 'UserError', 'UsageError', 'foreign_warnings_off',
-           'get_device', 'cpu_name', 'set_seed', 'rng_states', 'set_rng_states', 'check_positive', 'check_prob',
-           'check_bptt', 'check_number', 'check_choice', 'naming', 'write_text_atomic', 'hold_at', 'fmt_time',
-           'run_seconds', 'packaged_settings', 'read_ini', 'settings_candidates', 'find_settings', 'renamed_hint',
-           'read_preset', 'option_type', 'options_of']
+           'get_device', 'cpu_name', 'usable_cpus', 'cpu_sample', 'others_busy', 'spare_cores', 'idle_cores',
+           'set_seed', 'rng_states', 'set_rng_states', 'check_positive', 'check_prob', 'check_bptt', 'check_number',
+           'check_choice', 'naming', 'write_text_atomic', 'hold_at', 'fmt_time', 'run_seconds', 'packaged_settings',
+           'read_ini', 'settings_candidates', 'find_settings', 'renamed_hint', 'read_preset', 'option_type',
+           'options_of']
 
 # %% ../nbs/00_core.ipynb #c0e11a02
 class UserError(ValueError):
@@ -87,6 +88,47 @@ def cpu_name(cpuinfo:str|None=None) -> str:
     if 'flags' in f: parts.append('AVX-512' if 'avx512f' in f['flags'].split() else 'no AVX-512')
     n = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
     return f"{parts[0]} ({', '.join(parts[1:] + [f'{n} cores'])})" if len(parts) > 1 else f"{name} ({n} cores)"
+
+# %% ../nbs/00_core.ipynb #c0e5a002
+def usable_cpus() -> set|None:
+    "The ids of the cores this process may run on (its affinity), None where the system does not say"
+    return os.sched_getaffinity(0) if hasattr(os, 'sched_getaffinity') else None
+
+def cpu_sample(stat:str|None=None, cpus:set|None=None) -> tuple|None:
+    """(wall seconds, CPU seconds the cores `cpus` (default: `usable_cpus`) were busy with anything, CPU seconds of this
+    process): one sample of `/proc/stat`'s per-core lines (`stat`: its text); None where it has no line for those cores"""
+    if stat is None:
+        try: stat = Path('/proc/stat').read_text()
+        except OSError: return None
+    cpus, busy, seen = usable_cpus() if cpus is None else cpus, 0, 0
+    for line in stat.splitlines():
+        m = re.match(r'cpu(\d+)\s+(.*)', line)
+        if m is None or (cpus is not None and int(m[1]) not in cpus): continue
+        f = [int(v) for v in m[2].split()[:8]]   # user nice system idle iowait irq softirq steal (guest time is inside user)
+        busy, seen = busy + sum(f) - f[3] - f[4], seen + 1
+    return (time.monotonic(), busy / os.sysconf('SC_CLK_TCK'), time.process_time()) if seen else None
+
+def others_busy(a:tuple, b:tuple) -> float:
+    "How many cores other processes (and the hypervisor's steal) kept busy between the `cpu_sample`s `a` and `b`"
+    wall = b[0] - a[0]
+    return max(0., (b[1] - a[1] - (b[2] - a[2])) / wall) if wall > 0 else 0.
+
+def spare_cores(others:float, n:int) -> int:
+    "Of `n` cores, those `others` busy cores leave: their share rounded to the nearest core (a half takes one), at least 1"
+    return max(1, min(n, n - math.floor(others + 0.5)))
+
+def idle_cores(window:float=0.25) -> int:
+    """The cores this process may use less those other processes keep busy (`others_busy` over `window` seconds; where
+    there is no `/proc/stat`, the 1-minute load average), at least 1"""
+    cpus = usable_cpus()
+    n = len(cpus) if cpus else os.cpu_count() or 1
+    a = cpu_sample(cpus=cpus)
+    if a is not None:
+        time.sleep(window)
+        b = cpu_sample(cpus=cpus)
+        if b is not None: return spare_cores(others_busy(a, b), n)
+    try: return spare_cores(os.getloadavg()[0], n)
+    except (OSError, AttributeError): return n
 
 # %% ../nbs/00_core.ipynb #c1c60223
 def set_seed(seed:int):

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import os, sys, time
 from pathlib import Path
-from rnn_darts.core import UsageError, get_device, set_seed, check_number, check_choice
+from rnn_darts.core import UsageError, get_device, set_seed, check_number, check_choice, idle_cores
 from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, with_taus
 from rnn_darts.plan import plan_of, with_fit, compile_key
 from rnn_darts.folder import RunFolder, RunLock, write_json_atomic
@@ -15,8 +15,8 @@ from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources,
 
 # %% auto #0
 __all__ = ['RESUME_FREE', 'SPACE', 'ARGV', 'load_corpus', 'corpus_key', 'settings_diff', 'data_changes', 'prepare_run_dir',
-           'record_overrides_cb', 'idle_cores', 'set_threads', 'resume_command', 'exit_if_interrupted', 'method_text',
-           'search', 'cell_name', 'train', 'evaluate_run']
+           'record_overrides_cb', 'set_threads', 'resume_command', 'exit_if_interrupted', 'method_text', 'search',
+           'cell_name', 'train', 'evaluate_run']
 
 # %% ../nbs/07b_runs.ipynb #c69a6174
 def load_corpus(s:dict, url:str|None=None):
@@ -122,20 +122,13 @@ def record_overrides_cb(settings:dict, changes:dict, data:dict|None=None):
     return RecordOverrides()
 
 # %% ../nbs/07b_runs.ipynb #933d3b51
-def idle_cores() -> int:
-    "The cores this process may use less the 1-minute load average, rounded, at least 1"
-    n = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
-    try: load = os.getloadavg()[0]
-    except (OSError, AttributeError): return n
-    return max(1, min(n, round(n - load)))
-
 def set_threads(threads, dev) -> str:
-    "`torch.set_num_threads`: `threads`, or on a CPU the idle cores (`idle_cores`); returns what to say of it"
+    "`torch.set_num_threads`: `threads`, or on a CPU the idle cores (`rnn_darts.core.idle_cores`); returns what to say of it"
     import torch
     if threads is None and dev.type == 'cpu':
         threads = idle_cores()
         torch.set_num_threads(threads)
-        return f"{threads} thread{'s' * (threads > 1)}: the idle cores of {os.cpu_count()}, --threads N to choose"
+        return f"{threads} thread{'s' * (threads > 1)}: the idle cores of {os.cpu_count()}, followed as they change; --threads N to fix them"
     if threads is not None: torch.set_num_threads(threads)
     return f"{torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)}" if dev.type == 'cpu' else ''
 
@@ -175,6 +168,8 @@ def _prepare(command, flags:dict) -> _Run:
     from rnn_darts.distrib import setup_distrib
     r.rank, world, r.dev = setup_distrib(device=str(dev))
     r.threads = set_threads(c['threads'], r.dev)
+    from rnn_darts.callbacks.speed import FollowIdleCores
+    r.fit_cbs = [FollowIdleCores()] if c['threads'] is None and r.dev.type == 'cpu' else []   # torch's threads follow the idle cores
     set_seed(r.s['seed'])
     r.corpus = load_corpus(r.s, c['url'])
     from rnn_darts.data import fingerprint
@@ -232,7 +227,7 @@ def search(**flags):
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         rnd = s['mode'] == 'random'
         learn = search_learner(dls, None if rnd else search_stream(corpus, s['bs'], device=dev), SearchConfig.of(s), path=out,
-                               resume=True if resume else None, device=dev, plan=r.plan, cbs=[RunLogger(append=resume), RunInfo('search', s, r.data, sources=r.src)])
+                               resume=True if resume else None, device=dev, plan=r.plan, cbs=[RunLogger(append=resume), RunInfo('search', s, r.data, sources=r.src), *r.fit_cbs])
         learn = distrib_learner(learn)
         if r.rank == 0: plain_output(learn)   # into a file or a pipe: a line per epoch, no bar frames
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
@@ -273,7 +268,7 @@ def train(**flags):
         if r.rank == 0: print(f"train {cell_name(s['genotype'], r.src['genotype'])} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}; {r.plan.path}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         learn = train_learner(dls, g, TrainConfig.of(s), path=out, resume=True if resume else None, device=dev,
-                              plan=r.plan, cbs=[RunLogger(append=resume), RunInfo('train', s, r.data, sources=r.src)])
+                              plan=r.plan, cbs=[RunLogger(append=resume), RunInfo('train', s, r.data, sources=r.src), *r.fit_cbs])
         learn = distrib_learner(learn)
         if r.rank == 0: plain_output(learn)
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
@@ -300,7 +295,7 @@ def evaluate_run(
     checkpoint:str='best',# best | last | a checkpoint file
     split:str='test',     # test | valid
     device:str=None,      # cpu | cuda | cuda:N (default: CUDA when present)
-    threads:int=None,     # CPU threads for torch (default on a CPU: the idle cores, i.e. cores less the load average, at least 1)
+    threads:int=None,     # CPU threads for torch (default on a CPU: the cores other processes leave idle, at least 1)
 ):
     "Evaluate a run's checkpoint on the test (or valid) split, with ASGD's averaged weights when it was on"
     check_choice('--split', split, CHOICES['split'])

@@ -55,13 +55,15 @@ def test_wheel_ships_the_presets(tmp_path):
         assert 'PlainSearchRnn' not in text and 'plain_hypergrad' not in text, n
 
 def test_threads_default_is_the_idle_cores(monkeypatch, capsys):
-    "On a CPU the default is the cores this process may use less the 1-minute load, at least 1; --threads decides outright"
+    """On a CPU the default is the cores this process may use less those other processes keep busy, at least 1 (from
+    `/proc/stat`; without it, the 1-minute load); --threads decides outright"""
     import os, torch
-    from rnn_darts import runs
+    from rnn_darts import runs, core
     monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(core, 'cpu_sample', lambda cpus=None: None)   # no /proc/stat
     for load, want in ((0.1, 4), (1.4, 3), (2.6, 1), (3.6, 1), (40., 1)):
         monkeypatch.setattr(os, 'getloadavg', lambda: (load, 0., 0.))
-        assert runs.idle_cores() == want, (load, want)
+        assert core.idle_cores(0.) == want, (load, want)
     n = torch.get_num_threads()
     try:
         monkeypatch.setattr(os, 'getloadavg', lambda: (2.6, 0., 0.))
@@ -69,6 +71,40 @@ def test_threads_default_is_the_idle_cores(monkeypatch, capsys):
         assert torch.get_num_threads() == 1 and said.startswith('1 thread: the idle cores'), said
         assert runs.set_threads(2, torch.device('cpu')) == '2 threads' and torch.get_num_threads() == 2
     finally: torch.set_num_threads(n)
+
+def test_idle_cores_sees_a_busy_process():
+    "`/proc/stat`'s per-core lines count a process that keeps a core busy (its share, as `idle_cores` and `FollowIdleCores` read it)"
+    import subprocess, sys, time
+    from rnn_darts import core
+    if core.cpu_sample() is None: pytest.skip('no /proc/stat here')
+    p = subprocess.Popen([sys.executable, '-c', "print('busy', flush=True)\nwhile True: pass"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == 'busy\n'
+        a = core.cpu_sample(); time.sleep(0.5)
+        assert core.others_busy(a, core.cpu_sample()) >= 0.5
+    finally: p.kill(); p.wait()
+
+@pytest.mark.slow
+def test_an_eager_run_follows_the_idle_cores(tmp_path, monkeypatch, capsys):
+    """A search without --threads starts on the idle cores and follows them: when other work takes one of its 2 cores
+    during the fit, it runs on the core left, and its first and last lines say so"""
+    import os, time
+    from rnn_darts import core
+    from rnn_darts.callbacks import speed
+    from tests._cli_probes import TINY
+    calls = []
+    def sample(cpus=None):   # nothing else runs while the run starts (2 idle cores); then another process keeps a core busy
+        calls.append(time.monotonic())
+        return calls[-1], (calls[-1] - calls[2] if len(calls) > 3 else 0.) + time.process_time(), time.process_time()
+    monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: {0, 1})
+    monkeypatch.setattr(core, 'cpu_sample', sample); monkeypatch.setattr(speed, 'cpu_sample', sample)
+    monkeypatch.setattr(speed.FollowIdleCores, 'every', 0.)
+    n = torch.get_num_threads()
+    try: cli.run_command(['search', *TINY, '--out', str(tmp_path/'run')])
+    finally: torch.set_num_threads(n)
+    out = capsys.readouterr().out.splitlines()
+    assert '2 threads: the idle cores of' in out[0] and 'followed as they change' in out[0], out[0]
+    assert 'threads followed the idle cores: 2, then 1 at epoch 0, training batch 1' in out, out
 
 def test_readme_commands_parse():
     "Every `rnn-darts ...` line in the README's code blocks names a command and flags that exist"
