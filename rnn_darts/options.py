@@ -63,7 +63,7 @@ CONTROL_HELP = dict(
     resume='continue from the newest checkpoint in the run folder',
     overwrite=dict(search='start afresh in a folder that holds a run: delete its log, checkpoints, history, genotype and run.json', train='start afresh in a folder that holds a run: delete its log, checkpoints and run.json'),
     override="with --resume: continue even though settings differ from the run's (recorded in run.json)",
-    threads='CPU threads for torch (default on a CPU: the cores other processes leave idle, at least 1, followed as they change during an eager fit)',
+    threads='CPU threads for torch (default on a CPU: OMP_NUM_THREADS where it is set, else the cores other processes leave idle, at least 1, followed as they change during an eager fit)',
 )
 SWITCHES = ('resume', 'overwrite')   # given or not (the other booleans take true|false)
 # The order `-h` lists the flags of `rnn-darts search | train` in; a command lists those it has

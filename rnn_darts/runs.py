@@ -6,7 +6,7 @@
 from __future__ import annotations
 import os, sys, time
 from pathlib import Path
-from rnn_darts.core import UsageError, get_device, set_seed, check_number, check_choice, idle_cores
+from rnn_darts.core import UsageError, get_device, set_seed, check_number, check_choice, idle_cores, cpu_sample, usable_cpus
 from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, with_taus
 from rnn_darts.plan import plan_of, with_fit, compile_key
 from rnn_darts.folder import RunFolder, RunLock, write_json_atomic
@@ -15,8 +15,8 @@ from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources,
 
 # %% auto #0
 __all__ = ['RESUME_FREE', 'SPACE', 'ARGV', 'load_corpus', 'corpus_key', 'settings_diff', 'data_changes', 'prepare_run_dir',
-           'record_overrides_cb', 'set_threads', 'resume_command', 'exit_if_interrupted', 'method_text', 'search',
-           'cell_name', 'train', 'evaluate_run']
+           'record_overrides_cb', 'env_threads', 'set_threads', 'resume_command', 'exit_if_interrupted', 'method_text',
+           'search', 'cell_name', 'train', 'evaluate_run']
 
 # %% ../nbs/07b_runs.ipynb #c69a6174
 def load_corpus(s:dict, url:str|None=None):
@@ -122,13 +122,22 @@ def record_overrides_cb(settings:dict, changes:dict, data:dict|None=None):
     return RecordOverrides()
 
 # %% ../nbs/07b_runs.ipynb #933d3b51
-def set_threads(threads, dev) -> str:
-    "`torch.set_num_threads`: `threads`, or on a CPU the idle cores (`rnn_darts.core.idle_cores`); returns what to say of it"
+def env_threads() -> int|None:
+    "The threads `OMP_NUM_THREADS` asks for (a launcher's choice: torchrun sets 1 per process), None where it is unset or not a count"
+    v = os.environ.get('OMP_NUM_THREADS', '').strip()
+    return int(v) if v.isdigit() and int(v) > 0 else None
+
+def set_threads(threads, dev, follow:bool=False) -> str:
+    "`torch.set_num_threads`: `threads`, else `OMP_NUM_THREADS`, else on a CPU the idle cores (`rnn_darts.core.idle_cores`; `follow`: as `FollowIdleCores` will); returns what to say of it"
     import torch
+    if threads is None and env_threads() is not None and dev.type == 'cpu':
+        torch.set_num_threads(env_threads())
+        return f"{env_threads()} thread{'s' * (env_threads() > 1)}: OMP_NUM_THREADS"
     if threads is None and dev.type == 'cpu':
         threads = idle_cores()
         torch.set_num_threads(threads)
-        return f"{threads} thread{'s' * (threads > 1)}: the idle cores of {os.cpu_count()}, followed as they change; --threads N to fix them"
+        return (f"{threads} thread{'s' * (threads > 1)}: the idle cores of {len(usable_cpus() or range(os.cpu_count() or 1))}"
+                f"{', followed as they change' if follow else ''}; --threads N to fix them")
     if threads is not None: torch.set_num_threads(threads)
     return f"{torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)}" if dev.type == 'cpu' else ''
 
@@ -167,9 +176,11 @@ def _prepare(command, flags:dict) -> _Run:
         summary_writer_class(r.s['tensorboard'])   # installed, and a folder it can write, before the run folder is made
     from rnn_darts.distrib import setup_distrib
     r.rank, world, r.dev = setup_distrib(device=str(dev))
-    r.threads = set_threads(c['threads'], r.dev)
+    follow = (c['threads'] is None and env_threads() is None and r.dev.type == 'cpu' and world == 1   # ranks keep their threads: alike numbers
+              and cpu_sample() is not None)
+    r.threads = set_threads(c['threads'], r.dev, follow)
     from rnn_darts.callbacks.speed import FollowIdleCores
-    r.fit_cbs = [FollowIdleCores()] if c['threads'] is None and r.dev.type == 'cpu' else []   # torch's threads follow the idle cores
+    r.fit_cbs = [FollowIdleCores()] if follow else []   # torch's threads follow the idle cores
     set_seed(r.s['seed'])
     r.corpus = load_corpus(r.s, c['url'])
     from rnn_darts.data import fingerprint

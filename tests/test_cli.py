@@ -59,6 +59,7 @@ def test_threads_default_is_the_idle_cores(monkeypatch, capsys):
     `/proc/stat`; without it, the 1-minute load); --threads decides outright"""
     import os, torch
     from rnn_darts import runs, core
+    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
     monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(core, 'cpu_sample', lambda cpus=None: None)   # no /proc/stat
     for load, want in ((0.1, 4), (1.4, 3), (2.6, 1), (3.6, 1), (40., 1)):
@@ -70,6 +71,9 @@ def test_threads_default_is_the_idle_cores(monkeypatch, capsys):
         said = runs.set_threads(None, torch.device('cpu'))
         assert torch.get_num_threads() == 1 and said.startswith('1 thread: the idle cores'), said
         assert runs.set_threads(2, torch.device('cpu')) == '2 threads' and torch.get_num_threads() == 2
+        monkeypatch.setenv('OMP_NUM_THREADS', '3')   # a launcher's choice (torchrun: 1 per process) stands; --threads still decides
+        assert runs.set_threads(None, torch.device('cpu')) == '3 threads: OMP_NUM_THREADS' and torch.get_num_threads() == 3
+        assert runs.set_threads(1, torch.device('cpu')) == '1 thread' and torch.get_num_threads() == 1
     finally: torch.set_num_threads(n)
 
 def test_idle_cores_sees_a_busy_process():
@@ -96,6 +100,7 @@ def test_an_eager_run_follows_the_idle_cores(tmp_path, monkeypatch, capsys):
     def sample(cpus=None):   # nothing else runs while the run starts (2 idle cores); then another process keeps a core busy
         calls.append(time.monotonic())
         return calls[-1], (calls[-1] - calls[2] if len(calls) > 3 else 0.) + time.process_time(), time.process_time()
+    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
     monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: {0, 1})
     monkeypatch.setattr(core, 'cpu_sample', sample); monkeypatch.setattr(speed, 'cpu_sample', sample)
     monkeypatch.setattr(speed.FollowIdleCores, 'every', 0.)

@@ -127,22 +127,23 @@ class FollowIdleCores(Callback):
 
     def before_fit(self):
         self.last = self.sample() if self.model.flat.data.device.type == 'cpu' and not in_lr_find(self.learn) else None
-        self.threads, self.changes = torch.get_num_threads(), []
+        self.threads, self.changes, self.following = torch.get_num_threads(), [], self.last is not None
         if self.cores is None: self.cores = len(usable_cpus() or range(os.cpu_count() or 1))
 
     def after_batch(self):
-        if self.last is None or time.monotonic() - self.last[0] < self.every: return
+        if not self.following or time.monotonic() - self.last[0] < self.every: return
         now = self.sample()
-        if now is None or self.model.runner.compiles: self.last = now; return
-        want = spare_cores(others_busy(self.last, now), self.cores)
-        self.last = now
+        if now is None: return   # unreadable this time: the next batch tries again
+        last, self.last = self.last, now
+        if self.model.runner.compiles: return
+        want = spare_cores(others_busy(last, now), self.cores)
         if want != torch.get_num_threads():
             self.changes.append((want, self.epoch, self.iter + 1, 'training' if self.training else 'validation'))
             torch.set_num_threads(want)
 
     def after_fit(self):
-        if self.last is None: return
-        self.last = None
+        if not getattr(self, 'following', False): return
+        self.following = False
         if self.changes and not rank_distrib():
             said = ', '.join(f"{n} at epoch {e}, {ph} batch {b}" for n, e, b, ph in self.changes)
             print(f"threads followed the idle cores: {self.threads}, then {said}", flush=True)
