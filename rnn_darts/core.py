@@ -10,11 +10,11 @@ from pathlib import Path
 
 # %% auto #0
 __all__ = ['PAPER_OPS', 'PAPER_NODES', 'HOLD_ENV', 'HOLD_LIMIT', 'RENAMED', 'UserError', 'UsageError', 'foreign_warnings_off',
-           'get_device', 'cpu_name', 'usable_cpus', 'cpu_sample', 'others_busy', 'spare_cores', 'idle_cores',
-           'set_seed', 'rng_states', 'set_rng_states', 'check_positive', 'check_prob', 'check_bptt', 'check_number',
-           'check_choice', 'naming', 'write_text_atomic', 'hold_at', 'fmt_time', 'run_seconds', 'packaged_settings',
-           'read_ini', 'settings_candidates', 'find_settings', 'renamed_hint', 'read_preset', 'option_type',
-           'options_of']
+           'get_device', 'cpu_name', 'usable_cpus', 'usable_cores', 'cpu_sample', 'others_busy', 'spare_cores',
+           'idle_cores', 'set_seed', 'rng_states', 'set_rng_states', 'check_positive', 'check_prob', 'check_bptt',
+           'check_number', 'check_choice', 'naming', 'write_text_atomic', 'hold_at', 'fmt_time', 'run_seconds',
+           'packaged_settings', 'read_ini', 'settings_candidates', 'find_settings', 'renamed_hint', 'read_preset',
+           'option_type', 'options_of']
 
 # %% ../nbs/00_core.ipynb #c0e11a02
 class UserError(ValueError):
@@ -94,6 +94,10 @@ def usable_cpus() -> set|None:
     "The ids of the cores this process may run on (its affinity), None where the system does not say"
     return os.sched_getaffinity(0) if hasattr(os, 'sched_getaffinity') else None
 
+def usable_cores() -> int:
+    "How many cores this process may run on"
+    return len(usable_cpus() or range(os.cpu_count() or 1))
+
 def cpu_sample(stat:str|None=None, cpus:set|None=None) -> tuple|None:
     """(wall seconds, CPU seconds the cores `cpus` (default: `usable_cpus`) were busy with anything, CPU seconds of this
     process): one sample of `/proc/stat`'s per-core lines (`stat`: its text); None where it has no line for those cores"""
@@ -120,12 +124,11 @@ def spare_cores(others:float, n:int) -> int:
 def idle_cores(window:float=0.25) -> int:
     """The cores this process may use less those other processes keep busy (`others_busy` over `window` seconds; where
     there is no `/proc/stat`, the 1-minute load average), at least 1"""
-    cpus = usable_cpus()
-    n = len(cpus) if cpus else os.cpu_count() or 1
-    a = cpu_sample(cpus=cpus)
+    n = usable_cores()
+    a = cpu_sample()
     if a is not None:
         time.sleep(window)
-        b = cpu_sample(cpus=cpus)
+        b = cpu_sample()
         if b is not None: return spare_cores(others_busy(a, b), n)
     try: return spare_cores(os.getloadavg()[0], n)
     except (OSError, AttributeError): return n

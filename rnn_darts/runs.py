@@ -6,7 +6,7 @@
 from __future__ import annotations
 import os, sys, time
 from pathlib import Path
-from rnn_darts.core import UsageError, get_device, set_seed, check_number, check_choice, idle_cores, cpu_sample, usable_cpus
+from rnn_darts.core import UsageError, get_device, set_seed, check_number, check_choice, idle_cores, cpu_sample, usable_cores
 from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, with_taus
 from rnn_darts.plan import plan_of, with_fit, compile_key
 from rnn_darts.folder import RunFolder, RunLock, write_json_atomic
@@ -130,14 +130,12 @@ def env_threads() -> int|None:
 def set_threads(threads, dev, follow:bool=False) -> str:
     "`torch.set_num_threads`: `threads`, else `OMP_NUM_THREADS`, else on a CPU the idle cores (`rnn_darts.core.idle_cores`; `follow`: as `FollowIdleCores` will); returns what to say of it"
     import torch
-    if threads is None and env_threads() is not None and dev.type == 'cpu':
-        torch.set_num_threads(env_threads())
-        return f"{env_threads()} thread{'s' * (env_threads() > 1)}: OMP_NUM_THREADS"
     if threads is None and dev.type == 'cpu':
-        threads = idle_cores()
+        env = env_threads()
+        threads = env or idle_cores()
         torch.set_num_threads(threads)
-        return (f"{threads} thread{'s' * (threads > 1)}: the idle cores of {len(usable_cpus() or range(os.cpu_count() or 1))}"
-                f"{', followed as they change' if follow else ''}; --threads N to fix them")
+        why = 'OMP_NUM_THREADS' if env else f"the idle cores of {usable_cores()}{', followed as they change' if follow else ''}; --threads N to fix them"
+        return f"{threads} thread{'s' * (threads > 1)}: {why}"
     if threads is not None: torch.set_num_threads(threads)
     return f"{torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)}" if dev.type == 'cpu' else ''
 

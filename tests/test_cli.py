@@ -98,8 +98,8 @@ def test_an_eager_run_follows_the_idle_cores(tmp_path, monkeypatch, capsys):
     from tests._cli_probes import TINY
     calls = []
     def sample(cpus=None):   # nothing else runs while the run starts (2 idle cores); then another process keeps a core busy
-        calls.append(time.monotonic())
-        return calls[-1], (calls[-1] - calls[2] if len(calls) > 3 else 0.) + time.process_time(), time.process_time()
+        calls.append(time.monotonic()); own = time.process_time()
+        return calls[-1], (calls[-1] - calls[2] if len(calls) > 3 else 0.) + own, own
     monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
     monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: {0, 1})
     monkeypatch.setattr(core, 'cpu_sample', sample); monkeypatch.setattr(speed, 'cpu_sample', sample)

@@ -4,13 +4,13 @@
 
 # %% ../../nbs/05b_speed.ipynb #adac8364
 from __future__ import annotations
-import os, sys, threading, time
+import sys, threading, time
 from contextlib import contextmanager
 import torch
 from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastai.torch_core import rank_distrib
-from rnn_darts.core import cpu_sample, others_busy, spare_cores, usable_cpus
+from rnn_darts.core import cpu_sample, others_busy, spare_cores, usable_cores
 from rnn_darts.callbacks.epochs import in_lr_find
 from rnn_darts.plan import (PRECISIONS, COMPILE_MIN_STEPS, COMPILE_MIN_STEPS_CACHED, tf32_missing, rule, compiled_here, record_compile,
                             first_compile_s)
@@ -127,11 +127,11 @@ class FollowIdleCores(Callback):
 
     def before_fit(self):
         self.last = self.sample() if self.model.flat.data.device.type == 'cpu' and not in_lr_find(self.learn) else None
-        self.threads, self.changes, self.following = torch.get_num_threads(), [], self.last is not None
-        if self.cores is None: self.cores = len(usable_cpus() or range(os.cpu_count() or 1))
+        self.threads, self.changes = torch.get_num_threads(), []
+        if self.cores is None: self.cores = usable_cores()
 
     def after_batch(self):
-        if not self.following or time.monotonic() - self.last[0] < self.every: return
+        if self.last is None or time.monotonic() - self.last[0] < self.every: return
         now = self.sample()
         if now is None: return   # unreadable this time: the next batch tries again
         last, self.last = self.last, now
@@ -142,8 +142,8 @@ class FollowIdleCores(Callback):
             torch.set_num_threads(want)
 
     def after_fit(self):
-        if not getattr(self, 'following', False): return
-        self.following = False
+        if self.last is None: return
+        self.last = None
         if self.changes and not rank_distrib():
             said = ', '.join(f"{n} at epoch {e}, {ph} batch {b}" for n, e, b, ph in self.changes)
             print(f"threads followed the idle cores: {self.threads}, then {said}", flush=True)
