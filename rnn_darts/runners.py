@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 import torch
 from rnn_darts import kernels
-from rnn_darts.kernels import Deferred, DeferredWeight, WeightGroup, StepWeight, _Tapped, _map, _collect
+from rnn_darts.kernels import Deferred, DeferredWeight, WeightGroup, StepWeight, _Tapped, tap_pieces, _map, _collect
 
 # %% auto #0
 __all__ = ['EAGER', 'Eager', 'running', 'twice_differentiable', 'plain_step', 'tapped_step', 'own_steps', 'Compiled', 'Fused',
@@ -67,7 +67,8 @@ def plain_step(cell, xw_t, h, mh, ctx):
 
 def tapped_step(cell, xw_t, h, mh, ctx):
     "The time step with each `StepWeight` in `ctx` as a `_Tapped`; returns the new state and the taps' product inputs, stacked"
-    ctx = _map(ctx, StepWeight, _Tapped)
+    pieces = iter(tap_pieces(_collect(ctx, StepWeight)))
+    ctx = _map(ctx, StepWeight, lambda sw: _Tapped(sw, next(pieces)))
     return plain_step(cell, xw_t, h, mh, ctx), torch.stack([w.a for w in _collect(ctx, _Tapped)])
 
 @lru_cache(None)

@@ -512,6 +512,23 @@ def test_compiled_forwards_tap_their_weights_only_if_the_largest_is_big():
     with kernels.taps_from(0): assert tapped_steps(8)[0] == {'tapped'}   # rnn-darts check's tiny cells: the paper's graphs
     assert tapped_steps(8)[0] == {'plain'}   # and the threshold put back
 
+def test_a_compiled_steps_tap_gradient_is_one_concatenation(monkeypatch):
+    """A tapped compiled step's weights share one tap, split once (`tap_pieces`): in its backward graph the tap's gradient
+    is one concatenation of the products' output gradients. Slices of the tap made it a sum of zero-padded gradients
+    (`slice_backward`), which Inductor wrote element by element through a mask per weight: 5.9 ms of each backward at
+    nhid 300 (0.41 s of a 5.5 s second-order step), against 0.8 ms for the concatenation"""
+    from torch._dynamo.backends.common import aot_autograd
+    monkeypatch.setattr(kernels, 'TAP_MIN_NUMEL', 0)   # taps at this size too
+    torch._dynamo.reset()
+    backwards = []
+    keep = lambda gm, _: backwards.append(gm) or gm
+    m, x, y = tiny_search()
+    m.runner = Compiled(m.cell, backend=aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=keep))
+    m.loss(x, y, advance=False).backward()
+    tap = [2 * 8 * (1 + STEPS * (STEPS + 1) // 2), 4]   # (Σ out, bs): W0's h rows and each state's successors' nodes, c and h
+    made = lambda op: [list(n.meta['val'].shape) for g in backwards for n in g.graph.nodes if n.target == op]
+    assert tap in made(torch.ops.aten.cat.default) and tap not in made(torch.ops.aten.slice_backward.default)
+
 def _mark_accumulators(loss):
     "Tag every gradient accumulator `loss` reaches (a node's metadata lives as long as the node)"
     todo, seen = [loss.grad_fn], set()
