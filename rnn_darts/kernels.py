@@ -15,8 +15,9 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 # %% auto #0
 __all__ = ['ONEDNN', 'KERNEL', 'MEASURE_S', 'KEEP_FREED_MEMORY', 'TAP_MIN_NUMEL', 'kernel_table', 'machine_key', 'product_key',
-           'time_kernels', 'onednn_faster', 'kernel_choices', 'fastest', 'mm_t', 'onednn_mm_t', 'product',
-           'DeferredWeight', 'Deferred', 'StepWeight', 'tap_pieces', 'WeightGroup', 'linear', 'tanh', 'taps_from']
+           'time_kernels', 'onednn_faster', 'kernel_choices', 'fastest', 'mm_t', 'onednn_mm_t', 'product', 'packs',
+           'Packed', 'PackedWeights', 'DeferredWeight', 'Deferred', 'StepWeight', 'tap_pieces', 'WeightGroup', 'linear',
+           'tanh', 'taps_from']
 
 # %% ../nbs/03a_kernels.ipynb #68cc1122
 def _onednn_fp32() -> bool:
@@ -183,6 +184,54 @@ def product(a, b):
     "`a @ b.T` with autograd for 2-d `a`, `b`, through the kernel measured faster here"
     return onednn_mm_t(a, b) if onednn_faster(a, b) else F.linear(a, b)
 
+def packs(W, bs:int) -> bool:
+    "Whether a compiled pass multiplies `bs` rows by the weight `W`, constant in it, through a oneDNN copy of `W` made once (`PackedWeights`): where oneDNN is the product's kernel here"
+    if not _on_onednn(W, W): return False
+    if KERNEL != 'measured': return _forced()
+    return _choose(bs, W.shape[1], W.shape[0], True, W.stride(1) == 1, False)
+
+class Packed(NamedTuple):
+    "A weight a compiled pass multiplies by as a constant, and the token of the pass's `PackedWeights`"
+    W: torch.Tensor
+    token: torch.Tensor
+
+_PASSES = weakref.WeakValueDictionary()   # token -> its pass's `PackedWeights`, while the pass's graph holds them
+_PASS_IDS = itertools.count()
+
+def _where(b): return (b.data_ptr(), *b.shape, *b.stride())
+
+class PackedWeights:
+    """oneDNN's own layout of the weights (and their transposes) that one pass's compiled time steps multiply by as constants,
+    made once for the pass where oneDNN otherwise reorders a weight in every product. A product finds them by its pass's
+    token, so a copy serves only the pass it was made for: a weight changed in place afterwards, even through `.data`
+    (which its version counter does not see), is never multiplied by a stale copy"""
+    def __init__(self, Ws, bs:int):
+        self.token = torch.tensor(next(_PASS_IDS))
+        self.copies = {_where(b): torch.ops.mkldnn._reorder_linear_weight(b.contiguous(), bs) for W in Ws for b in (W, W.t())}
+        _PASSES[int(self.token)] = self
+
+def _mm_packed(a, b, token):
+    "`a @ bᵀ` in oneDNN, by the copy of `b` that pass `token` made, if it is alive (else by `b` itself)"
+    pw = _PASSES.get(int(token))
+    return _onednn(a, b if pw is None else pw.copies.get(_where(b), b))
+
+if not hasattr(torch.ops.rnn_darts, 'mm_packed'):
+    _PACKED_LIB = torch.library.Library('rnn_darts', 'FRAGMENT')
+    _PACKED_LIB.define('mm_packed(Tensor a, Tensor b, Tensor token) -> Tensor')
+    _PACKED_LIB.impl('mm_packed', lambda a, b, token: _mm_packed(a, b, token), 'CPU')
+    torch.library.register_fake('rnn_darts::mm_packed')(lambda a, b, token: a.new_empty(a.shape[0], b.shape[0]))
+
+class _PackedMmT(torch.autograd.Function):
+    "`a @ Wᵀ` for a weight constant in the pass (its gradient, if any, through a tap), forward and ∂/∂a by the pass's copies"
+    @staticmethod
+    def forward(ctx, a, W, token):
+        ctx.save_for_backward(W, token)
+        return torch.ops.rnn_darts.mm_packed(a, W, token)
+    @staticmethod
+    def backward(ctx, g):
+        W, token = ctx.saved_tensors
+        return torch.ops.rnn_darts.mm_packed(g, W.t(), token), None, None
+
 class _SummedGrad(torch.autograd.Function):
     """A token that depends on `W`; its backward (after every step's) returns the gradient summed from the stashed products.
     It refers to its `DeferredWeight` weakly: the weight holds the token, and a cycle would keep the step's autograd graph
@@ -325,6 +374,7 @@ class WeightGroup:
 
 def linear(a, W):
     "`a @ W.T` with autograd, `a` of any leading shape; float32 CPU products (forward and backward) through the kernels measured faster here"
+    if isinstance(W, Packed): return _PackedMmT.apply(a.reshape(-1, a.shape[-1]), W.W, W.token).view(*a.shape[:-1], W.W.shape[0])
     if isinstance(W, (DeferredWeight, _Tapped)): return W(a)
     if not _on_onednn(a, W): return F.linear(a, W)
     return product(a.reshape(-1, a.shape[-1]), W).view(*a.shape[:-1], W.shape[0])

@@ -95,20 +95,52 @@ class Compiled(Eager):
         return h.detach().requires_grad_() if torch.is_grad_enabled() and not h.requires_grad else h
     def steps(self, cell, ctx):
         if cell is not self.cell: raise ValueError(f"this runner compiled the step of another cell ({type(self.cell).__name__} at {id(self.cell):#x})")
+        weights = [d.W for d in _collect(ctx, Deferred)]
+        big = bool(weights) and max(W.numel() for W in weights) >= kernels.TAP_MIN_NUMEL
         ctx = self.resolve(ctx)
         deferred = _collect(ctx, Deferred)
-        if deferred and max(d.W.numel() for d in deferred) < kernels.TAP_MIN_NUMEL: ctx, deferred = _map(ctx, Deferred, lambda d: d.W), []
-        if not deferred: return lambda t, xw_t, h, mh: self.plain(xw_t, h, mh, ctx)
+        if deferred and not big: ctx, deferred = _map(ctx, Deferred, lambda d: d.W), []
+        if not deferred:
+            packing = _Packing([W for W in weights if not (torch.is_grad_enabled() and W.requires_grad)] if big else [])
+            def plain(t, xw_t, h, mh):
+                if t == 0: h = packing.start(h)
+                return self.plain(xw_t, h, mh, _map(ctx, torch.Tensor, packing))
+            return plain if packing.Ws else lambda t, xw_t, h, mh: self.plain(xw_t, h, mh, ctx)
         group = WeightGroup([d.W for d in deferred], transposed=True)
+        packing = _Packing(group.Ws)
         def step(t, xw_t, h, mh):
+            if t == 0: h = packing.start(h)
             taps = iter(group.taps(t, h.shape[0]))
-            h, inputs = self.tapped(xw_t, h, mh, _map(ctx, Deferred, lambda d: next(taps)))
+            h, inputs = self.tapped(xw_t, h, mh, _map(ctx, Deferred, lambda d: packing.step_weight(next(taps))))
             group.inputs.append(inputs)
             return h
         return step
 
     def compiled(self, cell, **kwargs): return Compiled(cell, self.fused_loss, **{**self.kwargs, **kwargs})
     def portable(self): return Eager(fused_loss=self.fused_loss)
+
+class _Holding(torch.autograd.Function):
+    "The identity on a pass's first state, whose autograd node holds `what` as long as the pass's graph lives (its backward uses it too)"
+    @staticmethod
+    def forward(ctx, h, what):
+        ctx.what = what
+        return h.view_as(h)
+    @staticmethod
+    def backward(ctx, g): return g, None
+
+class _Packing:
+    """Which of a compiled pass's weights `Ws`, constant in it (tapped, or wanting no gradient), its time steps multiply by
+    through oneDNN's copies (`kernels.PackedWeights`): those oneDNN runs here, the copies made at the first time step"""
+    def __init__(self, Ws): self.Ws, self.packed = Ws, {}
+    def start(self, h):
+        "Make the copies for `h`'s rows; returns `h`, whose autograd node now holds them"
+        keep = [W for W in self.Ws if kernels.packs(W, h.shape[0])]
+        if not keep: return h
+        self.copies = kernels.PackedWeights(keep, h.shape[0])   # held here while the steps run, by the graph after
+        self.packed = {id(W): kernels.Packed(W, self.copies.token) for W in keep}
+        return _Holding.apply(h, self.copies) if h.requires_grad else h
+    def __call__(self, W): return self.packed.get(id(W), W)
+    def step_weight(self, sw): return sw._replace(W=self(sw.W))
 
 # %% ../nbs/03f_runners.ipynb #7e66bb6b
 class Fused(Eager):

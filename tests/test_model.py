@@ -1,5 +1,5 @@
 "Cell equations against a plain per-edge, per-op implementation; packed/flat views; masks; determinism."
-import copy, math, tempfile
+import copy, gc, math, tempfile
 from pathlib import Path
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V1, DARTS_V2, ENAS, Genotype
@@ -528,6 +528,44 @@ def test_a_compiled_steps_tap_gradient_is_one_concatenation(monkeypatch):
     tap = [2 * 8 * (1 + STEPS * (STEPS + 1) // 2), 4]   # (Σ out, bs): W0's h rows and each state's successors' nodes, c and h
     made = lambda op: [list(n.meta['val'].shape) for g in backwards for n in g.graph.nodes if n.target == op]
     assert tap in made(torch.ops.aten.cat.default) and tap not in made(torch.ops.aten.slice_backward.default)
+
+@pytest.mark.skipif(not kernels.ONEDNN, reason="oneDNN's float32 products do not run here")
+def test_a_compiled_pass_multiplies_by_its_own_onednn_copies(monkeypatch):
+    """A compiled pass's constant weights (tapped, or wanting no gradient) are multiplied, forward and backward, by the oneDNN
+    copies the pass made (`kernels.PackedWeights`), with eager's numbers; the copies live while the pass's graph does, and a
+    pass after the weights changed through `.data` (which no version counter sees) makes its own, with an older pass's
+    graph still alive"""
+    monkeypatch.setattr(kernels, 'TAP_MIN_NUMEL', 0); monkeypatch.setattr(kernels, 'KERNEL', 'onednn')
+    torch._dynamo.reset()
+    found, real = [], kernels._mm_packed
+    def spy(a, b, token):
+        pw = kernels._PASSES.get(int(token))
+        found.append(pw is not None and kernels._where(b) in pw.copies)
+        return real(a, b, token)
+    monkeypatch.setattr(kernels, '_mm_packed', spy)
+    m, x, y = tiny_search(COMPILED_STEPS)
+    m.alpha.requires_grad_(True)
+    def passes():
+        "a pass with weight gradients (tapped), an ∂/∂α-only one, and one without gradients"
+        losses = [m.loss(x, y, advance=False, weight_grads=w) for w in (True, False)]
+        out = [*torch.autograd.grad(losses[0], [m.alpha, m.cell.block]), *torch.autograd.grad(losses[1], m.alpha)]
+        with torch.no_grad(): out.append(m.loss(x, y, advance=False))
+        return [*out, *(l.detach() for l in losses)], losses
+    tol = dict(rtol=1e-3, atol=1e-5)   # oneDNN's blocked layout against its plain one: another rounding
+    with m.frozen_masks():
+        eager, _ = passes()
+        m.runner = compiled_runner = Compiled(m.cell, backend=AOT)
+        compiled, alive = passes()
+        for a, b in zip(eager, compiled): torch.testing.assert_close(a, b, **tol)
+        gc.collect()   # a first compile's frames, in a cycle, hold the no-gradient pass's step until the collector runs
+        assert len(found) > 0 and all(found) and len(kernels._PASSES) == 2   # every product by its pass's copy; the graphs hold theirs
+        m.cell.block.data.mul_(1.5)
+        m.runner = Eager(); eager, _ = passes()
+        m.runner = compiled_runner; found.clear()
+        for a, b in zip(eager, passes()[0]): torch.testing.assert_close(a, b, **tol)
+        assert all(found)
+    del alive; gc.collect()
+    assert len(kernels._PASSES) == 0   # the copies die with their graphs
 
 def _mark_accumulators(loss):
     "Tag every gradient accumulator `loss` reaches (a node's metadata lives as long as the node)"
