@@ -205,9 +205,11 @@ class PackedWeights:
     made once for the pass where oneDNN otherwise reorders a weight in every product. A product finds them by its pass's
     token, so a copy serves only the pass it was made for: a weight changed in place afterwards, even through `.data`
     (which its version counter does not see), is never multiplied by a stale copy"""
-    def __init__(self, Ws, bs:int):
+    def __init__(self, Ws, bs:int, transposes:bool=True):
+        "`transposes=False`: no copies of `Wᵀ`, which only a backward's input gradients multiply by"
         self.token = torch.tensor(next(_PASS_IDS))
-        self.copies = {_where(b): torch.ops.mkldnn._reorder_linear_weight(b.contiguous(), bs) for W in Ws for b in (W, W.t())}
+        self.copies = {_where(b): torch.ops.mkldnn._reorder_linear_weight(b.contiguous(), bs)
+                       for W in Ws for b in ((W, W.t()) if transposes else (W,))}
         _PASSES[int(self.token)] = self
 
 def _mm_packed(a, b, token):
@@ -373,8 +375,10 @@ class WeightGroup:
 
 
 def linear(a, W):
-    "`a @ W.T` with autograd, `a` of any leading shape; float32 CPU products (forward and backward) through the kernels measured faster here"
-    if isinstance(W, Packed): return _PackedMmT.apply(a.reshape(-1, a.shape[-1]), W.W, W.token).view(*a.shape[:-1], W.W.shape[0])
+    "`a @ W.T` with autograd, `a` of any leading shape; float32 CPU products (forward and backward) through the kernels measured faster here, a `Packed` weight's through its pass's oneDNN copies"
+    if isinstance(W, Packed):
+        if _on_onednn(a, W.W): return _PackedMmT.apply(a.reshape(-1, a.shape[-1]), W.W, W.token).view(*a.shape[:-1], W.W.shape[0])
+        W = W.W   # `a` not float32 on a CPU: the copies do not serve it
     if isinstance(W, (DeferredWeight, _Tapped)): return W(a)
     if not _on_onednn(a, W): return F.linear(a, W)
     return product(a.reshape(-1, a.shape[-1]), W).view(*a.shape[:-1], W.shape[0])

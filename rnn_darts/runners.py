@@ -97,14 +97,16 @@ class Compiled(Eager):
         if cell is not self.cell: raise ValueError(f"this runner compiled the step of another cell ({type(self.cell).__name__} at {id(self.cell):#x})")
         weights = [d.W for d in _collect(ctx, Deferred)]
         big = bool(weights) and max(W.numel() for W in weights) >= kernels.TAP_MIN_NUMEL
-        ctx = self.resolve(ctx)
+        marked, ctx = ctx, self.resolve(ctx)
         deferred = _collect(ctx, Deferred)
         if deferred and not big: ctx, deferred = _map(ctx, Deferred, lambda d: d.W), []
         if not deferred:
             packing = _Packing([W for W in weights if not (torch.is_grad_enabled() and W.requires_grad)] if big else [])
+            packed = ctx
             def plain(t, xw_t, h, mh):
-                if t == 0: h = packing.start(h)
-                return self.plain(xw_t, h, mh, _map(ctx, torch.Tensor, packing))
+                nonlocal packed
+                if t == 0: h = packing.start(h); packed = _map(marked, Deferred, lambda d: packing(d.W))
+                return self.plain(xw_t, h, mh, packed)
             return plain if packing.Ws else lambda t, xw_t, h, mh: self.plain(xw_t, h, mh, ctx)
         group = WeightGroup([d.W for d in deferred], transposed=True)
         packing = _Packing(group.Ws)
@@ -133,10 +135,10 @@ class _Packing:
     through oneDNN's copies (`kernels.PackedWeights`): those oneDNN runs here, the copies made at the first time step"""
     def __init__(self, Ws): self.Ws, self.packed = Ws, {}
     def start(self, h):
-        "Make the copies for `h`'s rows; returns `h`, whose autograd node now holds them"
+        "Make the copies for `h`'s rows (and their transposes where a backward may follow); returns `h`, whose autograd node, if it has one, now holds them"
         keep = [W for W in self.Ws if kernels.packs(W, h.shape[0])]
         if not keep: return h
-        self.copies = kernels.PackedWeights(keep, h.shape[0])   # held here while the steps run, by the graph after
+        self.copies = kernels.PackedWeights(keep, h.shape[0], h.requires_grad)   # held here while the steps run, by the graph after
         self.packed = {id(W): kernels.Packed(W, self.copies.token) for W in keep}
         return _Holding.apply(h, self.copies) if h.requires_grad else h
     def __call__(self, W): return self.packed.get(id(W), W)
