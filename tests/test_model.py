@@ -529,6 +529,7 @@ def test_a_compiled_steps_tap_gradient_is_one_concatenation(monkeypatch):
     made = lambda op: [list(n.meta['val'].shape) for g in backwards for n in g.graph.nodes if n.target == op]
     assert tap in made(torch.ops.aten.cat.default) and tap not in made(torch.ops.aten.slice_backward.default)
 
+@pytest.mark.slow   # two AOT graphs, about 15 s
 @pytest.mark.skipif(not kernels.ONEDNN, reason="oneDNN's float32 products do not run here")
 def test_a_compiled_pass_multiplies_by_its_own_onednn_copies(monkeypatch):
     """A compiled pass's constant weights (tapped, or wanting no gradient) are multiplied, forward and backward, by the oneDNN
