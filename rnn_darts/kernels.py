@@ -135,9 +135,11 @@ _FAST = {}   # (threads, shape and layout) -> bool: an eager product's lookup wi
 
 def onednn_faster(a, b, bias=None) -> bool:
     "Whether `a @ bᵀ (+ bias)` runs in oneDNN: float32 on a CPU, and oneDNN measured faster than aten here for this shape and layout"
-    if not _on_onednn(a, b): return False
+    return _on_onednn(a, b) and _onednn_chosen(_key(a, b, bias))
+
+def _onednn_chosen(k) -> bool:
+    "Whether a float32 CPU product of shape and layout `k` (`_key`) runs in oneDNN: forced by `KERNEL`, or measured faster"
     if KERNEL != 'measured': return _forced()
-    k = _key(a, b, bias)
     if torch.compiler.is_compiling(): return _choose(*k)   # a constant of the graph
     fast = _FAST.get((torch.get_num_threads(),) + k)
     if fast is None: fast = _FAST[(torch.get_num_threads(),) + k] = _choose(*k)
@@ -186,9 +188,7 @@ def product(a, b):
 
 def packs(W, bs:int) -> bool:
     "Whether a compiled pass multiplies `bs` rows by the weight `W`, constant in it, through a oneDNN copy of `W` made once (`PackedWeights`): where oneDNN is the product's kernel here"
-    if not _on_onednn(W, W): return False
-    if KERNEL != 'measured': return _forced()
-    return _choose(bs, W.shape[1], W.shape[0], True, W.stride(1) == 1, False)
+    return _on_onednn(W, W) and _onednn_chosen((bs, W.shape[1], W.shape[0], True, W.stride(1) == 1, False))
 
 class Packed(NamedTuple):
     "A weight a compiled pass multiplies by as a constant, and the token of the pass's `PackedWeights`"

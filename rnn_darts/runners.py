@@ -100,14 +100,15 @@ class Compiled(Eager):
         marked, ctx = ctx, self.resolve(ctx)
         deferred = _collect(ctx, Deferred)
         if deferred and not big: ctx, deferred = _map(ctx, Deferred, lambda d: d.W), []
+        constant = [W for W in weights if not (torch.is_grad_enabled() and W.requires_grad)] if big else []
+        if not deferred and not constant: return lambda t, xw_t, h, mh: self.plain(xw_t, h, mh, ctx)
         if not deferred:
-            packing = _Packing([W for W in weights if not (torch.is_grad_enabled() and W.requires_grad)] if big else [])
-            packed = ctx
+            packing, packed = _Packing(constant), ctx
             def plain(t, xw_t, h, mh):
                 nonlocal packed
                 if t == 0: h = packing.start(h); packed = _map(marked, Deferred, lambda d: packing(d.W))
                 return self.plain(xw_t, h, mh, packed)
-            return plain if packing.Ws else lambda t, xw_t, h, mh: self.plain(xw_t, h, mh, ctx)
+            return plain
         group = WeightGroup([d.W for d in deferred], transposed=True)
         packing = _Packing(group.Ws)
         def step(t, xw_t, h, mh):
