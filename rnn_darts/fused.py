@@ -477,11 +477,13 @@ def derived_runner(cell, ctx, tf32:bool=False):
 def search_runner(cell, ctx, tf32:bool=False):
     """`step(t, xw_t, h, mh)` of the search cell through `FusedSearchStep` (in training: batch statistics), its weights
     as `derived_runner`'s; None where the kernels cannot run it"""
-    W0hT, Wsuf, leaving, update_stats = ctx
-    ws = [W0hT, *Wsuf]
+    W0hT, Ws, probs, update_stats = ctx
+    ws = [W0hT, *Ws]
     if not cell.bn.training or not _runnable(ws): return None
-    W, leaving = torch.cat([_plain(W0hT), _plain(Wsuf[0])]), leaving.contiguous()   # Wsuf[0] is all of WhT
-    return _taps(lambda xw_t, h, tap, mh: FusedSearchStep.apply(xw_t, h, tap, W, leaving, mh, cell.bn, update_stats, tf32), _group(ws))
+    W, leaving = torch.cat([_plain(w) for w in ws]), probs[cell.leaving].contiguous()
+    # the kernels multiply each state by the matrices of all the nodes after it: their gradients by those suffixes
+    by_state = [W0hT, *(Deferred(torch.cat([w.W for w in Ws[j:]])) for j in range(len(Ws)))] if isinstance(W0hT, Deferred) else ws
+    return _taps(lambda xw_t, h, tap, mh: FusedSearchStep.apply(xw_t, h, tap, W, leaving, mh, cell.bn, update_stats, tf32), _group(by_state))
 
 RUNNERS = dict(derived=derived_runner, search=search_runner)   # by the cell's `kind`
 

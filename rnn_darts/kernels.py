@@ -281,8 +281,9 @@ class DeferredWeight:
         return self.grad
 
 class Deferred(NamedTuple):
-    "A weight whose gradient a cell's forward defers: each eager time step through a `DeferredWeight`, compiled or fused ones through one `WeightGroup`"
+    "A weight whose gradient a cell's forward defers: each eager time step through a `DeferredWeight`, compiled or fused ones through one `WeightGroup`; its product takes `rows` row blocks of bs a time step: its own and the blocks of the `rows` − 1 weights before it (a search node's stacked predecessors)"
     W: torch.Tensor
+    rows: int = 1
 
 class _GroupGrad(torch.autograd.Function):
     "A token that depends on a `WeightGroup`'s weights; its backward (after every time step's) returns their gradients, summed from the stash (weakly referred to, as `_SummedGrad`)"
@@ -311,8 +312,8 @@ _SCRATCH = {}   # (shape, dtype, device) -> a buffer
 
 def _scratch(shape, like) -> torch.Tensor:
     """A buffer of `shape` like `like`, the same one each time it is asked for: what a flush concatenates into and reads
-    before it returns. A fresh one above malloc's mmap threshold (32 MB: a `WeightGroup`'s 22,200 × 512 floats at nhid 300)
-    costs its page faults at every flush, more than the copy itself"""
+    before it returns. A fresh one above malloc's mmap threshold (32 MB: 22,200 × 512 floats, the search cell's group at nhid
+    300 when its products went by the node they leave) costs its page faults at every flush, more than the copy itself"""
     key = (tuple(shape), like.dtype, like.device)
     buf = _SCRATCH.get(key)
     if buf is None: buf = _SCRATCH[key] = like.new_empty(shape)
@@ -325,51 +326,66 @@ class StepWeight(NamedTuple):
     start: int
     stop: int
     transposed: bool = False   # the tap is (Σ out × bs): its gradient comes as Gᵀ, the layout the weights' products take
+    dim: int = 0               # of a transposed tap, the one its weights' pieces lie along: 1 where it is (out × Σ rows)
+    rows: int = 1              # row blocks of bs the product takes: the last ones of the step's product inputs (`WeightGroup`)
 
 class _Tapped:
     "Inside a compiled step: `a Wᵀ + piece` with `W` detached (no per-step ∂W) and `piece` its columns of the step's tap, keeping `a` for the summed gradient"
     def __init__(self, sw, piece): self.sw, self.piece, self.a = sw, piece, None
     def __call__(self, a):
-        self.a = a.detach()
+        self.a = a.detach()[a.shape[0] - a.shape[0] // self.sw.rows:]   # the newest row block: the earlier ones are other products'
         return linear(a, self.sw.W) + (self.piece.t() if self.sw.transposed else self.piece)
 
 def tap_pieces(sws) -> tuple:
     """The tap the `StepWeight`s `sws` (one time step's, in `WeightGroup.taps`' order) share, split once into their columns.
     One split's gradient is one concatenation; slices of the tap would make it a sum of zero-padded gradients, which
     Inductor writes element by element through a mask per weight (5.9 ms a backward at nhid 300, against under 1)"""
-    return sws[0].tap.split([sw.stop - sw.start for sw in sws], 0 if sws[0].transposed else -1)
+    return sws[0].tap.split([sw.stop - sw.start for sw in sws], sws[0].dim if sws[0].transposed else -1)
 
 class WeightGroup:
     """The weights (out_k × in) a compiled forward's time steps multiply by, their gradients deferred together: each time
     step gets one tap for all its products (`taps`) and hands back their inputs stacked (`inputs[t]`: weights × bs × in);
     every `steps_per_product` time steps, one product per weight `G_kᵀ A_k` over them is added to its gradient"""
     steps_per_product = 8
-    def __init__(self, Ws, transposed=False):
-        "`transposed`: taps of shape (Σ out × bs), whose gradients a compiled graph writes as the products take them (no transposing copy)"
-        self.Ws, self.transposed = [W.detach() for W in Ws], transposed
-        ends = [0] + list(itertools.accumulate(W.shape[0] for W in Ws))
-        self.cols = list(zip(ends[:-1], ends[1:]))
+    def __init__(self, Ws, transposed=False, rows=None):
+        """`transposed`: taps of shape (Σ out × bs), whose gradients a compiled graph writes as the products take them (no
+        transposing copy). `rows[k]`: weight k's product takes `rows[k]` row blocks of bs a time step, the last ones of the
+        step's product inputs so far (each product adds its newest block; a search node's are its stacked predecessors);
+        where one takes more than one block, the weights (all of one out) share a tap (out × Σ rows·bs), their products'
+        rows side by side (`side`)"""
+        self.Ws, self.transposed, self.rows = [W.detach() for W in Ws], transposed, list(rows or [1] * len(Ws))
+        self.side = max(self.rows) > 1
+        if self.side and (not transposed or len({W.shape[0] for W in Ws}) > 1):
+            raise ValueError("products of several row blocks need transposed taps and weights of one output size")
+        ends = [0] + list(itertools.accumulate(self.rows if self.side else [W.shape[0] for W in Ws]))
+        self.cols = list(zip(ends[:-1], ends[1:]))   # each weight's rows of the tap; with `side`, its columns, in blocks of bs
         self.stash, self.inputs, self.grads = [], [], None
         self.token = _GroupGrad.apply(self, *Ws)
     def tap(self, t, bs):
         "Time step `t`'s tap: a zero (bs × Σ out) whose gradient, the products' output gradients side by side, is stashed with `inputs[t]`"
         n = self.cols[-1][1]
-        return _GroupTap.apply(self.token, self, t, (n, bs) if self.transposed else (bs, n))
+        shape = (self.Ws[0].shape[0], n * bs) if self.side else (n, bs) if self.transposed else (bs, n)
+        return _GroupTap.apply(self.token, self, t, shape)
     def taps(self, t, bs):
         "Time step `t`'s `StepWeight`s, in the order of the weights, sharing one tap"
-        tap = self.tap(t, bs)
-        return [StepWeight(W, tap, a, b, self.transposed) for W, (a, b) in zip(self.Ws, self.cols)]
+        tap, u = self.tap(t, bs), bs if self.side else 1
+        return [StepWeight(W, tap, a * u, b * u, self.transposed, int(self.side), r) for W, (a, b), r in zip(self.Ws, self.cols, self.rows)]
     def add(self, a, g):
         self.stash.append((a, g))
         if len(self.stash) == self.steps_per_product: self.flush()
     def flush(self):
         "Add each weight's `Σ_t g_tᵀ a_t` over the stash to its gradient; returns the gradients so far"
         if self.stash:
-            A = torch.cat([a for a, _ in self.stash], 1)                 # weights × (steps·bs) × in
-            gs = [g if self.transposed else g.t() for _, g in self.stash]
-            GT = torch.cat(gs, 1, out=_scratch((gs[0].shape[0], sum(g.shape[1] for g in gs)), gs[0]))   # Σ out × (steps·bs), contiguous: see `_mm_t_backward`
+            ins, gs = [a for a, _ in self.stash], [g if self.transposed else g.t() for _, g in self.stash]
             self.stash = []
-            gWs = [mm_t(GT[a:b], A[k].t()) for k, (a, b) in enumerate(self.cols)]
+            if self.side:   # per step, inputs (one block of bs per weight) and a gradient out × (Σ rows·bs): each weight's columns over the steps
+                u = ins[0].shape[0] // len(self.Ws)
+                gWs = [mm_t(torch.cat([g[:, a * u:b * u] for g in gs], 1), torch.cat([x[(k + 1 - r) * u:(k + 1) * u] for x in ins]).t())
+                       for k, ((a, b), r) in enumerate(zip(self.cols, self.rows))]
+            else:
+                A = torch.cat([x.view(len(self.Ws), -1, x.shape[-1]) for x in ins], 1)   # weights × (steps·bs) × in
+                GT = torch.cat(gs, 1, out=_scratch((gs[0].shape[0], sum(g.shape[1] for g in gs)), gs[0]))   # Σ out × (steps·bs), contiguous: see `_mm_t_backward`
+                gWs = [mm_t(GT[a:b], A[k].t()) for k, (a, b) in enumerate(self.cols)]
             self.grads = gWs if self.grads is None else [g.add_(d) for g, d in zip(self.grads, gWs)]
         return self.grads
 
@@ -425,7 +441,7 @@ def tanh(x):
     "tanh; in a graph compiled for a CPU `_RationalTanh`: forward and backward 3× faster than Inductor's CPU tanh (0.77 vs 2.4 ns per float)"
     return _RationalTanh.apply(x) if torch.compiler.is_compiling() and x.device.type == 'cpu' else torch.tanh(x)
 
-TAP_MIN_NUMEL = 2**17   # compiled steps tap their weights (one `WeightGroup`) if the largest has this many elements: at nhid 64 taps cost 5–15% on a CPU
+TAP_MIN_NUMEL = 2**17   # compiled steps tap their weights (one `WeightGroup`) if the largest product's (a weight's elements × its row blocks) has this many: at nhid 64 taps cost 5–15% on a CPU
 
 @contextmanager
 def taps_from(numel:int):

@@ -209,31 +209,29 @@ class DartsCellSearch(PackedCell):
         probs = self.probs if probs is None else probs
         if probs is None: raise ValueError("the search cell mixes its ops by `probs` (edges, ops): pass probs=... (the model passes softmax(α))")
         WhT = self.WhT_of(self.block if block is None else block)
-        Wsuf = tuple(WhT[j * n2:] for j in range(steps))
-        return (*super().per_sequence(block), tuple(Deferred(W) for W in Wsuf), probs[self.leaving], update_stats)
+        return (*super().per_sequence(block), tuple(Deferred(WhT[i * n2:(i + 1) * n2], i + 1) for i in range(steps)), probs, update_stats)
 
     def prepare(self, ctx):
-        "Per node j, the weights of the edges leaving j (each op's (downstream, 1), in `mixed_op`'s order) and their non-`none` sum"
-        W0hT, Wsuf, leaving, update_stats = ctx
-        w = [p.t()[1:, :, None] for p in leaving.split(list(range(self.n_nodes, 0, -1)))]
+        "Per node i, the weights of its incoming edges (each op's (i, 1, 1), in `mixed_op`'s order) and their non-`none` sum"
+        W0hT, Ws, probs, update_stats = ctx
+        w = [p.t()[1:, :, None, None] for p in probs.split(list(range(1, self.n_nodes + 1)))]
         by_op = [p.unbind(0) for p in w]   # one view per op, in one operator (not one `select` each: ~5% more operators per step)
-        return W0hT, Wsuf, tuple(tuple(p[k] for k in self.order) for p in by_op), tuple(p.sum(0) for p in w), update_stats
+        return W0hT, Ws, tuple(tuple(p[k] for k in self.order) for p in by_op), tuple(p.sum(0) for p in w), update_stats
 
     def step(self, xw_t, h, mh, ctx):
-        W0hT, Wsuf, edge_w, edge_sum, update_stats = ctx
-        n, steps = self.nhid, self.n_nodes
+        W0hT, Ws, edge_w, edge_sum, update_stats = ctx
+        n = self.nhid
         s = self.norm(self.init_state(xw_t, h, mh, W0hT), 0, update_stats)
-        rest, total = None, 0
-        for j in range(steps):
-            c, hh = linear(s if mh is None else s * mh, Wsuf[j]).view(s.shape[0], steps - j, 2 * n).split(n, dim=-1)
-            mix = mixed_op(hh, self.fns, edge_w[j])
-            ps = edge_sum[j] * s[:, None]
-            term = torch.addcmul(ps, c.sigmoid(), mix - ps)
-            acc = term if rest is None else rest + term
-            done, rest = acc.split([1, steps - j - 1], dim=1)
-            s = self.norm(done.squeeze(1), j + 1, update_stats)
+        states, total = [s], 0
+        for i, W in enumerate(Ws, 1):   # node i from its predecessors 0…i−1 stacked: one product by its matrix
+            S = torch.stack(states)
+            c, hh = linear((S if mh is None else S * mh).view(-1, n), W).view(i, -1, 2 * n).split(n, dim=-1)
+            ps = edge_sum[i - 1] * S
+            term = torch.addcmul(ps, c.sigmoid(), mixed_op(hh, self.fns, edge_w[i - 1]) - ps)
+            s = self.norm(term.sum(0), i, update_stats)
+            states.append(s)
             total = total + s
-        return total / steps
+        return total / self.n_nodes
 
 # %% ../nbs/03_model.ipynb #b8e14b6d
 class LanguageModel(FlatModule):

@@ -69,7 +69,7 @@ def tapped_step(cell, xw_t, h, mh, ctx):
     "The time step with each `StepWeight` in `ctx` as a `_Tapped`; returns the new state and the taps' product inputs, stacked"
     pieces = iter(tap_pieces(_collect(ctx, StepWeight)))
     ctx = _map(ctx, StepWeight, lambda sw: _Tapped(sw, next(pieces)))
-    return plain_step(cell, xw_t, h, mh, ctx), torch.stack([w.a for w in _collect(ctx, _Tapped)])
+    return plain_step(cell, xw_t, h, mh, ctx), torch.cat([w.a for w in _collect(ctx, _Tapped)])
 
 @lru_cache(None)
 def own_steps(cls) -> tuple:
@@ -95,8 +95,9 @@ class Compiled(Eager):
         return h.detach().requires_grad_() if torch.is_grad_enabled() and not h.requires_grad else h
     def steps(self, cell, ctx):
         if cell is not self.cell: raise ValueError(f"this runner compiled the step of another cell ({type(self.cell).__name__} at {id(self.cell):#x})")
-        weights = [d.W for d in _collect(ctx, Deferred)]
-        big = bool(weights) and max(W.numel() for W in weights) >= kernels.TAP_MIN_NUMEL
+        marks = _collect(ctx, Deferred)
+        weights = [d.W for d in marks]
+        big = bool(marks) and max(d.W.numel() * d.rows for d in marks) >= kernels.TAP_MIN_NUMEL   # the largest product's
         marked, ctx = ctx, self.resolve(ctx)
         deferred = _collect(ctx, Deferred)
         if deferred and not big: ctx, deferred = _map(ctx, Deferred, lambda d: d.W), []
@@ -109,7 +110,7 @@ class Compiled(Eager):
                 if t == 0: h = packing.start(h); packed = _map(marked, Deferred, lambda d: packing(d.W))
                 return self.plain(xw_t, h, mh, packed)
             return plain
-        group = WeightGroup([d.W for d in deferred], transposed=True)
+        group = WeightGroup([d.W for d in deferred], transposed=True, rows=[d.rows for d in deferred])
         packing = _Packing(group.Ws)
         def step(t, xw_t, h, mh):
             if t == 0: h = packing.start(h)

@@ -57,7 +57,8 @@ def search_fused_and_eager(n, bs, dtype, steps, update, masked=True):
     ends = torch.tensor([0] + [w.shape[0] for w in ws]).cumsum(0).tolist()
     gW = torch.zeros_like(W)
     for k, (s, a, b) in enumerate(zip(starts, ends[:-1], ends[1:])): gW[s:s + b - a] += gtap[:, a:b].t() @ A[k]
-    ref = ref_cell.step(xw, h, mh, ref_cell.prepare((ws[0], tuple(ws[1:]), leaving, update)))
+    nodes = tuple(W[2 * n * i:2 * n * (i + 1)] for i in range(1, steps + 1))   # the eager step's weights: each node's matrix
+    ref = ref_cell.step(xw, h, mh, ref_cell.prepare((ws[0], nodes, leaving[torch.argsort(c.leaving)], update)))   # α by edge
     stats = lambda cell: [cell.bn.running_mean, cell.bn.running_var, cell.bn.num_batches_tracked]
     return (out, gx, gh, gW, gl, *stats(c)), (ref, *torch.autograd.grad(ref, [xw, h, W, leaving], g), *stats(ref_cell))
 

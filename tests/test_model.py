@@ -499,7 +499,7 @@ def test_a_compiled_time_step_takes_one_tensor_with_a_gradient_per_kind(derived,
     assert len(seen) == 6
 
 def test_compiled_forwards_tap_their_weights_only_if_the_largest_is_big():
-    "A compiled forward with weight gradients taps its weights (one `WeightGroup`) if the largest has TAP_MIN_NUMEL elements, else keeps per-step gradients; the steps run eager behind the counters"
+    "A compiled forward with weight gradients taps its weights (one `WeightGroup`) if the largest product's (elements × row blocks) has TAP_MIN_NUMEL, else keeps per-step gradients; the steps run eager behind the counters"
     def tapped_steps(nhid):
         m, calls = DartsRnnSearch(50, nhid, nhid).train(), []
         cell = m.cell
@@ -507,7 +507,7 @@ def test_compiled_forwards_tap_their_weights_only_if_the_largest_is_big():
         r.plain = lambda *a: calls.append('plain') or plain_step(cell, *a)
         r.tapped = lambda *a: calls.append('tapped') or tapped_step(cell, *a)
         m.loss(torch.randint(0, 50, (2, 3)), torch.randint(0, 50, (2, 3)))
-        return set(calls), 8 * 2 * nhid * nhid >= kernels.TAP_MIN_NUMEL   # node 0's successors: the largest weight
+        return set(calls), 8 * 2 * nhid * nhid >= kernels.TAP_MIN_NUMEL   # node 8: its 8 predecessors by its 2·nhid × nhid matrix
     assert tapped_steps(64) == ({'plain'}, False) and tapped_steps(128) == ({'tapped'}, True)
     with kernels.taps_from(0): assert tapped_steps(8)[0] == {'tapped'}   # rnn-darts check's tiny cells: the paper's graphs
     assert tapped_steps(8)[0] == {'plain'}   # and the threshold put back
@@ -525,7 +525,7 @@ def test_a_compiled_steps_tap_gradient_is_one_concatenation(monkeypatch):
     m, x, y = tiny_search()
     m.runner = Compiled(m.cell, backend=aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=keep))
     m.loss(x, y, advance=False).backward()
-    tap = [2 * 8 * (1 + STEPS * (STEPS + 1) // 2), 4]   # (Σ out, bs): W0's h rows and each state's successors' nodes, c and h
+    tap = [2 * 8, 4 * (1 + STEPS * (STEPS + 1) // 2)]   # (out, Σ rows·bs): the state's rows for W0's h part, then each node's stacked predecessors
     made = lambda op: [list(n.meta['val'].shape) for g in backwards for n in g.graph.nodes if n.target == op]
     assert tap in made(torch.ops.aten.cat.default) and tap not in made(torch.ops.aten.slice_backward.default)
 
