@@ -194,7 +194,7 @@ class DartsCellSearch(PackedCell):
         self.bn = NodeNorm(steps + 1, nhid)   # s0 and every node: their own running statistics
         self.probs = None   # the mixing weights of a forward not given `probs` (a cell run on its own)
         offs = [s.start for s in edge_slices(steps)]
-        # the rows of α by the node they leave: node 0's edges towards nodes 1..steps, then node 1's, ...
+        # the rows of α by the node they leave (the fused kernels' order): node 0's edges towards nodes 1..steps, then node 1's, ...
         self.register_buffer('leaving', torch.tensor([offs[i - 1] + j for j in range(steps) for i in range(j + 1, steps + 1)]), persistent=False)
 
     def norm(self, s, i, update_stats=True):
@@ -202,9 +202,9 @@ class DartsCellSearch(PackedCell):
         return self.bn(s, i, update_stats)
 
     def per_sequence(self, block=None, probs=None, update_stats=True):
-        """Once per sequence: per node j, the rows of all downstream matrices; the mixing weights `probs` (edges, ops) of
-        the edges by the node they leave (`leaving`); and whether the steps update the normalisation's running statistics
-        (not in architecture passes)"""
+        """Once per sequence: per node i, its matrix (its product takes i row blocks: its stacked predecessors); the mixing
+        weights `probs` (edges, ops); and whether the steps update the normalisation's running statistics (not in
+        architecture passes)"""
         n2, steps = 2 * self.nhid, self.n_nodes
         probs = self.probs if probs is None else probs
         if probs is None: raise ValueError("the search cell mixes its ops by `probs` (edges, ops): pass probs=... (the model passes softmax(α))")

@@ -66,7 +66,7 @@ def plain_step(cell, xw_t, h, mh, ctx):
     return cell.step(xw_t, h, mh, cell.prepare(ctx))
 
 def tapped_step(cell, xw_t, h, mh, ctx):
-    "The time step with each `StepWeight` in `ctx` as a `_Tapped`; returns the new state and the taps' product inputs, stacked"
+    "The time step with each `StepWeight` in `ctx` as a `_Tapped`; returns the new state and the taps' product inputs (each one's newest row block), concatenated"
     pieces = iter(tap_pieces(_collect(ctx, StepWeight)))
     ctx = _map(ctx, StepWeight, lambda sw: _Tapped(sw, next(pieces)))
     return plain_step(cell, xw_t, h, mh, ctx), torch.cat([w.a for w in _collect(ctx, _Tapped)])
