@@ -480,9 +480,10 @@ def search_runner(cell, ctx, tf32:bool=False):
     W0hT, Ws, probs, update_stats = ctx
     ws = [W0hT, *Ws]
     if not cell.bn.training or not _runnable(ws): return None
-    W, leaving = torch.cat([_plain(w) for w in ws]), probs[cell.leaving].contiguous()
-    # the kernels multiply each state by the matrices of all the nodes after it: their gradients by those suffixes
-    by_state = [W0hT, *(Deferred(torch.cat([w.W for w in Ws[j:]])) for j in range(len(Ws)))] if isinstance(W0hT, Deferred) else ws
+    WhT = torch.cat([w.W if isinstance(w, Deferred) else w for w in Ws])   # the nodes' matrices, one copy
+    W, leaving, n2 = torch.cat([_plain(W0hT), WhT.detach()]), probs[cell.leaving].contiguous(), WhT.shape[0] // len(Ws)
+    # the kernels multiply each state by the matrices of all the nodes after it: their gradients come by those row suffixes
+    by_state = [W0hT, *(Deferred(WhT[j * n2:]) for j in range(len(Ws)))] if isinstance(W0hT, Deferred) else ws
     return _taps(lambda xw_t, h, tap, mh: FusedSearchStep.apply(xw_t, h, tap, W, leaving, mh, cell.bn, update_stats, tf32), _group(by_state))
 
 RUNNERS = dict(derived=derived_runner, search=search_runner)   # by the cell's `kind`

@@ -344,7 +344,7 @@ def tap_pieces(sws) -> tuple:
 
 class WeightGroup:
     """The weights (out_k × in) a compiled forward's time steps multiply by, their gradients deferred together: each time
-    step gets one tap for all its products (`taps`) and hands back their inputs stacked (`inputs[t]`: weights × bs × in);
+    step gets one tap for all its products (`taps`) and hands back their inputs, a row block of bs each (`inputs[t]`);
     every `steps_per_product` time steps, one product per weight `G_kᵀ A_k` over them is added to its gradient"""
     steps_per_product = 8
     def __init__(self, Ws, transposed=False, rows=None):
