@@ -73,6 +73,7 @@ class Job:
         "(exit status, stdout, stderr), once the command has ended"
         self.p.wait(timeout)
         for t in self.readers: t.join(timeout)
+        for f in (self.p.stdout, self.p.stderr): f.close()
         return self.p.returncode, self.said, ''.join(self.err)
 
 def stop_at(argv, hold:str, sig, tmp, **kw) -> tuple:

@@ -1,4 +1,5 @@
-"""A short search on real Penn Treebank text (../shared/data/penn): α moves, the genotype changes, and the eval-mode
+"""A short search on real Penn Treebank text (../shared/data/penn): α moves, the genotype it derives leaves the one its
+initial α gave, and the eval-mode
 validation loss is finite at every epoch, its best epoch half a nat below a uniform guess. With plain running statistics this configuration's
 validation once went NaN (seed 3, one thread, third epoch, torch 2.13). The bound that fixed it is proved where it shows
 at the smallest size: `tests/test_model.py` runs 2,000 tokens through a fresh model, finite with the bound and not without.
@@ -10,7 +11,9 @@ so falling validation is measured on the paper's settings (the PTB run in 03_mod
 measured*), not asserted here. Nor is every epoch below a uniform guess: the trajectory depends on the torch release's
 rounding, and with torch 2.14.1 seed 3's second epoch rose to 8.80 against a uniform 8.70 (7.24 with torch 2.13; it
 rose to 8.01 at the paper's α learning rate too), while its first was 7.90:
-hence half a nat, where the bound was a whole one."""
+hence half a nat, where the bound was a whole one. Nor does every epoch derive a new genotype: since the cell's products
+are grouped by node (other rounding), seed 3's two epochs derive the same one on a Zen 4 with torch 2.14.1 (they differed
+before), so the last is compared with the genotype of the initial α (seeds 1-3 move 6-8 of its 8 edges)."""
 import math, tempfile
 from pathlib import Path
 import pytest, torch
@@ -35,6 +38,7 @@ def search(seed, epochs=2):
     learn = search_learner(dls, search_stream(c, 16), emsize=32, nhid=32, mode='second', arch_lr=3e-2,
                            dropout=0.2, dropouth=0.1, dropoutx=0.1, dropouti=0.1, checkpoint=False, path=tempfile.mkdtemp(),
                            curvature=False, compile=False)   # about validation: λ_max on a 10k-word decoder would double its time
+    learn.initial_genotype = learn.model.genotype()
     with learn.no_bar(): learn.fit(epochs)
     return learn
 
@@ -54,5 +58,7 @@ def test_search_on_ptb_validation_is_finite(one_thread):
     assert all(v == v for k in ('train_loss', 'search_loss') for v in column(learn, k))
     w = learn.model.arch_weights().detach()
     assert (w - 0.2).abs().max() > 0.01, "α should have moved away from uniform"
-    gens = [h['genotype']['recurrent'] for h in learn.genotype_logger.history]
-    assert len({str(g) for g in gens}) > 1, f"the derived genotype should change over epochs: {gens}"
+    last = learn.genotype_logger.history[-1]['genotype']['recurrent']
+    assert last == [list(e) for e in learn.model.genotype().recurrent], "the log's last genotype is the one α derives now"
+    moved = sum(a != tuple(b) for a, b in zip(learn.initial_genotype.recurrent, last))
+    assert moved >= 4, f"the search should move at least half the edges from its initial α's genotype: {moved} of 8 moved"

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/05d_logs.ipynb #deb206bb
 from __future__ import annotations
-import sys
+import os, sys
 from fastai.callback.core import Callback
 from fastai.imports import noop   # fastai's own, the one `Learner.no_logging()` sets (fastcore's is another function)
 from fastcore.imports import in_notebook
@@ -40,22 +40,21 @@ class GenotypeLogger(TrainEpochEnd):
 
 # %% ../../nbs/05d_logs.ipynb #10a20dbf
 class RunLogger(CSVLogger):
-    "`CSVLogger` for runs that resume: one header, each epoch once, no row the resumed checkpoint does not hold"
+    "`CSVLogger` for runs that resume: one header, each epoch once, no row the resumed checkpoint does not hold; open only while a row is written"
     def __init__(self, fname=RunFolder.LOG, append=False): super().__init__(fname, append)
     def before_fit(self):
-        if getattr(self, 'file', None) is not None: self.after_fit()   # a fit that died without after_fit
-        self.file = None   # opened at the first training epoch: by then a resuming `Checkpoint` has set the epoch
+        if getattr(self, 'logging', False): self.after_fit()   # a fit that died without after_fit
+        self.logging = False   # starts at the first training epoch: by then a resuming `Checkpoint` has set the epoch
 
     def before_train(self):
-        if self.file is not None or in_lr_find(self.learn) or hasattr(self, 'gather_preds'): return
+        if self.logging or in_lr_find(self.learn) or hasattr(self, 'gather_preds'): return
         p, header = self.path/self.fname, ','.join(self.recorder.metric_names)
         rows = self.earlier_rows(p, header) if self.append and p.is_file() else {}
         keep = [rows[e] for e in sorted(rows) if e < self.epoch]
         if len(keep) < len(rows): print(f"{p}: dropped the rows of epochs {sorted(e for e in rows if e >= self.epoch)}, "
                                         f"which the run it resumes from had not checkpointed")
         write_text_atomic(''.join(l + '\n' for l in [header] + keep), p)
-        self.file = p.open('a')
-        self.old_logger, self.learn.logger = self.logger, self._write_line
+        self.logging, self.old_logger, self.learn.logger = True, self.logger, self._write_line
 
     def earlier_rows(self, p, header) -> dict:
         "{epoch: row} of the log an earlier process wrote (the last row of each epoch); a torn last line is dropped"
@@ -73,12 +72,15 @@ class RunLogger(CSVLogger):
         return rows
 
     def _write_line(self, log):
-        with naming(self.path/self.fname): super()._write_line(log)
+        "Append one row and fsync it; nothing stays open, so a fit that ends by an error (no `after_fit`) leaks no file"
+        p = self.path/self.fname
+        with naming(p), p.open('a', encoding='utf-8') as f:
+            f.write(','.join(map(str, log)) + '\n'); f.flush(); os.fsync(f.fileno())
+        self.old_logger(log)
 
     def after_fit(self):
-        if getattr(self, 'file', None) is None: return
-        self.file.close(); self.file = None
-        self.learn.logger = self.old_logger
+        if not getattr(self, 'logging', False): return
+        self.logging, self.learn.logger = False, self.old_logger
 
 # %% ../../nbs/05d_logs.ipynb #94fa2f87
 def table_cell(v, width:int) -> str:
