@@ -126,14 +126,21 @@ def random_fit():
     with learn.no_bar(), learn.no_logging(): learn.fit(1, cbs=log)
     return dict(cells=log.cells, w=learn.model.flat.data.clone())
 
-def leave_twice(delay=1.0):
-    "`leave_after` with the barrier, then in a new group (on a port rank 0 picked and sent) without it: each's seconds on this rank"
+def leave_twice(delay=1.0, tries=3):
+    """`leave_after` with the barrier, then in a new group (on ports rank 0 picked and sent) without it: each's seconds on
+    this rank. Joining a second gloo group in one process is this test's scaffolding, never a run's (a run joins once),
+    and once in a CI run on 2 busy cores its mesh failed ('Connection closed by peer'): both ranks then fail alike, so
+    both try the next port"""
     import torch.distributed as dist
-    port = [_free_port() if rank_world()[0] == 0 else None]
-    dist.broadcast_object_list(port, src=0)
+    ports = [[_free_port() for _ in range(tries)] if rank_world()[0] == 0 else None]
+    dist.broadcast_object_list(ports, src=0)
     waited = leave_after(0, delay, True)
-    os.environ['MASTER_PORT'] = str(port[0])
-    setup_distrib('gloo', timeout=30)
+    for i, port in enumerate(ports[0]):
+        os.environ['MASTER_PORT'] = str(port)
+        try: setup_distrib('gloo', timeout=30); break
+        except RuntimeError:
+            if dist.is_initialized(): dist.destroy_process_group()
+            if i == tries - 1: raise
     return waited, leave_after(0, delay, False)
 
 def _part(fn, *args):

@@ -30,7 +30,8 @@ def group(tmp_path_factory):
 def part(group, name):
     "Both ranks' values of one part of the launch; its error (with the rank's traceback) if it failed"
     outs = [g[name] for g in group[0]]
-    for r, o in enumerate(outs): assert o['ok'], f"rank {r}, part {name!r}: {o['error']}"
+    errors = [f"rank {r}, part {name!r}: {o['error']}" for r, o in enumerate(outs) if not o['ok']]
+    assert not errors, '\n'.join(errors)
     return [o['value'] for o in outs]
 
 @pytest.fixture(scope='module')
