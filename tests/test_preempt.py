@@ -171,7 +171,7 @@ def test_what_a_resume_may_change(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize('target', ['run.json', 'log.csv', 'genotype.json', 'epoch_0000.pth'])
 def test_a_failed_write_names_its_file(tmp_path, capsys, monkeypatch, target):
-    "The disk fills up while one of the run's files is written (every write ends with an fsync): one line naming that file, exit 1"
+    "The disk fills up while one of the run's files is written (every write ends with an fsync): one line naming that file, exit 1, no file of the run left open"
     data, out = corpus(tmp_path/'c', 50, 20), tmp_path/'r'
     real = os.fsync
     def fsync(fd):
@@ -184,6 +184,8 @@ def test_a_failed_write_names_its_file(tmp_path, capsys, monkeypatch, target):
             else f"{out/target}: No space left on device")
     assert e.value.code == 1 and err.count('\n') == 1 and want in err, err
     assert not [f for f in out.rglob('*') if '.tmp' in f.name]       # no temporary file left behind
+    held = [os.readlink(f) for f in Path('/proc/self/fd').iterdir() if os.path.lexists(f)]
+    assert not [f for f in held if f.startswith(str(out))], held     # a fit ended by the error gets no after_fit: log.csv was left open
 
 @pytest.fixture
 def small_disk(tmp_path):
