@@ -138,8 +138,7 @@ def leave_twice(delay=1.0, tries=3):
     for i, port in enumerate(ports[0]):
         os.environ['MASTER_PORT'] = str(port)
         try: setup_distrib('gloo', timeout=30); break
-        except RuntimeError:
-            if dist.is_initialized(): dist.destroy_process_group()
+        except RuntimeError:   # a failed join leaves no group behind
             if i == tries - 1: raise
     return waited, leave_after(0, delay, False)
 

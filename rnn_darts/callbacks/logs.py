@@ -4,7 +4,7 @@
 
 # %% ../../nbs/05d_logs.ipynb #deb206bb
 from __future__ import annotations
-import os, sys
+import sys
 from fastai.callback.core import Callback
 from fastai.imports import noop   # fastai's own, the one `Learner.no_logging()` sets (fastcore's is another function)
 from fastcore.imports import in_notebook
@@ -74,9 +74,7 @@ class RunLogger(CSVLogger):
     def _write_line(self, log):
         "Append one row and fsync it; nothing stays open, so a fit that ends by an error (no `after_fit`) leaks no file"
         p = self.path/self.fname
-        with naming(p), p.open('a', encoding='utf-8') as f:
-            f.write(','.join(map(str, log)) + '\n'); f.flush(); os.fsync(f.fileno())
-        self.old_logger(log)
+        with naming(p), p.open('a', encoding='utf-8') as self.file: super()._write_line(log)
 
     def after_fit(self):
         if not getattr(self, 'logging', False): return
