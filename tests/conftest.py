@@ -5,6 +5,10 @@
   CI's CPU machine. Tests marked `gpu` are skipped, with the reason.
 - **GPU tier** (`python -m pytest -q --gpu tests`): CUDA stays visible and only the tests marked `gpu` run, each the
   CUDA twin of a CPU test (most are the CPU test's `device='cuda'` parameter). Without a GPU they skip with the reason.
+- **Threads**: every test runs with one torch thread (`THREADS`), however the suite is started (serial, `-n N`, one file,
+  one test, an IDE), set here and nowhere else: `OMP_NUM_THREADS` for the processes a test starts, `torch.set_num_threads`
+  before each test (a test about threads sets its own, and the next test gets the suite's count back). `--threads N` runs
+  the whole suite at N threads, to check that no assertion holds at one thread count only.
 - **Workers** (`-n N`): each module runs on one worker (xdist's `loadscope`, set here), so a module's expensive fixture (a
   finished study, an uninterrupted reference run) is made once per suite. xdist's `loadgroup` cannot do it under pytest 9:
   its group suffix no longer reaches the node ids, so every group was split across the workers and each worker made the
@@ -18,17 +22,25 @@
 import os
 import pytest
 
+THREADS = 1   # the suite's one thread count: a test's reductions run in the same order serially, under -n N, alone or in an IDE
+
 def pytest_addoption(parser):
     parser.addoption('--gpu', action='store_true',
                      help="run the GPU tier only (the tests marked gpu), with CUDA visible; without it CUDA is hidden from the suite")
+    parser.addoption('--threads', type=int, default=THREADS, metavar='N',
+                     help=f"torch threads of every test and of the processes tests start (default {THREADS}, however the suite is run)")
+
+def suite_threads(config) -> int:
+    n = config.getoption('--threads')
+    if n < 1: raise pytest.UsageError(f"--threads must be at least 1, got {n}")
+    return n
 
 def pytest_configure(config):
     if not config.getoption('--gpu'): os.environ['CUDA_VISIBLE_DEVICES'] = ''   # before any test module imports torch
     if True:   # the plan's ledger of compiled steps, one per process of the suite, empty: a test's compile decision is the same on any machine
         import tempfile
         os.environ['RNN_DARTS_COMPILE_LEDGER'] = os.path.join(tempfile.mkdtemp(prefix='rnn_darts_ledger_'), 'compiled.json')
-    if int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', 1)) > 1:
-        os.environ.setdefault('OMP_NUM_THREADS', '1')   # pytest -n N: one torch thread per worker, so N workers share N cores without waiting on each other
+    os.environ['OMP_NUM_THREADS'] = str(suite_threads(config))   # whatever the shell had: inherited by the workers and every process a test starts
     if getattr(config.option, 'dist', None) in ('load', 'loadgroup'): config.option.dist = 'loadscope'   # -n N: a module on one worker
 
 def pytest_collection_modifyitems(config, items):
@@ -48,6 +60,14 @@ def pytest_collection_modifyitems(config, items):
     else: why = "GPU tier: run with --gpu on a machine with CUDA (python -m pytest --gpu tests)"
     for it in items:
         if it.get_closest_marker('gpu'): it.add_marker(pytest.mark.skip(reason=why))
+
+@pytest.fixture(autouse=True)
+def _suite_threads(request):
+    "Each test runs at the suite's thread count, and leaves it for the next test and module fixture, whatever it set itself"
+    import torch
+    torch.set_num_threads(suite_threads(request.config))
+    yield
+    torch.set_num_threads(suite_threads(request.config))
 
 LONG_S = 20
 _long_without_reason = []   # (seconds, test id), gathered where the reports arrive (the controller under -n N)

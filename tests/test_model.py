@@ -364,7 +364,9 @@ def test_eval_validation_measures_the_supernet():
     learn = search_learner(dls, search_stream(c, 16), emsize=16, nhid=16, mode='first', checkpoint=False, curvature=False,
                            path=tempfile.mkdtemp(), dropout=0., dropouth=0., dropoutx=0., dropouti=0.)
     learn.remove_cb(learn.progress)
-    with learn.no_logging(): learn.fit(2)
+    with learn.no_logging():
+        learn.fit(2)               # at lr 20 the nodes' statistics part ways, but the running ones lag the moving weights
+        learn.fit(1, lr=0.5)       # a settling epoch: they catch up (without it, seed 1 at 1 thread had running worse than blended)
     running = float(learn.validate()[0])
     cell = learn.model.cell
     cell.norm = lambda s, i, update_stats=True: F.batch_norm(s, None, None, training=True, eps=1e-5)
@@ -374,10 +376,10 @@ def test_eval_validation_measures_the_supernet():
     cell.norm = lambda s, i, update_stats=True: F.batch_norm(s, rm, rv, training=False, eps=1e-5)
     blended = float(learn.validate()[0])
     del cell.norm
-    # measured over seeds 0-3 (running, batch, blended): 2.53 2.72 3.08 | 2.54 3.42 3.26 | 2.51 2.63 3.46 | 2.47 2.60 3.22;
-    # batch statistics of one 16-row eval batch are themselves noisy, so: running is no worse than batch statistics,
-    # and the blended set (the old shared BatchNorm) is far worse than both
-    assert running < 1.03 * batch, (running, batch)
+    # measured at 1, 2 and 4 threads over seeds 0-3 (12 trajectories, a 2-core Xeon, torch 2.14.1): running / batch 0.92-0.97,
+    # blended - running 0.59-1.39. Batch statistics of one 16-row eval batch are themselves noisy, so: running is no worse
+    # than batch statistics, and the blended set (the old shared BatchNorm) is far worse than both
+    assert running < batch, (running, batch)
     assert blended > running + 0.3, (blended, running)
 
 def onednn_search(nhid=128, bs=16, T=6, ntoken=300, steps=STEPS):
