@@ -17,6 +17,7 @@ _API = {
     'rnn_darts.model': ['DartsRnn', 'DartsRnnSearch', 'DartsRnnShared', 'n_weights'],
     'rnn_darts.loss': ['linear_cross_entropy'],
     'rnn_darts.random_search': ['choose_cell'],
+    'rnn_darts.runs': ['resume_learner'],
     'rnn_darts.data': ['Corpus', 'numbers_corpus', 'read_corpus', 'write_corpus', 'get_ptb', 'lm_dls', 'search_stream',
                        'test_dl', 'StreamDL', 'SearchStream'],
     'rnn_darts.genotypes': ['Genotype', 'PRIMITIVES', 'DARTS_V1', 'DARTS_V2', 'ENAS', 'GENOTYPES', 'load_genotype',

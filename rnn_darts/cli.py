@@ -209,7 +209,7 @@ def _arguments(cmd:str):
     meta = {f.name: f.metadata.get('help') for f in fields(CONFIGS[cmd])} if cmd in CONFIGS else {}   # the study's settings: `StudyConfig`'s
     for k, d in docments(COMMANDS[cmd], full=True, returns=False, eval_str=True).items(): yield k, d.anno, d.default, d.docment or meta.get(k) or FLAGS.get(k, '')
 
-OPTIONAL_VALUE = dict(ray=('local', 'ADDRESS'))   # flags whose value may be left out: what they mean then, and the value's name in -h
+OPTIONAL_VALUE = dict(ray=('local', 'ADDRESS'), resume=(True, 'auto'))   # flags whose value may be left out: what they mean then, and the value's name in -h
 
 def _brief_default(k, dflt, defaults) -> str:
     v = defaults.get(k, dflt) if dflt is None else dflt
@@ -235,7 +235,10 @@ def command_parser(cmd:str, brief:bool=False) -> argparse.ArgumentParser:
         if anno is bool: kw['action'] = 'store_true'
         elif anno is bool_arg: kw.update(type=bool_arg, metavar='true|false')
         else: kw.update(type=anno if anno in (int, float) else str, metavar=_metavar(k, anno))
-        if k in OPTIONAL_VALUE: kw.update(nargs='?', const=OPTIONAL_VALUE[k][0], metavar=OPTIONAL_VALUE[k][1])
+        if k in OPTIONAL_VALUE:
+            kw.pop('action', None)
+            kw.update(nargs='?', const=OPTIONAL_VALUE[k][0], metavar=OPTIONAL_VALUE[k][1], type=str)
+            if k == 'resume': kw['choices'] = ('auto',)   # given alone: True
         help += '' if kw.get('action') or brief else _default_text(k, default, defaults, help)
         groups.get(k, p).add_argument('--' + k.replace('_', '-'), help=help, **kw)
     return p

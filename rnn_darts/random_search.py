@@ -124,6 +124,9 @@ def choose_cell(learn, candidates:int|None=None, top:int|None=None, show:bool=Tr
     if writer:
         write_text_atomic(df.to_csv(index=False), folder.candidates_file)
         save_genotype(win, folder.genotype_file, model.ops)
+        if folder.is_run():   # a run folder's record (the command line's, or a learner's given a path): the run is finished
+            folder.finish_record(genotype=genotype_to_dict(win, model.ops), candidates=dict(n=len(df), top=int(df.valid_loss.notna().sum()),
+                                 seconds=time.time() - t0, valid_loss=float(df.valid_loss[0])))
     if show:
         bad = sum(not math.isfinite(v) for v in scr.values())
         print(f"chose {cell_text(win)}: valid loss {df.valid_loss[0]:.4f}, perplexity {df.valid_ppl[0]:.2f} "

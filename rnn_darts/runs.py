@@ -14,9 +14,10 @@ from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources,
                                check_settings, check_fits, check_memory, command_flags, flag_default, flags_signature, setting_name)
 
 # %% auto #0
-__all__ = ['RESUME_FREE', 'SPACE', 'ARGV', 'load_corpus', 'corpus_key', 'settings_diff', 'data_changes', 'prepare_run_dir',
-           'record_overrides_cb', 'env_threads', 'set_threads', 'resume_command', 'exit_if_interrupted', 'method_text',
-           'search', 'cell_name', 'train', 'evaluate_run']
+__all__ = ['RESUME_FREE', 'SPACE', 'ARGV', 'load_corpus', 'corpus_key', 'settings_diff', 'same_ops', 'resumed_settings',
+           'data_changes', 'prepare_run_dir', 'record_overrides_cb', 'env_threads', 'set_threads', 'resumable',
+           'resume_command', 'exit_if_interrupted', 'method_text', 'search', 'cell_name', 'train', 'evaluate_run',
+           'resume_learner']
 
 # %% ../nbs/07b_runs.ipynb #c69a6174
 def load_corpus(s:dict, url:str|None=None):
@@ -51,7 +52,27 @@ def settings_diff(old:dict, new:dict) -> dict:
     old = with_taus(old)
     return {k: (old[k], new[k]) for k in sorted(old) if k in new and k not in RESUME_FREE and old[k] != new[k]}
 
-def _fmt_changes(d): return '; '.join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in d.items())
+def _fmt_changes(d): return '; '.join(f"{k}: {_text(a)} -> {_text(b)}" for k, (a, b) in d.items())
+def _text(v): return str(v).lower() if isinstance(v, bool) else repr(v)   # as a flag takes it: true, not True
+
+def _given(src:dict, k) -> bool:
+    "Whether a flag or a preset key of this command set `k` (not the code's default, nor a method's fill)"
+    return src.get(k, 'default') != 'default' and not src[k].startswith('--')
+
+def same_ops(a, b) -> bool:
+    "Whether two op sets hold the same ops, in any order"
+    return sorted(filter(None, str(a).split(','))) == sorted(filter(None, str(b).split(',')))
+
+def resumed_settings(info:dict, s:dict, src:dict, command:str) -> tuple:
+    """The settings of a resumed run: its record's (`run.json`, the code's defaults under a record older than a setting),
+    with what a flag or preset key of this command gives over them; and who set each. `--ops` naming the run's ops in
+    another order keeps the run's order (α's columns follow it)"""
+    from rnn_darts.options import code_defaults
+    res, who = {**code_defaults(command), **with_taus(info['settings'])}, {**info.get('sources', {})}
+    for k, v in s.items():
+        if not _given(src, k) or (k == 'ops' and same_ops(v, res.get(k))): continue
+        res[k], who[k] = v, src[k]
+    return res, {k: who.get(k, 'default') for k in res}
 
 def data_changes(old:dict|None, new:dict) -> dict:
     "The splits whose data differ from the run's record (`fingerprint`): 'data SPLIT' -> (old, new) descriptions"
@@ -78,19 +99,22 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
                 raise UsageError(f"--epochs {s['epochs']}: {out} has done {done} epochs; --epochs is the total with --resume, so give "
                                  f"{done} or more (a run is never cut back)")
             changes = settings_diff(info['settings'], s)
-            for k in (k for k in SPACE if k in changes):
-                flag = '--' + k.replace('_', '-')
-                raise UsageError(f"--resume: {out} ran {flag} {changes[k][0]}, not {changes[k][1]}: its α and weights have that space's "
-                                 f"shape, so it cannot go on in another (not even with --override); give its {flag}, or start a new --out")
+            space = {k: changes[k] for k in SPACE if k in changes}
+            if space:
+                flags = ', '.join(f"--{k.replace('_', '-')} {_text(a)}, not {_text(b)}" for k, (a, b) in space.items())
+                raise UsageError(f"--resume: {out} ran {flags}: its α and weights have that space's shape, so it cannot go on in "
+                                 f"another (not even with --override); drop {'that flag' if len(space) == 1 else 'those flags'} "
+                                 f"(--resume reads the run's own from {folder.RECORD}), or start a new --out")
             moved = data_changes(info.get('data'), data or {})
             if moved and not override:
-                k, (a, b) = next(iter(moved.items()))
-                raise UsageError(f"--resume: the {k} changed since the run started: it was {a}, it is {b}; resume on the data "
-                                 f"the run was trained on, or pass --override true to continue on this data (recorded in {folder.RECORD})")
+                said = '; '.join(f"the {k} was {a}, it is {b}" for k, (a, b) in moved.items())
+                rest = f"; and these settings differ from it: {_fmt_changes(changes)}" if changes else ''
+                raise UsageError(f"--resume: the data changed since the run started ({said}){rest}; resume on the data the run was "
+                                 f"trained on, or pass --override true to continue on this data (recorded in {folder.RECORD})")
             changes.update(moved)
             if changes and not override:
                 raise UsageError(f"--resume: these settings differ from {folder.record_file}: {_fmt_changes(changes)}; "
-                                 f"drop the flags, or pass --override true to continue with the new values")
+                                 f"drop the flags (--resume reads the others from it), or pass --override true to continue with the new values")
             if info.get('finished') and s.get('epochs') == done:   # nothing to continue: said before any file is touched
                 raise UsageError(f"--resume: {out} has finished its {done} epoch{'s' * (done != 1)}; to extend it, give --epochs M "
                                  f"(the total, above {done}) with --resume")
@@ -139,6 +163,11 @@ def set_threads(threads, dev, follow:bool=False) -> str:
     if threads is not None: torch.set_num_threads(threads)
     return f"{torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)}" if dev.type == 'cpu' else ''
 
+def resumable(folder:RunFolder) -> bool:
+    "Whether `folder` holds a checkpoint a run can continue from (an epoch's, or one written mid-epoch)"
+    from rnn_darts.callbacks.checkpoint import latest_checkpoint
+    return latest_checkpoint(folder.checkpoints) is not None or (folder.checkpoints/RunFolder.MID_EPOCH).is_file()
+
 class _Run:
     "What `_prepare` sets up for a command: settings, device, run folder (locked), corpus; `close()` releases the lock"
     lock = None
@@ -153,9 +182,18 @@ def _prepare(command, flags:dict) -> _Run:
     flags = {k: flags.get(k, flag_default(k)) for k in known}
     c = {k: flags.pop(k) for k in CONTROL}   # the flags that steer the command, not settings of the run
     r = _Run()
-    r.resume = c['resume']
+    if c['resume'] not in (True, False, 'auto'): raise UsageError(f"--resume takes no value, or auto; got {c['resume']!r}")
+    if c['resume'] and c['overwrite']: raise UsageError("--resume continues the run in the folder and --overwrite deletes it: give one of them")
     if c['settings'] is not None and not c['preset']: raise UsageError("--settings names the file to read --preset from; give --preset NAME too")
     r.s, r.src = settings_and_sources(command, c['preset'], c['settings'], **flags)
+    folder = RunFolder(r.s['out'] or f'runs/{command}')
+    if c['resume'] == 'auto':   # one command for a job's first start and every restart: continue what a checkpoint holds, else start
+        c['resume'] = resumable(folder)
+        c['overwrite'] = not c['resume'] and bool(folder.held())   # a kill before the first checkpoint left a header, or a run.json
+        print(f"--resume auto: {'continuing the run in' if c['resume'] else 'no checkpoint to continue in'} {folder}{'' if c['resume'] else ': starting the run'}")
+    r.resume = c['resume']
+    info = folder.record_or_none() if r.resume else None
+    if info is not None and info['command'] == command: r.s, r.src = resumed_settings(info, r.s, r.src, command)   # the run's own settings
     check_settings(r.s, r.src)
     if c['threads'] is not None: check_number('--threads', c['threads'], 1, integer=True)
     if c['url'] is not None and r.s['data'] != 'ptb': raise UsageError(f"--url applies to --data ptb (it names a mirror to download it from), not --data {r.s['data']}")
@@ -227,33 +265,23 @@ def search(**flags):
     try:
         from rnn_darts.data import lm_dls, search_stream
         from rnn_darts.learner import search_learner, RunInfo, run_genotype
-        from rnn_darts.genotypes import save_genotype, genotype_to_dict
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
-        from rnn_darts.callbacks.logs import RunLogger, plain_output
+        from rnn_darts.callbacks.logs import plain_output
         s, dev, out, corpus, resume = r.s, r.dev, r.out, r.corpus, r.resume
         folder = RunFolder(out)
         if r.rank == 0: print(f"search {method_text(s)} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}; {r.plan.path}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         rnd = s['mode'] == 'random'
         learn = search_learner(dls, None if rnd else search_stream(corpus, s['bs'], device=dev), SearchConfig.of(s), path=out,
-                               resume=True if resume else None, device=dev, plan=r.plan, cbs=[RunLogger(append=resume), RunInfo('search', s, r.data, sources=r.src), *r.fit_cbs])
+                               resume=True if resume else None, device=dev, plan=r.plan, cbs=[RunInfo('search', s, r.data, sources=r.src), *r.fit_cbs])
         learn = distrib_learner(learn)
         if r.rank == 0: plain_output(learn)   # into a file or a pipe: a line per epoch, no bar frames
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
         exit_if_interrupted(learn)
-        if rnd:
+        if rnd:   # its record is finished by choose_cell, which writes the cell it chose
             from rnn_darts.random_search import choose_cell
-            t0, df = time.time(), choose_cell(learn)
-            if r.rank == 0: folder.finish_record(genotype=genotype_to_dict(learn.random_arch.chosen, learn.model.ops),
-                                        candidates=dict(n=len(df), top=int(df.valid_loss.notna().sum()), seconds=time.time() - t0,
-                                                        valid_loss=float(df.valid_loss[0])))
-        elif r.rank == 0:
-            g = run_genotype(learn)
-            save_genotype(g, folder.genotype_file, learn.model.ops)
-            print(f"genotype: {g}\nwritten to {folder.genotype_file}")
-            es = getattr(getattr(learn, 'curvature_stop', None), 'stopped', None)
-            pt = getattr(learn, 'pt_selection', None)
-            folder.finish_record(genotype=genotype_to_dict(g, learn.model.ops), early_stop=es, **({} if pt is None else dict(pt_select=pt.record)))
+            choose_cell(learn)
+        elif r.rank == 0: print(f"genotype: {run_genotype(learn)}\nwritten to {folder.genotype_file}")   # RunInfo wrote it and finished the record
         cleanup_distrib()
         return learn
     finally: r.close()
@@ -270,14 +298,14 @@ def train(**flags):
     r = _prepare('train', flags)
     try:
         from rnn_darts.data import lm_dls, test_dl
-        from rnn_darts.learner import train_learner, evaluate, RunInfo
+        from rnn_darts.learner import train_learner, evaluate, RunInfo, RunEnd
         from rnn_darts.distrib import distrib_learner, cleanup_distrib
-        from rnn_darts.callbacks.logs import RunLogger, plain_output
+        from rnn_darts.callbacks.logs import plain_output
         s, dev, out, corpus, g, resume = r.s, r.dev, r.out, r.corpus, r.genotype, r.resume
         if r.rank == 0: print(f"train {cell_name(s['genotype'], r.src['genotype'])} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}; {r.plan.path}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
         learn = train_learner(dls, g, TrainConfig.of(s), path=out, resume=True if resume else None, device=dev,
-                              plan=r.plan, cbs=[RunLogger(append=resume), RunInfo('train', s, r.data, sources=r.src), *r.fit_cbs])
+                              plan=r.plan, cbs=[RunInfo('train', s, r.data, sources=r.src), RunEnd(finish=False), *r.fit_cbs])   # finished once tested
         learn = distrib_learner(learn)
         if r.rank == 0: plain_output(learn)
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
@@ -356,4 +384,32 @@ def evaluate_run(
     print(f"{p} on {split}: loss {res['loss']:.4f}, perplexity {res['ppl']:.2f}{_what_ran(info, learn, run)}")
     return res
 
+
+
+# %% ../nbs/07b_runs.ipynb #5b3c52b7
+def resume_learner(path, device=None, cbs=None):
+    """The learner of the run in `path` (written by `rnn-darts search|train --out`, or by a learner given that `path`),
+    made from `run.json` alone; its `fit(N)` continues the run from its newest checkpoint to `N` epochs in all"""
+    from fastcore.foundation import L
+    from rnn_darts.options import code_defaults
+    from rnn_darts.data import lm_dls, search_stream, fingerprint
+    from rnn_darts.learner import search_learner, train_learner
+    folder = RunFolder(path)
+    info = folder.record()
+    if not resumable(folder): raise UsageError(f"{folder.path} holds no checkpoint to continue from: run it again, or start a new one")
+    command = info['command']
+    s = {**code_defaults(command), **with_taus(info['settings']), 'out': str(folder.path)}
+    dev = get_device(device)
+    set_seed(s['seed'])   # as the command line does before it loads the data
+    corpus = load_corpus(s)
+    moved = data_changes(info.get('data'), fingerprint(corpus))
+    if moved: raise UsageError(f"{folder.path}: the data changed since the run started ({'; '.join(f'the {k} was {a}, it is {b}' for k, (a, b) in moved.items())})")
+    dls = lm_dls(corpus, s['bs'], s['bptt'], phase=command, eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
+    from rnn_darts.learner import RunInfo
+    own = [RunInfo(command, s, info.get('data'), sources=info.get('sources')), *L(cbs)]
+    if command == 'search':
+        stream = None if s['mode'] == 'random' else search_stream(corpus, s['bs'], device=dev)
+        return search_learner(dls, stream, SearchConfig.of(s), path=folder.path, resume=True, device=dev, cbs=own)
+    from rnn_darts.genotypes import load_genotype
+    return train_learner(dls, load_genotype(s['genotype']), TrainConfig.of(s), path=folder.path, resume=True, device=dev, cbs=own)
 

@@ -229,9 +229,14 @@ def test_readme_python_example_with_a_preset(tmp_path):
     assert res['ppl'] == pytest.approx(torch.tensor(res['loss']).exp().item()) and res['ppl'] < len(corpus.vocab) * 2
 
 @pytest.mark.slow
-def test_readme_python_example_and_the_command_line_give_the_same_losses(tmp_path):
-    "The README's Python example and `rnn-darts search --preset quick --threads 1`, at tiny sizes: the same losses, bit for bit; into a file, no bar frames"
-    from rnn_darts import cli, set_seed, numbers_corpus, lm_dls, search_stream, search_learner, load_preset, plain_output, SearchConfig
+def test_readme_python_example_and_the_command_line_write_the_same_run(tmp_path):
+    """The README's Python example and `rnn-darts search --preset quick --threads 1`, at tiny sizes: the same losses, bit
+    for bit, and the same run folder (log.csv's rows, genotype.json, history.json, run.json's settings and data); into a
+    file, no bar frames. The Python run is then a run for the commands: `report`, `train --genotype RUN` and
+    `search --resume --out RUN --epochs 2` (no other flag: the settings are run.json's), and the command's run
+    continues in Python (`resume_learner`) as the Python run does from the command line"""
+    import json
+    from rnn_darts import cli, set_seed, numbers_corpus, lm_dls, search_stream, search_learner, load_preset, plain_output, SearchConfig, resume_learner
     tiny = dict(n_train=1_500, epochs=1, bs=8, bptt=10, eval_bs=40, emsize=16, nhid=16, curvature=False)   # eval_bs 40: the example's 20,000 validation tokens in 50 batches; λ_max is tests/test_curvature.py's
     n = torch.get_num_threads()
     try:
@@ -247,6 +252,22 @@ def test_readme_python_example_and_the_command_line_give_the_same_losses(tmp_pat
     finally: torch.set_num_threads(n)
     assert learn.recorder.values == by_cli.recorder.values and learn.model.genotype() == by_cli.model.genotype()
     assert not any(type(cb).__name__ == 'ProgressCallback' for cb in learn.cbs)   # pytest's stdout is no terminal: lines, not bars
+    cli_run, py_run = tmp_path/'cli', tmp_path/'py'
+    rows = lambda d: [l.rsplit(',', 1)[0] for l in (d/'log.csv').read_text().splitlines()]   # less the time column
+    assert len(rows(py_run)) == 2 and rows(py_run) == rows(cli_run)
+    for f in ('genotype.json', 'history.json'): assert (py_run/f).read_text() == (cli_run/f).read_text(), f
+    a, b = (json.loads((d/'run.json').read_text()) for d in (cli_run, py_run))
+    assert b['finished'] and b['settings'] == {**a['settings'], 'out': str(py_run)} and b['data'] == a['data']
+    assert {k: a[k] for k in ('genotype', 'best_valid_loss', 'command', 'device')} == {k: b[k] for k in ('genotype', 'best_valid_loss', 'command', 'device')}
+    assert b['sources']['out'] == 'search_learner path' and b['sources']['nhid'] == 'SearchConfig.of' and b['sources']['bs'] == 'lm_dls'
+    assert cli.run_command(['report', str(py_run)]) is not None and (py_run/'report').is_dir()
+    t = cli.run_command(['train', '--genotype', str(py_run), *flags[:-2], '--device', 'cpu', '--out', str(tmp_path/'train')])   # train has no --curvature
+    assert t.model.genotype() == learn.model.genotype()
+    more = cli.run_command(['search', '--resume', '--out', str(py_run), '--epochs', '2'])   # the command continues the Python run,
+    resumed = resume_learner(cli_run)                                                       # and Python the command's
+    with resumed.no_bar(): resumed.fit(2)
+    assert len(rows(py_run)) == 3 and rows(py_run) == rows(cli_run) and more.model.nhid == resumed.model.nhid == 16
+    for d in (cli_run, py_run): assert json.loads((d/'run.json').read_text())['settings']['epochs'] == 2
 
 def test_top_level_api_is_lazy_and_complete():
     code = ("import sys, rnn_darts; assert 'fastai' not in sys.modules, 'import rnn_darts imported fastai'; "

@@ -68,7 +68,7 @@ def test_sigterm_then_sigint_mid_epoch_then_the_printed_resume_line_is_exact(tmp
     assert code == 128 + signal.SIGTERM, err
     m = stopped(err, 'SIGTERM')
     assert Path(m[4]) == mid_path and mid_path.is_file() and m[1] == '1' and int(m[2]) == 25 - int(m[3])
-    assert not (run/'genotype.json').exists()                  # the search did not end
+    assert not json.loads((run/'run.json').read_text()).get('finished')   # the search did not end (genotype.json: epoch 0's cell)
     mid = load_checkpoint(mid_path)
     assert mid['epoch'] == int(m[1]) == 1 and mid['mid']['batches'] == int(m[2]) < int(m[3])
     before = mid['cbs']['RunInfo']['epoch_seconds']            # the epoch's time before the signal, carried into the resumed run
@@ -93,6 +93,32 @@ def test_sigterm_then_sigint_mid_epoch_then_the_printed_resume_line_is_exact(tmp
     same_run(tmp_path/'ref', run)
     assert not mid_path.exists()                               # superseded by the later epoch checkpoints
     assert not [f for f in (run/'checkpoints').iterdir() if '.tmp' in f.name]
+
+@pytest.mark.slow
+def test_resume_auto_is_one_command_for_every_start_and_a_bare_resume_reads_the_run(tmp_path):
+    """A preemptible job's one command, `--resume auto`: in a folder a kill left with only `.lock` and log.csv's header it
+    starts the run (nothing to continue); SIGTERM mid-epoch; the same command continues it; SIGINT; then `--resume --out
+    RUN` with no other flag (the space is not the default one: --ops and --nodes come from run.json) runs it to the end:
+    the uninterrupted run, bit for bit. Four processes (the uninterrupted one alongside the first), ~4 epochs of 20 batches"""
+    data, run = corpus(tmp_path/'corpus'), tmp_path/'run'
+    space = ('--ops', 'tanh,relu,gelu', '--nodes', '5')
+    ref = launch(args(data, tmp_path/'ref', *space))
+    run.mkdir(); (run/'.lock').touch(); (run/'log.csv').write_text('epoch,train_loss,valid_loss,perplexity,search_loss,time\n')   # a kill's leftovers
+    argv = args(data, run, *space, '--resume', 'auto')
+    code, out, err = stop_at(argv, 'run batch 25', signal.SIGTERM, tmp_path)
+    assert code == 128 + signal.SIGTERM, err
+    assert f"--resume auto: no checkpoint to continue in {run}: starting the run" in out
+    assert stopped(err, 'SIGTERM')[1] == '1'
+    code, out, err = stop_at(argv, 'run batch 3', signal.SIGINT, tmp_path)   # the same command: continues
+    assert code == 130, err
+    assert f"--resume auto: continuing the run in {run}" in out and f"resumed from {run/'checkpoints'/'mid_epoch.pth'} (epoch 1" in out
+    r = launch(['search', '--resume', '--out', str(run)]); out, err = r.communicate(timeout=600)
+    assert r.returncode == 0, err
+    out, err = ref.communicate(timeout=600)
+    assert ref.returncode == 0, err
+    same_run(tmp_path/'ref', run)
+    info = json.loads((run/'run.json').read_text())
+    assert info['finished'] and info['settings']['ops'] == 'tanh,relu,gelu' and info['settings']['nodes'] == 5
 
 @pytest.mark.slow
 def test_a_second_sigint_stops_at_once_and_leaves_whole_files(tmp_path, capsys, monkeypatch):
@@ -162,7 +188,7 @@ def test_what_a_resume_may_change(tmp_path, capsys):
     with pytest.raises(SystemExit) as e: cli.run_command(args(data, r, '--epochs', '3', '--resume'))
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count('\n') == 1
-    assert f"--resume: the data train changed since the run started: it was {data/'train.txt'} (" in err and '--override true' in err
+    assert f"--resume: the data changed since the run started (the data train was {data/'train.txt'} (" in err and '--override true' in err
     cli.run_command(args(data, r, '--epochs', '3', '--resume', '--override', 'true'))
     info = json.loads((r/'run.json').read_text())
     assert 'data train' in info['overrides'][-1]['changes'] and info['data']['train']['size'] == (data/'train.txt').stat().st_size
