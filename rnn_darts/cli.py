@@ -18,8 +18,8 @@ from rnn_darts.runs import search, train, evaluate_run, set_threads
 from rnn_darts.folder import RunFolder
 
 # %% auto #0
-__all__ = ['COMMANDS', 'VALUE_NAMES', 'OPTIONAL_VALUE', 'study', 'bench', 'check', 'report', 'user_error_code', 'error_message',
-           'command_parser', 'main_help', 'run_command', 'main']
+__all__ = ['COMMANDS', 'VALUE_NAMES', 'IMPORTING', 'IMPORT_HELP', 'OPTIONAL_VALUE', 'study', 'bench', 'check', 'report',
+           'user_error_code', 'error_message', 'command_parser', 'main_help', 'run_command', 'main']
 
 # %% ../nbs/08_cli.ipynb #0f1a55ce
 def study(
@@ -131,7 +131,7 @@ def report(
         p = write_search_comparison(folder.path)
         print(f"report written to {p}")
         return p
-    if folder.is_run(): folder.record()   # a damaged record: one line naming it
+    if folder.is_run(): runs.import_run_ops(folder)   # a damaged record: one line naming it; the ops the run imported, again
     from rnn_darts.reports import write_report
     p = write_report(folder.path, fmt=fmt)
     print(f"report written to {p}")
@@ -209,6 +209,9 @@ def _arguments(cmd:str):
     meta = {f.name: f.metadata.get('help') for f in fields(CONFIGS[cmd])} if cmd in CONFIGS else {}   # the study's settings: `StudyConfig`'s
     for k, d in docments(COMMANDS[cmd], full=True, returns=False, eval_str=True).items(): yield k, d.anno, d.default, d.docment or meta.get(k) or FLAGS.get(k, '')
 
+IMPORTING = ('search', 'train', 'evaluate', 'check', 'report', 'study')   # the commands that take --import
+IMPORT_HELP = ("import this module, or .py file, before anything else, so that its rnn_darts.ops.register_op calls add ops "
+               "(repeatable); a run records it, and the commands that read the run import it again")
 OPTIONAL_VALUE = dict(ray=('local', 'ADDRESS'), resume=(True, 'auto'))   # flags whose value may be left out: what they mean then, and the value's name in -h
 
 def _brief_default(k, dflt, defaults) -> str:
@@ -241,6 +244,9 @@ def command_parser(cmd:str, brief:bool=False) -> argparse.ArgumentParser:
             if k == 'resume': kw['choices'] = ('auto',)   # given alone: True
         help += '' if kw.get('action') or brief else _default_text(k, default, defaults, help)
         groups.get(k, p).add_argument('--' + k.replace('_', '-'), help=help, **kw)
+    if cmd in IMPORTING:
+        p.add_argument('--import', dest='imports', action='append', metavar='MODULE_OR_FILE',
+                       help=IMPORT_HELP if not brief else "a module or .py file whose register_op calls add ops (repeatable)")
     return p
 
 def main_help() -> str:
@@ -268,6 +274,10 @@ def _dispatch(argv):
         raise UsageError(f"unknown command {cmd!r}{f' (did you mean {near[0]}?)' if near else ''}; commands: {', '.join(COMMANDS)}")
     args = vars(command_parser(cmd, brief='--help' not in argv[1:]).parse_args(argv[1:]))
     args.pop('debug', None)
+    imports = args.pop('imports', None) or []
+    if imports:
+        from rnn_darts.ops import import_ops
+        for spec in imports: import_ops(spec)   # the user's register_op calls, before anything reads an op's name
     return COMMANDS[cmd](**args)
 
 def run_command(argv):

@@ -45,7 +45,8 @@ def check_genotype(g, where:str='genotype', ops=None) -> Genotype:
         try: op, pred = node
         except (TypeError, ValueError): raise ValueError(f"{where}: node {i+1} must be (op, predecessor), got {node!r}") from None
         if not isinstance(op, str) or op not in OPS:
-            raise ValueError(f"{where}: node {i+1} has unknown op {op!r}; ops are {list(OPS)} (rnn_darts.ops.register_op adds your own)")
+            raise UsageError(f"{where}: node {i+1} has unknown op {op!r}; the ops are {', '.join(OPS)} (rnn_darts.ops.register_op adds "
+                             f"your own; --import MODULE_OR_FILE brings it to rnn-darts)")
         if ops is not None and op not in ops:
             raise ValueError(f"{where}: node {i+1} uses op {op!r}, which its op set lacks ({', '.join(ops)})")
         if isinstance(pred, bool) or not isinstance(pred, int) or not 0 <= pred <= i:

@@ -29,7 +29,7 @@ from rnn_darts.runners import runner_of
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict, check_in_space, save_genotype, cell_ops
 from rnn_darts.data import fingerprint
-from rnn_darts.ops import ops_of
+from rnn_darts.ops import ops_of, IMPORTED
 from rnn_darts.callbacks.arch import ArchParamUpdate, Temperature
 from rnn_darts.callbacks.perturb import Perturbation
 from rnn_darts.pt_select import PtSelection
@@ -118,6 +118,7 @@ class RunInfo(TrainEpochEnd):
             self.info = dict(command=self.command, settings=self.settings, sources=self.sources, device=device_name(self.flat_device()),
                              epoch_times=[], best_valid_loss=None, asgd_epoch=None, genotype=None,
                              **({} if self.data is None else dict(data=self.data)))
+        if IMPORTED: self.info['imports'] = list({**{r['name']: r for r in self.info.get('imports', [])}, **IMPORTED}.values())   # the ops' modules
     def flat_device(self): return self.model.flat.data.device
     @property
     def file(self): return Path(self.path)/self.fname

@@ -4,14 +4,16 @@
 
 # %% ../nbs/02a_ops.ipynb #ebbe2ac5
 from __future__ import annotations
-import re
+import hashlib, importlib, importlib.metadata, importlib.util, os, re, sys
+from pathlib import Path
 from dataclasses import dataclass
 import torch, torch.nn.functional as F
-from rnn_darts.core import UsageError, PAPER_OPS
+from rnn_darts.core import UserError, UsageError, PAPER_OPS
 from rnn_darts.kernels import tanh
 
 # %% auto #0
-__all__ = ['OPS', 'Op', 'identity', 'register_op', 'ops_of', 'op_fn', 'mix_order', 'mixed_op']
+__all__ = ['OPS', 'IMPORT_ENV', 'IMPORTED', 'ENTRY_POINTS', 'Op', 'identity', 'register_op', 'ops_of', 'op_fn', 'mix_order',
+           'mixed_op', 'import_ops', 'import_recorded', 'load_entry_points']
 
 # %% ../nbs/02a_ops.ipynb #53c7761d
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ def ops_of(ops, name:str='ops') -> tuple:
     if not items: raise UsageError(f"{name} names no op; give one or more of {', '.join(OPS)}")
     for x in items:
         if x == 'none': raise UsageError(f"{name}: 'none' is every edge's implicit op (column 0 of α); leave it out")
-        if x not in OPS: raise UsageError(f"{name}: unknown op {x!r}; the ops are {', '.join(OPS)} (rnn_darts.ops.register_op adds your own)")
+        if x not in OPS: raise UsageError(f"{name}: unknown op {x!r}; the ops are {', '.join(OPS)} (rnn_darts.ops.register_op adds your own; --import MODULE_OR_FILE brings it to rnn-darts)")
     dup = next((x for i, x in enumerate(items) if x in items[:i]), None)
     if dup is not None: raise UsageError(f"{name} names {dup!r} twice")
     return tuple(items)
@@ -78,3 +80,69 @@ def mixed_op(x, fns, weights):
     out = fns[0](x) * weights[0]
     for f, w in zip(fns[1:], weights[1:]): out = torch.addcmul(out, f(x), w)
     return out
+
+# %% ../nbs/02a_ops.ipynb #da07fb3c
+IMPORT_ENV = 'RNN_DARTS_IMPORT'   # the imports (os.pathsep between them) a process's children make again
+IMPORTED = {}   # what `import_ops` imported: its name (a module's, or a file's absolute path) -> name, file, sha256
+ENTRY_POINTS = 'rnn_darts.ops'    # the entry point group of packages that add ops
+
+def _sha256(path) -> str: return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+def _is_file(spec:str) -> bool: return spec.endswith('.py') or os.sep in spec
+
+def _import_module(spec:str, said:str):
+    "Import the module `spec` names: a `.py` file (under a name of its own) or a module on the Python path; errors begin with `said`"
+    if not _is_file(spec):
+        try: return importlib.import_module(spec)
+        except ModuleNotFoundError as e:
+            if e.name and spec.startswith(e.name): raise UsageError(f"{said}: no module named {spec!r} on the Python path (or give a .py file)") from None
+            raise
+    p = Path(spec)
+    if not p.is_file(): raise UsageError(f"{said}: no such file")
+    if p.suffix != '.py': raise UsageError(f"{said}: not a .py file (give a Python file, or a module's name)")
+    name = f"rnn_darts_import_{hashlib.sha1(str(p).encode()).hexdigest()[:8]}_{p.stem}"
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, p))
+    sys.modules[name] = mod
+    try: mod.__spec__.loader.exec_module(mod)
+    except BaseException: sys.modules.pop(name, None); raise
+    return mod
+
+def import_ops(spec:str, flag:str='--import') -> dict:
+    """Import `spec` (a module name or a `.py` file) once, so that its `register_op` calls run; its record (name, file,
+    sha256) joins `IMPORTED`, and `RNN_DARTS_IMPORT` names it to child processes. An error in it: one line naming `flag`"""
+    key = str(Path(spec).resolve()) if _is_file(spec) else spec
+    if key in IMPORTED: return IMPORTED[key]
+    try: mod = _import_module(key, f"{flag} {spec}")
+    except UsageError: raise
+    except Exception as e: raise UserError(f"{flag} {spec}: importing it failed: {type(e).__name__}: {e}") from None
+    file = getattr(mod, '__file__', None)
+    IMPORTED[key] = rec = dict(name=key, file=file, sha256=None if file is None else _sha256(file))
+    os.environ[IMPORT_ENV] = os.pathsep.join(IMPORTED)
+    return rec
+
+def import_recorded(imports, where:str, say=print) -> list:
+    """Import again what a run imported (`imports`: its run.json's records; `where`: that file), saying so; a file that is
+    gone or has changed is said, not refused: an op it lacks is refused where the run uses it. Returns the records imported"""
+    done = []
+    for rec in imports or []:
+        name, file = rec['name'], rec.get('file')
+        if name in IMPORTED: continue
+        try: now = import_ops(name, flag=f"{where}: import")
+        except UsageError:
+            say(f"{where} imported {name}, which is gone: the ops it registered are unknown here (--import another)"); continue
+        changed = rec.get('sha256') not in (None, now['sha256'])
+        say(f"imported {name}, as {where} records{': it has changed since the run (another sha256)' if changed else ''}")
+        done.append(now)
+    return done
+
+def load_entry_points(group:str=ENTRY_POINTS):
+    "Import the ops of installed packages: each entry point of `group` names a module that registers ops, or a function that does"
+    for ep in importlib.metadata.entry_points(group=group):
+        try:
+            obj = ep.load()
+            if callable(obj): obj()
+        except Exception as e: raise UserError(f"the {group} entry point {ep.name} = {ep.value} failed: {type(e).__name__}: {e}") from None
+
+load_entry_points()
+for _spec in filter(None, os.environ.get(IMPORT_ENV, '').split(os.pathsep)): import_ops(_spec, flag=IMPORT_ENV)   # a parent's imports
+

@@ -15,9 +15,9 @@ from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources,
 
 # %% auto #0
 __all__ = ['RESUME_FREE', 'SPACE', 'ARGV', 'load_corpus', 'corpus_key', 'settings_diff', 'same_ops', 'resumed_settings',
-           'data_changes', 'prepare_run_dir', 'record_overrides_cb', 'env_threads', 'set_threads', 'resumable',
-           'resume_command', 'exit_if_interrupted', 'method_text', 'search', 'cell_name', 'train', 'evaluate_run',
-           'resume_learner']
+           'data_changes', 'prepare_run_dir', 'record_overrides_cb', 'env_threads', 'set_threads', 'import_run_ops',
+           'genotype_run', 'resumable', 'resume_command', 'exit_if_interrupted', 'method_text', 'search', 'cell_name',
+           'train', 'evaluate_run', 'resume_learner']
 
 # %% ../nbs/07b_runs.ipynb #c69a6174
 def load_corpus(s:dict, url:str|None=None):
@@ -163,6 +163,19 @@ def set_threads(threads, dev, follow:bool=False) -> str:
     if threads is not None: torch.set_num_threads(threads)
     return f"{torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)}" if dev.type == 'cpu' else ''
 
+def import_run_ops(folder:RunFolder, info:dict|None=None):
+    "Import again the modules whose ops the run in `folder` used (its run.json's `imports`, `--import`'s), saying so"
+    info = folder.record() if info is None else info
+    if info.get('imports'):
+        from rnn_darts.ops import import_recorded
+        import_recorded(info['imports'], str(folder.record_file))
+
+def genotype_run(genotype) -> RunFolder|None:
+    "The run folder `--genotype` names (the folder, or its genotype.json), or None"
+    p = Path(str(genotype))
+    folder = RunFolder(p) if p.is_dir() else RunFolder(p.parent) if p.name == RunFolder.GENOTYPE else None
+    return folder if folder is not None and folder.is_run() else None
+
 def resumable(folder:RunFolder) -> bool:
     "Whether `folder` holds a checkpoint a run can continue from (an epoch's, or one written mid-epoch)"
     from rnn_darts.callbacks.checkpoint import latest_checkpoint
@@ -193,6 +206,7 @@ def _prepare(command, flags:dict) -> _Run:
         print(f"--resume auto: {'continuing the run in' if c['resume'] else 'no checkpoint to continue in'} {folder}{'' if c['resume'] else ': starting the run'}")
     r.resume = c['resume']
     info = folder.record_or_none() if r.resume else None
+    if info is not None: import_run_ops(folder, info)
     if info is not None and info['command'] == command: r.s, r.src = resumed_settings(info, r.s, r.src, command)   # the run's own settings
     check_settings(r.s, r.src)
     if c['threads'] is not None: check_number('--threads', c['threads'], 1, integer=True)
@@ -204,6 +218,7 @@ def _prepare(command, flags:dict) -> _Run:
     if command == 'train':
         from rnn_darts.genotypes import load_genotype, check_in_space, cell_ops
         from rnn_darts.ops import ops_of
+        if (run := genotype_run(r.s['genotype'])) is not None: import_run_ops(run)   # the ops of the search that found the cell
         r.genotype = load_genotype(r.s['genotype'])
         check_in_space(r.genotype, ops_of(r.s['ops'], name('ops')) if r.s['ops'] else None, r.s['nodes'], name)
     r.plan = plan_of({**r.s, 'ops': cell_ops(r.genotype) if command == 'train' else r.s['ops']}, dev, name, command=command)   # a refused combination: one line; the learner runs this plan
@@ -341,6 +356,7 @@ def evaluate_run(
     if not run.is_dir(): raise FileNotFoundError(f"run folder {run} does not exist" if not run.exists() else f"{run} is not a run folder")
     folder = RunFolder(run)
     info = folder.record()
+    import_run_ops(folder, info)
     s = {**RunConfig().asdict(), 'test_bs': TrainConfig.test_bs, **info['settings']}   # an older run.json may lack a setting
     recorded = {k: f"{folder.record_file}: settings.{k}" for k in s}
     check_settings({k: v for k, v in s.items() if k not in ('threads',)}, recorded)
@@ -396,6 +412,7 @@ def resume_learner(path, device=None, cbs=None):
     from rnn_darts.learner import search_learner, train_learner
     folder = RunFolder(path)
     info = folder.record()
+    import_run_ops(folder, info)
     if not resumable(folder): raise UsageError(f"{folder.path} holds no checkpoint to continue from: run it again, or start a new one")
     command = info['command']
     s = {**code_defaults(command), **with_taus(info['settings']), 'out': str(folder.path)}

@@ -378,6 +378,8 @@ def start_ray(address:str|None=None):
     ray = import_ray()
     if not sys.stdout.isatty(): os.environ.setdefault('RAY_COLOR_PREFIX', '0')   # Ray's own lines (a worker died, ...) without colour codes in a file
     quiet = dict(log_to_driver=False, logging_level='ERROR')   # each stage's output goes to its log; Ray's notices stay off
+    from rnn_darts.ops import IMPORT_ENV
+    if os.environ.get(IMPORT_ENV): quiet['runtime_env'] = dict(env_vars={IMPORT_ENV: os.environ[IMPORT_ENV]})   # --import's modules: each worker imports them (the files at the same paths)
     try:
         if address in (None, 'local'): ray.init(address='local', include_dashboard=False, object_store_memory=OBJECT_STORE, **quiet)
         else: ray.init(address=address, **quiet)

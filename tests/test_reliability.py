@@ -323,7 +323,7 @@ def test_checkpoint_mismatch_on_resume_stops_before_training(ckpts, tmp_path):
 
 # ---------------------------------------------------------------- 5. bad input
 @pytest.mark.parametrize('g,msg', [
-    (dict(recurrent=[['conv', 0]], concat=[1]), r"node 1 has unknown op 'conv'; ops are \['tanh', 'relu', 'sigmoid', 'identity', 'gelu'"),
+    (dict(recurrent=[['conv', 0]], concat=[1]), r"node 1 has unknown op 'conv'; the ops are tanh, relu, sigmoid, identity, gelu"),
     (dict(recurrent=[['tanh', 0], ['relu', 2]], concat=[1, 2]), r"node 2 has predecessor 2; it must be an earlier node, 0\.\.1"),
     (dict(recurrent=[['tanh', 0], ['relu', -1]], concat=[1, 2]), r"node 2 has predecessor -1"),
     (dict(recurrent=[['tanh', 0], ['relu', 1]], concat=[1, 3]), r"concat has node 3; nodes are 0\.\.2"),

@@ -1,7 +1,7 @@
 """The search space is the user's (issue 76): a set of ops (built in or registered), any number of nodes, through the
 command line and Python; α's shape, the genotype, the run's files and the pictures follow the space; what cannot be
 done in it is refused in one line; what was written before the space was data still loads, as the paper's."""
-import json, math
+import hashlib, json, math
 import pytest, torch
 from rnn_darts.config import METHODS
 from rnn_darts import cli
@@ -187,7 +187,8 @@ def test_a_new_space_end_to_end_on_the_command_line(tmp_path, capsys):
                      ([*same, '--nodes', '4', '--override', 'true'], 'nodes'), ([*same, '--edge-norm', 'false'], 'edge_norm')):
         fails(capsys, ['search', *NUM, *flags, '--curvature', 'false', '--resume', '--epochs', '2', '--out', str(out)], 2,
               f"--resume: {out} ran --{k.replace('_', '-')} ", "cannot go on in another (not even with --override)")
-    capsys.readouterr()
+    err = fails(capsys, ['search', '--ops', 'tanh,relu', '--nodes', '4', '--resume', '--out', str(out)], 2, f"--resume: {out} ran ")
+    assert f"--ops {','.join(ops)!r}, not 'tanh,relu', --nodes 5, not 4" in err and 'drop those flags' in err   # every difference at once
     cli.run_command(['train', *NUM, '--genotype', str(out), '--out', str(tmp_path/'train')])
     assert 'test loss' in capsys.readouterr().out
     cli.run_command(['evaluate', str(out)])
@@ -199,3 +200,49 @@ def test_a_new_space_end_to_end_on_the_command_line(tmp_path, capsys):
     assert "softmax(α) × the edge's weight (β)" in [a.get_ylabel() for a in fig.axes]   # what the heatmap shows under edge normalisation
     text = (out/'report'/'report.md').read_text()
     assert 'gelu' in text and (out/'report'/'alphas.png').is_file()
+
+PLUGIN = "import torch\nfrom rnn_darts.ops import register_op\nregister_op('swish', lambda x: x * torch.sigmoid(x))\n"
+
+@pytest.mark.slow
+def test_an_imported_op_reaches_every_command_and_its_run_imports_it_again(tmp_path, capsys):
+    """`--import plugin.py` brings a user's op to `search`; `train --genotype RUN` and `report RUN` import it again from
+    run.json without the flag, and say so (and that the file changed); with the file gone, the cell's op is refused in
+    one line naming it and --import (exit 2). An installed package's `rnn_darts.ops` entry point adds its op with no
+    flag. A missing or failing import: one line. Fresh processes: the registry is a process's; ~40 s"""
+    import os, subprocess, sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    site = tmp_path/'site'; site.mkdir()   # an installed package: its module and its dist-info's entry point
+    (site/'cubeops.py').write_text("import torch\nfrom rnn_darts.ops import register_op\nregister_op('cube', lambda x: x * x * x / 8)\n")
+    (site/'cubeops-0.1.dist-info').mkdir()
+    (site/'cubeops-0.1.dist-info'/'METADATA').write_text("Metadata-Version: 2.1\nName: cubeops\nVersion: 0.1\n")
+    (site/'cubeops-0.1.dist-info'/'entry_points.txt').write_text("[rnn_darts.ops]\ncube = cubeops\n")
+    env = {**{k: v for k, v in os.environ.items() if k != 'RNN_DARTS_IMPORT'}, 'PYTHONPATH': f"{root}{os.pathsep}{site}"}
+    def rnn(*argv):
+        r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', *map(str, argv)], cwd=tmp_path, env=env, capture_output=True, text=True)
+        return r.returncode, r.stdout, r.stderr
+    plugin, run = tmp_path/'plugin.py', tmp_path/'run'
+    plugin.write_text(PLUGIN)
+    code, out, err = rnn('search', *NUM, '--import', 'plugin.py', '--ops', 'swish', '--nodes', '2', '--curvature', 'false', '--out', run)
+    assert code == 0, err
+    info = json.loads((run/'run.json').read_text())
+    assert info['imports'] == [dict(name=str(plugin), file=str(plugin), sha256=hashlib.sha256(PLUGIN.encode()).hexdigest())]
+    assert [op for op, _ in json.loads((run/'genotype.json').read_text())['recurrent']] == ['swish', 'swish']
+    code, out, err = rnn('train', *NUM, '--genotype', run, '--out', tmp_path/'train')
+    assert code == 0, err
+    assert f"imported {plugin}, as {run/'run.json'} records\n" in out and 'test loss' in out
+    plugin.write_text(PLUGIN + "# changed\n")
+    code, out, err = rnn('report', tmp_path/'train')   # the training's run.json records the import too
+    assert code == 0, err
+    assert f"imported {plugin}, as {tmp_path/'train'/'run.json'} records: it has changed since the run" in out
+    plugin.unlink()
+    code, out, err = rnn('train', *NUM, '--genotype', run, '--out', tmp_path/'t2')
+    assert code == 2 and err.count('\n') == 1 and "unknown op 'swish'" in err and '--import MODULE_OR_FILE' in err, err
+    assert f"{run/'run.json'} imported {plugin}, which is gone" in out and not (tmp_path/'t2').exists()
+    code, out, err = rnn('train', *NUM, '--genotype', '{"recurrent": [["cube", 0]], "concat": [1]}', '--epochs', '1', '--out', tmp_path/'t3')
+    assert code == 0, err   # the entry point's op, no flag
+    for spec, code, said in (('nope.py', 2, 'nope.py: no such file'), ('no_such_mod', 2, "no module named 'no_such_mod'"),
+                             (str(site/'cubeops-0.1.dist-info'/'METADATA'), 2, 'not a .py file')):
+        fails(capsys, ['search', '--import', spec, '--out', str(tmp_path/'x')], code, f"--import {spec}", said)
+    (tmp_path/'bad.py').write_text("raise RuntimeError('not today')\n")
+    fails(capsys, ['report', str(run), '--import', str(tmp_path/'bad.py')], 1, f"--import {tmp_path/'bad.py'}: importing it failed: RuntimeError: not today")
