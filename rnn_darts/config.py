@@ -160,7 +160,8 @@ class SearchConfig(RunConfig):
     mode: str = setting('second', "architecture gradient: second (unrolled, finite differences) | first | exact (Hessian-vector product) | "
                         "mixed (MiLeNAS: training and validation) | single (SNAS: the training loss); or random: random search with "
                         "weight sharing, no α", MODES)
-    method: str|None = setting(None, f"a method of the DARTS family: {' | '.join(m for m in METHODS if m not in MODES)}. It sets its "
+    method: str|None = setting(None, f"a search method: {' | '.join(m for m in METHODS if m in MODES)} (DARTS's orders, random search), or one of the DARTS family: "
+                               f"{' | '.join(m for m in METHODS if m not in MODES)}. It sets its "
                                "relaxation, mode, perturbation and selection, which a setting may repeat but not change, and defaults "
                                "for its own settings (τ, β-decay, the KL weight), yours to set (rnn_darts.config.METHODS)", tuple(METHODS))
     arch_lr: float = setting(3e-3, 'learning rate of α (Adam), > 0', 'pos_float')

@@ -122,15 +122,21 @@ def epochs_logged(self:RunFolder) -> int: return len(self.log_rows())
 
 # %% ../nbs/00c_folder.ipynb #76867f2e
 class RunLock:
-    "An exclusive, non-blocking `flock` on `folder/.lock` naming its holder; released by `release()` or when the process ends"
+    """An exclusive, non-blocking `flock` on `folder/.lock` naming its holder; `release()` deletes the file (a process's end
+    leaves it, unlocked: the next run takes it)"""
     def __init__(self, folder): self.path, self.f = RunFolder(folder).lock_file, None
     def acquire(self):
         import fcntl
-        with naming(self.path): f = open(self.path, 'a+')
-        try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0); holder = f.read().strip() or 'another process'; f.close()
-            raise UserError(f"run folder {self.path.parent} is in use by {holder}; wait for it to end, or choose another --out") from None
+        while True:
+            with naming(self.path): f = open(self.path, 'a+')
+            try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0); holder = f.read().strip() or 'another process'; f.close()
+                raise UserError(f"run folder {self.path.parent} is in use by {holder}; wait for it to end, or choose another --out") from None
+            try: same = os.path.samestat(os.fstat(f.fileno()), os.stat(self.path))
+            except FileNotFoundError: same = False
+            if same: break
+            f.close()   # locked a file its holder deleted as it released it: lock the one at the path now
         try:
             with naming(self.path): f.seek(0); f.truncate(); f.write(f"pid {os.getpid()} on {socket.gethostname()}\n"); f.flush()
         except OSError:
@@ -141,7 +147,9 @@ class RunLock:
     def release(self):
         if self.f is None: return
         import fcntl
-        try: self.f.seek(0); self.f.truncate(); fcntl.flock(self.f, fcntl.LOCK_UN)
+        try:
+            with suppress(FileNotFoundError): self.path.unlink()   # deleted while still held: a process waiting on it tries again
+            fcntl.flock(self.f, fcntl.LOCK_UN)
         finally: self.f.close(); self.f = None
     def __enter__(self): return self.acquire()
     def __exit__(self, *a): self.release()

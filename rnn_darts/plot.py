@@ -22,19 +22,21 @@ from rnn_darts.ops import OPS, PAPER_OPS
 from rnn_darts.folder import RunFolder
 
 # %% auto #0
-__all__ = ['OP_COLORS', 'FORMATS', 'LABEL_AT', 'VALID_BELOW_TRAIN', 'op_color', 'ShownFigure', 'dot_path', 'genotype_dot',
-           'cell_layout', 'genotype_png', 'plot_genotype', 'load_history', 'entry_ops', 'entry_genotype',
-           'alpha_matrix', 'edge_names', 'plot_alphas', 'genotype_gif', 'log_frame', 'plot_curves', 'plot_curvature',
-           'plot_candidates', 'plot_study', 'plot_search_comparison']
+__all__ = ['OP_COLORS', 'USER_COLORS', 'FORMATS', 'LABEL_AT', 'VALID_BELOW_TRAIN', 'op_color', 'ShownFigure', 'dot_path',
+           'genotype_dot', 'cell_layout', 'genotype_png', 'plot_genotype', 'load_history', 'entry_ops',
+           'entry_genotype', 'alpha_matrix', 'edge_names', 'plot_alphas', 'genotype_gif', 'log_frame', 'plot_curves',
+           'plot_curvature', 'plot_candidates', 'plot_study', 'plot_search_comparison']
 
 # %% ../nbs/09_plot.ipynb #ccbf2eea
-OP_COLORS = {'none': '#9e9e9e', 'tanh': '#1f77b4', 'relu': '#d62728', 'sigmoid': '#2ca02c', 'identity': '#9467bd'}
+OP_COLORS = {'none': '#9e9e9e', 'tanh': '#1f77b4', 'relu': '#d62728', 'sigmoid': '#2ca02c', 'identity': '#9467bd',   # the paper's ops: tab10's
+             'gelu': '#ff7f0e', 'silu': '#17becf', 'elu': '#8c564b', 'softplus': '#e377c2', 'leaky_relu': '#000000'}   # the other built-in ones: tab10's others, and black
+USER_COLORS = tuple(i for i in range(20) if i not in (4, 5, 6, 7))   # tab20b without its greens, which read as sigmoid's
 
 def op_color(op:str) -> str:
-    "The colour `op` is drawn in: the paper's ops and `none` their own, any other one of tab20b's by its place in the registry"
+    "The colour `op` is drawn in: a built-in op and `none` their own, a registered one one of tab20b's (not its greens) by its place in the registry"
     if op in OP_COLORS: return OP_COLORS[op]
     k = list(OPS).index(op) if op in OPS else zlib.crc32(op.encode())
-    return mpl.colors.to_hex(mpl.colormaps['tab20b'](k % 20))
+    return mpl.colors.to_hex(mpl.colormaps['tab20b'](USER_COLORS[k % len(USER_COLORS)]))
 FORMATS = ('png', 'svg', 'pdf')
 
 def _fmt_of(path) -> str:

@@ -73,13 +73,13 @@ def _load_progress(p:Path, key:dict):
     except (json.JSONDecodeError, UnicodeDecodeError, OSError): return None   # a damaged file: score again
     return st if isinstance(st, dict) and st.get('key') == key else None
 
-def candidates_frame(cells, screen, full) -> pd.DataFrame:
-    "The table of `candidates.csv`: the cells scored in full first (by that loss), then the rest by screening loss"
+def candidates_frame(cells, screen, full, ops=None) -> pd.DataFrame:
+    "The table of `candidates.csv`: the cells scored in full first (by that loss), then the rest by screening loss; each row's genotype with its search's op set `ops`, as genotype.json has it"
     top = sorted(full, key=lambda i: (full[i], screen[i], i))
     order = top + sorted((i for i in range(len(cells)) if i not in full), key=lambda i: (screen[i], i))
     rows = [dict(rank=r + 1, cell=cell_text(cells[i]), screen_loss=screen[i], screen_ppl=math.exp(min(screen[i], 700)),
                  valid_loss=full.get(i), valid_ppl=None if i not in full else math.exp(min(full[i], 700)),
-                 genotype=json.dumps(genotype_to_dict(cells[i]), separators=(',', ':'))) for r, i in enumerate(order)]
+                 genotype=json.dumps(genotype_to_dict(cells[i], ops), separators=(',', ':'))) for r, i in enumerate(order)]
     return pd.DataFrame(rows, columns=['rank', 'cell', 'screen_loss', 'screen_ppl', 'valid_loss', 'valid_ppl', 'genotype'])
 
 def _passes(model, cells, idx, data, bptt, scores, save, label, show):
@@ -118,7 +118,7 @@ def choose_cell(learn, candidates:int|None=None, top:int|None=None, show:bool=Tr
         best = sorted(range(n), key=lambda i: (scr[i], i))[:top]
         _passes(model, cells, best, vdl.data, vdl.bptt, full, save, 'full', show)
     finally: model.train(training)
-    df = candidates_frame(cells, scr, {i: full[i] for i in best})
+    df = candidates_frame(cells, scr, {i: full[i] for i in best}, model.ops)
     win = cells[min(best, key=lambda i: (full[i], scr[i], i))]
     rnd.chosen = win; model.use(win)
     if writer:

@@ -124,6 +124,7 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
                 raise UsageError(f"{out} already holds a run ({', '.join(had)}); pass --resume to continue it, "
                                  f"--overwrite to replace it, or choose another --out")
             import shutil
+            had += [RunFolder.REPORT] if (out/RunFolder.REPORT).is_dir() else []   # the old run's report too: it would describe another run
             for f in had: shutil.rmtree(out/f) if (out/f).is_dir() else (out/f).unlink()
             print(f"--overwrite: deleted {', '.join(had)} in {out}")
     except BaseException: lock.release(); raise

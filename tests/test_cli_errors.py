@@ -205,8 +205,10 @@ def test_overwrite_clears_the_old_run(capsys, run_dir, tmp_path):
     run, data = run_dir
     shutil.copytree(run, tmp_path/'r')
     (tmp_path/'r'/'checkpoints'/'epoch_0007.pth').write_bytes(b'old')
+    (tmp_path/'r'/'report').mkdir(); (tmp_path/'r'/'report'/'report.md').write_text('the old run')
     cli.run_command(['search', '--data', data, *RUN, '--out', str(tmp_path/'r'), '--overwrite'])
-    assert '--overwrite: deleted run.json, log.csv, history.json, genotype.json, checkpoints' in capsys.readouterr().out
+    assert '--overwrite: deleted run.json, log.csv, history.json, genotype.json, checkpoints, report' in capsys.readouterr().out
+    assert not (tmp_path/'r'/'report').exists() and not (tmp_path/'r'/'.lock').exists()   # the lock goes with the run's end
     assert not (tmp_path/'r'/'checkpoints'/'epoch_0007.pth').exists()
     assert len((tmp_path/'r'/'log.csv').read_text().splitlines()) == 2   # header + the new epoch
 
@@ -215,7 +217,7 @@ def test_a_locked_run_folder_is_refused(capsys, tmp_path):
     with runs.RunLock(_mk(tmp_path/'o')):
         fails(capsys, ['search', '--data', data, *TINY, '--out', str(tmp_path/'o')], 1,
               f'run folder {tmp_path/"o"} is in use by pid {os.getpid()} on ')
-    assert (tmp_path/'o'/'.lock').read_text() == ''   # released
+    assert not (tmp_path/'o'/'.lock').exists()   # released: its file deleted
 
 def _mk(p): p.mkdir(parents=True, exist_ok=True); return p
 
@@ -425,3 +427,18 @@ def test_resume_of_a_finished_run_says_how_to_extend_it_and_rewrites_nothing(cap
     assert {p: p.read_bytes() for p in out.rglob('*') if p.is_file() and p.name != '.lock'} == files
     cli.run_command(['search', *[a if a != '1' else '2' for a in NUM], '--curvature', 'false', '--out', str(out), '--resume'])
     assert len(json.loads((out/'run.json').read_text())['epoch_times']) == 2
+
+def test_search_help_names_every_method_the_flag_takes():
+    "`--method`'s help names each value it accepts: the bare modes (first, second, exact, random) as well as the family's"
+    from rnn_darts.config import METHODS
+    helps = [a.help for a in cli.command_parser('search')._actions if a.dest == 'method']
+    assert len(helps) == 1 and all(re.search(rf'(^|[ :(|]){re.escape(m)}( |\.|,|$)', helps[0]) for m in METHODS), helps
+
+def test_an_empty_op_set_or_an_unknown_op_in_a_cell_is_a_usage_error(capsys, tmp_path):
+    "`--ops ''` on a search: exit 2 naming --ops before any folder exists; an unknown op in a genotype's cell: exit 2 naming it and --import, as in its ops list"
+    fails(capsys, ['search', '--ops', '', *NUM, '--out', str(tmp_path/'x')], 2, '--ops names no op')
+    assert not (tmp_path/'x').exists()
+    for g in (dict(recurrent=[['swirl', 0]], concat=[1]), dict(recurrent=[['tanh', 0]], concat=[1], ops=['tanh', 'swirl'])):
+        (tmp_path/'g.json').write_text(json.dumps(g))
+        fails(capsys, ['train', '--genotype', str(tmp_path/'g.json'), *NUM, '--out', str(tmp_path/'t')], 2, "unknown op 'swirl'", '--import MODULE_OR_FILE')
+    assert not (tmp_path/'t').exists()

@@ -70,6 +70,19 @@ def no_dot(monkeypatch, tmp_path):
 
 # ---------------------------------------------------------------- genotype diagrams
 
+def test_no_op_but_sigmoid_is_drawn_green():
+    """Each built-in op its own colour, and none but sigmoid's a green (gelu's olive read as sigmoid's green): every other
+    coloured one (and a registered op's) at least 45° of hue from it"""
+    import colorsys, matplotlib as mpl
+    from rnn_darts.ops import OPS
+    from rnn_darts.plot import op_color
+    hsv = lambda op: colorsys.rgb_to_hsv(*mpl.colors.to_rgb(op_color(op)))
+    assert len({op_color(op) for op in [*OPS, 'none']}) == len(OPS) + 1
+    green = hsv('sigmoid')[0] * 360
+    for op in [*OPS, 'user_a', 'user_b', 'user_c']:
+        h, sat, _ = hsv(op)
+        if op != 'sigmoid' and sat > 0.25: assert min(abs(h * 360 - green), 360 - abs(h * 360 - green)) >= 45, (op, op_color(op))
+
 @pytest.mark.parametrize('g', [DARTS_V2, ENAS], ids=['DARTS_V2', 'ENAS'])
 def test_dot_source_matches_genotype(g):
     src = P.genotype_dot(g)

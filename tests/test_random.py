@@ -129,6 +129,7 @@ def test_random_search_cli_end_to_end(tmp_path, capsys):
     assert df.screen_loss[:4].max() <= df.screen_loss[4:].min()          # the full pass took the screen's best 4
     win = load_genotype(out/'genotype.json')
     assert win == load_genotype(df.genotype[0]) == load_genotype(json.loads((out/'run.json').read_text())['genotype'])
+    assert json.loads(df.genotype[0]) == json.loads((out/'genotype.json').read_text())   # each row as genotype.json has it, its op set too
     # the numbers are true: the winner and the 4th as a plain DartsRnn with the final checkpoint's weights, scored by hand
     state = load_checkpoint(out/'checkpoints'/'epoch_0001.pth')
     shared = DartsRnnShared(learn.model.ntoken, 16, 16); shared.load_state_dict(state['model'])
