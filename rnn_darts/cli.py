@@ -19,7 +19,7 @@ from rnn_darts.folder import RunFolder
 
 # %% auto #0
 __all__ = ['COMMANDS', 'VALUE_NAMES', 'IMPORTING', 'IMPORT_HELP', 'OPTIONAL_VALUE', 'study', 'bench', 'check', 'report',
-           'user_error_code', 'error_message', 'command_parser', 'main_help', 'run_command', 'main']
+           'out_of_memory', 'user_error_code', 'error_message', 'command_parser', 'main_help', 'run_command', 'main']
 
 # %% ../nbs/08_cli.ipynb #0f1a55ce
 def study(
@@ -157,15 +157,26 @@ def _raised_here(e) -> bool:
     src = ''.join(linecache.getline(f.filename, i) for i in range(f.lineno, (f.end_lineno or f.lineno) + 1))
     return ours and re.search(r'\braise\b', src) is not None
 
+_OOM = re.compile(r"out of memory|not enough memory|can't allocate memory|could not create a primitive|std::bad_alloc")   # torch's, its CPU allocator's, oneDNN's
+
+def out_of_memory(e:BaseException) -> bool:
+    "Whether `e` is the device or the machine running out of memory (not a bug: the run's shapes, or another process's use)"
+    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and _OOM.search(str(e)) is not None)
+
 def user_error_code(e:BaseException):
     "The exit status for an error that is the user's (bad input or environment), or None for a bug (show the traceback)"
     if isinstance(e, UserError): return e.exit_code
+    if out_of_memory(e): return 1
     if isinstance(e, OSError) and e.errno in _ENV_ERRNOS: return 1
     if isinstance(e, _INPUT_ERRORS) and _raised_here(e): return 1
     return None
 
 def error_message(e:BaseException) -> str:
     "The one-line message for a user error"
+    if out_of_memory(e):
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        return (f"out of memory ({first}): the run needs more than the device has free now (another process may hold some); lower "
+                f"--bs, --bptt, --nhid or --nodes, or free the memory; a run that had begun resumes from its last checkpoint with --resume")
     if isinstance(e, OSError) and e.errno is not None and e.strerror:
         msg = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
     else: msg = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)

@@ -29,6 +29,7 @@ from rnn_darts.runners import runner_of
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict, check_in_space, save_genotype, cell_ops
 from rnn_darts.data import fingerprint
+from rnn_darts.options import memory_estimate, check_memory
 from rnn_darts.ops import ops_of, IMPORTED
 from rnn_darts.callbacks.arch import ArchParamUpdate, Temperature
 from rnn_darts.callbacks.perturb import Perturbation
@@ -48,9 +49,9 @@ from rnn_darts.callbacks.divergence import DivergenceGuard, FiniteValidation, fi
 from rnn_darts.callbacks.graphs import CudaGraphs, EMULATIONS
 
 # %% auto #0
-__all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'space_ops', 'run_genotype', 'RunInfo', 'RunEnd', 'SeqCrossEntropy',
-           'run_settings', 'run_record', 'search_learner', 'search_parts', 'train_learner', 'eval_weights', 'evaluate',
-           'VocabDLs', 'load_preset']
+__all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'space_ops', 'run_genotype', 'RunInfo', 'resident_mark', 'PeakMemory',
+           'RunEnd', 'SeqCrossEntropy', 'run_settings', 'run_record', 'search_learner', 'search_parts', 'train_learner',
+           'eval_weights', 'evaluate', 'VocabDLs', 'load_preset']
 
 # %% ../nbs/07_learner.ipynb #237f3218
 class DartsLearner(Learner):
@@ -137,6 +138,8 @@ class RunInfo(TrainEpochEnd):
         g = run_genotype(self.learn)
         i['genotype'] = None if g is None else genotype_to_dict(g, space_ops(self.model))
         i['plan'] = self.ran()
+        pm = getattr(self.learn, 'peak_memory', None)
+        if pm is not None: i['memory'] = pm.record()
         self.fitted = True
         if rank_distrib(): return
         write_json_atomic(i, self.file)
@@ -149,6 +152,40 @@ class RunInfo(TrainEpochEnd):
         return (replace(p, compile=self.model.runner.compiles) if p.compile == 'auto' else p).asdict()
     def ckpt_state(self): return dict(info=self.info, epoch_seconds=time.time() - self.t0 if getattr(self, 't0', None) else 0.)
     def load_ckpt_state(self, d): self.info, self.carried = dict(d['info']), d.get('epoch_seconds', 0.)
+
+def _proc_status(key:str) -> int|None:
+    "A byte count of /proc/self/status (Linux): VmRSS (resident now), VmHWM (its peak); None elsewhere"
+    try: return int(next(l.split()[1] for l in Path('/proc/self/status').read_text().splitlines() if l.startswith(key + ':'))) * 1024
+    except (OSError, StopIteration, ValueError, IndexError): return None
+
+def resident_mark() -> int|None:
+    "Start measuring the process's resident peak from now (Linux: /proc/self/clear_refs); the resident memory now, bytes (None where it cannot)"
+    try: Path('/proc/self/clear_refs').write_text('5')   # VmHWM starts again from VmRSS
+    except OSError: return None
+    return _proc_status('VmRSS')
+
+class PeakMemory(Callback):
+    """The run's memory in `run.json` (`RunInfo` asks): `memory_estimate` of its settings, and the peak measured since the
+    learner was made (`rss0`, from `resident_mark`; else since the fit began): torch's peak allocation on a GPU, the growth
+    of the process's resident memory on a CPU (Linux; elsewhere none is claimed). A run the estimate says cannot fit is
+    refused before its first batch"""
+    order = RunInfo.order - 1
+    def __init__(self, command:str, settings:dict, rss0:int|None=None): self.command, self.settings, self.rss0 = command, settings, rss0
+    def shapes(self) -> dict:
+        "The settings the estimate reads, the cell's own node count among them"
+        return {**self.settings, 'nodes': getattr(getattr(self.model, 'cell', None), 'n_nodes', None) or self.settings.get('nodes')}
+    def before_fit(self):
+        self.dev = self.model.flat.data.device
+        try: check_memory(self.shapes(), self.model.ntoken, self.command, self.dev)
+        except KeyError: pass   # a hand-made record without the shapes: nothing to estimate
+        if self.dev.type == 'cuda': torch.cuda.reset_peak_memory_stats(self.dev)   # what is allocated now counts: the weights
+        elif self.rss0 is None: self.rss0 = resident_mark()
+    def record(self) -> dict:
+        if self.dev.type == 'cuda': peak = torch.cuda.max_memory_allocated(self.dev)
+        else: peak = None if self.rss0 is None or _proc_status('VmHWM') is None else max(0, _proc_status('VmHWM') - self.rss0)
+        try: est = int(sum(memory_estimate(self.shapes(), self.model.ntoken, self.command).values()))
+        except (KeyError, TypeError): est = None   # a hand-made record without the shapes
+        return dict(estimate=est, peak=peak, peak_of='torch.cuda.max_memory_allocated' if self.dev.type == 'cuda' else 'resident memory growth since the learner was made')
 
 class RunEnd(Callback):
     """At the end of a fit that trained and ran to its end (or to DARTS-ES's stop), not a signal's: the run's cell (DARTS-PT's
@@ -238,7 +275,7 @@ def run_settings(command:str, c:RunConfig, dls, path, keywords=(), **extra) -> t
     ds, dsrc = _loader_settings(dls)
     return {**c.asdict(), **ds, 'out': str(path), **extra}, {**src, **dsrc, 'out': f'{caller} path', **{k: caller for k in extra}}
 
-def run_record(command:str, c:RunConfig, dls, path, resume=None, cbs=None, keywords=(), **extra) -> list:
+def run_record(command:str, c:RunConfig, dls, path, resume=None, cbs=None, keywords=(), rss0=None, **extra) -> list:
     """What makes a learner given a `path` write the run folder the command line writes: `RunLogger` (`log.csv`) and
     `RunInfo` (`run.json`, `genotype.json`) and `RunEnd` (`finished`), each unless `cbs` brings its own (the command line's, with its flags' sources)"""
     if path is None: return []
@@ -249,6 +286,7 @@ def run_record(command:str, c:RunConfig, dls, path, resume=None, cbs=None, keywo
         s, src = run_settings(command, c, dls, path, keywords, **extra)
         corpus = getattr(dls, 'corpus', None)
         res.append(RunInfo(command, s, None if corpus is None else fingerprint(corpus), sources=src))
+    if not has(PeakMemory): res.append(PeakMemory(command, next(cb for cb in [*own, *res] if isinstance(cb, RunInfo)).settings, rss0))
     return res + ([] if has(RunEnd) else [RunEnd()])
 
 def _dropouts(c:RunConfig) -> dict: return dict(dropout=c.dropout, dropouth=c.dropouth, dropoutx=c.dropoutx, dropouti=c.dropouti, dropoute=c.dropoute)
@@ -260,6 +298,7 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path=None, res
     `search_dl` unused, `candidates` and `top` for `choose_cell`). Given a `path`, it writes there the run folder that
     `rnn-darts search --out` writes (`run_record`); without one, its checkpoints go to the current folder"""
     c = configured(SearchConfig, config, 'search_learner', settings)   # each field checked, as the command line checks its flag
+    rss0 = None if path is None else resident_mark()   # the run's memory, measured from before its model is made
     rnd = c.mode == 'random'
     check_random(vars(c), given=lambda k: k in c.given and k not in c.read)   # a keyword here or the config's, not a preset's key
     n = _ntoken(dls, ntoken)
@@ -269,7 +308,7 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path=None, res
     own = search_parts(c, search_dl, cg)
     learn.metrics += [ValueMetric(cb.search_loss, 'search_loss') for cb in own if isinstance(cb, ArchParamUpdate)]
     learn.metrics += [ValueMetric(cb.lambda_max, 'lambda_max') for cb in own if isinstance(cb, Curvature)]
-    learn.add_cbs(_common_cbs(c, resume, cg) + own + run_record('search', c, dls, path, resume, cbs, settings) + list(L(cbs)))
+    learn.add_cbs(_common_cbs(c, resume, cg) + own + run_record('search', c, dls, path, resume, cbs, settings, rss0) + list(L(cbs)))
     return learn
 
 def search_parts(c:SearchConfig, search_dl=None, graphs:CudaGraphs|None=None) -> list:
@@ -291,12 +330,13 @@ def train_learner(dls, genotype, config:TrainConfig|None=None, path=None, resume
     paper's, `TrainConfig`), any of them overridden by keyword. Given a `path`, it writes there the run folder that
     `rnn-darts train --out` writes (`run_record`)"""
     c = configured(TrainConfig, config, 'train_learner', settings)
+    rss0 = None if path is None else resident_mark()
     g = load_genotype(genotype)
     check_in_space(g, ops_of(c.ops) if c.ops else None, c.nodes)
     model = DartsRnn(_ntoken(dls, ntoken), g, c.emsize, c.nhid, **_dropouts(c))
     learn, cg = _learner(dls, model, c, path or '.', device, 'train', plan)
     named = genotype if isinstance(genotype, (str, Path)) else json.dumps(genotype_to_dict(g, cell_ops(g)))   # what --genotype would say
-    record = run_record('train', c, dls, path, resume, cbs, settings, genotype=str(named))
+    record = run_record('train', c, dls, path, resume, cbs, settings, rss0, genotype=str(named))
     learn.add_cbs(_common_cbs(c, resume, cg) + [ASGDSwitch(c.nonmono, start=c.asgd)] + record + list(L(cbs)))
     return learn
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import inspect, os
 from dataclasses import fields, asdict
 from pathlib import Path
-from rnn_darts.core import UsageError, UserError, read_preset, option_type, PAPER_NODES
+from rnn_darts.core import UsageError, UserError, read_preset, option_type, PAPER_NODES, PAPER_OPS
 from rnn_darts.config import CONFIGS, MODES, RELAXATIONS, TEMPERED, check_rules, check_random, check_value, resolve
 
 # %% auto #0
 __all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'FLAG_ORDER', 'FLAG_GROUPS', 'FLAG_SUMMARY', 'FLAGS', 'CHECKS', 'CHOICES',
-           'learner_options', 'known_options', 'code_defaults', 'preset_keys', 'settings_and_sources',
-           'resolve_settings', 'command_flags', 'flag_default', 'flags_signature', 'setting_name', 'check_settings',
-           'check_fits', 'memory_estimate', 'available_memory', 'check_memory']
+           'MEMORY', 'CURVATURE_ROWS', 'learner_options', 'known_options', 'code_defaults', 'preset_keys',
+           'settings_and_sources', 'resolve_settings', 'command_flags', 'flag_default', 'flags_signature',
+           'setting_name', 'check_settings', 'check_fits', 'memory_estimate', 'available_memory', 'check_memory']
 
 # %% ../nbs/07a_options.ipynb #09131284
 def learner_options(command:str) -> dict:
@@ -192,12 +192,29 @@ def check_fits(corpus, s:dict, command:str, src:dict|None=None, split:str|None=N
     if command == 'train' or split == 'test': _fits(corpus, 'test', s['test_bs'], 2, n('test_bs'), 'an input and its target')
     if split == 'valid': _fits(corpus, 'valid', s['eval_bs'], 2, n('eval_bs'), 'an input and its target')
 
+
+# %% ../nbs/07a_options.ipynb #1cc44cfe
+MEMORY = dict(base=6.4, edge=6.1, edge_op=1.0, node=23.1, curv_edge=27.5, curv_node=30.3, train_base=15.3, train_node=25.6,
+              logits=1., vocab=22.)   # the estimate's coefficients: MB; floats per (row · token · nhid) of an edge or a node; per word (· row · token, · nhid)
+CURVATURE_ROWS = 16   # the rows of a validation window λ_max is measured on (`rnn_darts.callbacks.curvature`)
+
 def memory_estimate(s:dict, ntoken:int, command:str) -> dict:
-    "A lower bound, in bytes, of the memory a run needs: weights with gradients and optimizer copies, and activations"
-    e, h, bs, T, nodes = s['emsize'], s['nhid'], s['bs'], s['bptt'], s.get('nodes') or PAPER_NODES
-    n_w = ntoken * e + (e + h) * 2 * h + nodes * h * 2 * h
-    copies = 4 if command == 'search' else 3   # weights, gradients, and the unrolled step's backup / ASGD's average (+ α's passes)
-    return dict(weights=4 * n_w * copies, activations=4 * (bs * T * h * nodes * 2 + s['eval_bs'] * T * ntoken))
+    """The peak memory, in bytes, a run of settings `s` needs beyond the process's own: weights (with gradients and the
+    optimizer's copies), the activations of its largest pass, the logits, and a base; from its shapes (measured, above)"""
+    e, h, bs, T, nodes, M = s['emsize'], s['nhid'], s['bs'], s['bptt'], s.get('nodes') or PAPER_NODES, 2**20
+    n_ops = len([x for x in str(s.get('ops') or ','.join(PAPER_OPS)).split(',') if x.strip()])
+    copies = 4 if command == 'search' else 3   # weights, gradients, and the unrolled step's backup / ASGD's average
+    weights = 4 * copies * (ntoken * e + (e + h) * 2 * h + nodes * h * 2 * h)
+    k, edges = MEMORY, nodes * (nodes + 1) // 2
+    if command == 'search' and s.get('mode') != 'random':   # every edge, each op: a supernet
+        per_edge = k['edge'] + k['edge_op'] * n_ops
+        rows = lambda n, ke, kn: 4 * n * T * h * (ke * edges + kn * nodes)
+        act = max(rows(bs, per_edge, k['node']), rows(CURVATURE_ROWS, k['curv_edge'] * per_edge / (k['edge'] + 4 * k['edge_op']), k['curv_node'])
+                  if s.get('curvature') else 0)
+        base = k['base']
+    else: act, base = 4 * bs * T * h * nodes * k['train_node'], k['train_base']   # a derived cell (random search's too): one op per node
+    logits = 4 * ntoken * (k['logits'] * max(bs, s.get('eval_bs') or 0) * T + k['vocab'] * h)   # the logits, and the decoder's passes over the vocabulary
+    return dict(weights=weights, activations=act, logits=logits, base=base * M)
 
 def available_memory(dev) -> tuple:
     "(bytes, description) of the memory the run can use on `dev`: a GPU's total, or RAM available plus free swap"
@@ -213,13 +230,16 @@ def available_memory(dev) -> tuple:
         except (ValueError, OSError, AttributeError): return None, 'unknown'
     return avail, f"this machine has {avail / 2**30:.1f} GiB of memory available"
 
-def check_memory(s:dict, ntoken:int, command:str, dev):
-    "Refuse a run whose lower-bound memory estimate exceeds what `dev` has"
+def check_memory(s:dict, ntoken:int, command:str, dev) -> int:
+    "Refuse, in one line, a run whose `memory_estimate` exceeds what `dev` has; returns the estimate (bytes)"
     est = memory_estimate(s, ntoken, command)
     avail, what = available_memory(dev)
     need = sum(est.values())
     if avail is not None and need > avail:
-        g = lambda b: f"{b / 2**30:,.1f} GiB"
-        raise UserError(f"the model is too large for memory: emsize {s['emsize']}, nhid {s['nhid']}, bs {s['bs']}, bptt {s['bptt']} and "
-                        f"{ntoken:,} words need at least {g(need)} (weights, gradients and optimizer state {g(est['weights'])}, "
-                        f"activations {g(est['activations'])}), and {what}; use a smaller --nhid/--emsize or --bs")
+        g = lambda b: f"{b / 2**30:,.1f} GiB" if b < 2**40 else f"{b / 2**40:,.1f} TiB"
+        drives = ', '.join(f"--{k} {s[k]}" for k in ('nodes', 'nhid', 'emsize', 'bs', 'bptt') if s.get(k) is not None)   # flags, or preset keys of those names
+        raise UserError(f"this run needs about {g(need)} of memory (activations {g(est['activations'])}, weights and optimizer "
+                        f"state {g(est['weights'])}, logits of {ntoken:,} words {g(est['logits'])}) and {what}: {drives} drive it "
+                        f"(a search's activations grow with nodes²); lower them")
+    return need
+

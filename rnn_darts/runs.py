@@ -240,7 +240,7 @@ def _prepare(command, flags:dict) -> _Run:
     check_fits(r.corpus, r.s, command, r.src)
     batches = r.s['epochs'] * (len(r.corpus.train) // r.s['bs'] // r.s['bptt'])   # the fit's training batches: whether compiling pays
     r.plan = with_fit(r.plan, batches, compile_key(r.s, command, r.dev), r.s['nhid'])
-    check_memory(r.s, len(r.corpus.vocab), command, r.dev)
+    check_memory({**r.s, 'nodes': len(r.genotype.recurrent) if command == 'train' else r.s['nodes']}, len(r.corpus.vocab), command, r.dev)   # before any file
     r.out = Path(r.s['out'] or f'runs/{command}')
     r.s['out'] = str(r.out)   # run.json (and the report's settings) name the folder, the default too
     r.changes = {}

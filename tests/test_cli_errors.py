@@ -3,7 +3,7 @@ the flag, key or file, exit status 2 for bad flags and values, 1 otherwise; no t
 are refused, locked, overwritten and resumed as documented; presets ship with the package; --help is fast."""
 import errno, json, os, re, shutil, subprocess, sys, time
 from pathlib import Path
-import pytest
+import pytest, torch
 from rnn_darts import cli, options, runs
 from rnn_darts.core import UsageError
 from rnn_darts.callbacks.checkpoint import latest_checkpoint
@@ -120,7 +120,7 @@ def test_batch_sizes_fit_their_splits_before_training(capsys, tmp_path):
 
 def test_model_too_large_for_memory(capsys, tmp_path):
     fails(capsys, ['search', *NUM, '--emsize', '300000', '--nhid', '300000', '--out', str(tmp_path/'o')], 1,
-          'the model is too large for memory', 'GiB')
+          'this run needs about', 'weights and optimizer state', '--nhid 300000, --emsize 300000')
 
 # --- presets and settings files ----------------------------------------------------------------------------------------
 def test_settings_file_errors(capsys, tmp_path):
@@ -442,3 +442,12 @@ def test_an_empty_op_set_or_an_unknown_op_in_a_cell_is_a_usage_error(capsys, tmp
         (tmp_path/'g.json').write_text(json.dumps(g))
         fails(capsys, ['train', '--genotype', str(tmp_path/'g.json'), *NUM, '--out', str(tmp_path/'t')], 2, "unknown op 'swirl'", '--import MODULE_OR_FILE')
     assert not (tmp_path/'t').exists()
+
+@pytest.mark.parametrize('error', [torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB'), MemoryError(),
+                                   RuntimeError('DefaultCPUAllocator: not enough memory: you tried to allocate 9 GB')])
+def test_running_out_of_memory_mid_run_is_one_line_naming_memory(capsys, tmp_path, monkeypatch, error):
+    "Memory another process took after the up-front check: the step's out-of-memory error ends in one line (exit 1) that says so, not a traceback"
+    from rnn_darts.model import LanguageModel
+    def no_memory(*a, **k): raise error
+    monkeypatch.setattr(LanguageModel, 'forward', no_memory)
+    fails(capsys, ['search', *NUM, '--out', str(tmp_path/'o')], 1, 'rnn-darts: error: out of memory (', 'lower --bs, --bptt, --nhid or --nodes')

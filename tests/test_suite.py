@@ -7,15 +7,16 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 
-def test_a_test_runs_at_the_suites_thread_count():
-    "The autouse fixture set it, whatever the test before this one left"
-    from tests.conftest import THREADS
-    assert torch.get_num_threads() == THREADS and os.environ['OMP_NUM_THREADS'] == str(THREADS)
-    torch.set_num_threads(THREADS + 2)   # the next test gets the suite's count back (the fixture's teardown)
+def test_a_test_runs_at_the_suites_thread_count(pytestconfig):
+    "The autouse fixture set it (1, or --threads N), whatever the test before this one left"
+    from tests.conftest import suite_threads
+    n = suite_threads(pytestconfig)
+    assert torch.get_num_threads() == n and os.environ['OMP_NUM_THREADS'] == str(n)
+    torch.set_num_threads(n + 2)   # the next test gets the suite's count back (the fixture's teardown)
 
-def test_the_next_test_gets_the_count_back():
-    from tests.conftest import THREADS
-    assert torch.get_num_threads() == THREADS
+def test_the_next_test_gets_the_count_back(pytestconfig):
+    from tests.conftest import suite_threads
+    assert torch.get_num_threads() == suite_threads(pytestconfig)
 
 def probe(tmp_path, *args, omp='3') -> dict:
     "The probe's thread counts in a pytest started as a user would, `args` its own, with OMP_NUM_THREADS=`omp` in the shell"
