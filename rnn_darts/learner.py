@@ -170,7 +170,8 @@ class PeakMemory(Callback):
     of the process's resident memory on a CPU (Linux; elsewhere none is claimed). A run the estimate says cannot fit is
     refused before its first batch"""
     order = RunInfo.order - 1
-    def __init__(self, command:str, settings:dict, rss0:int|None=None): self.command, self.settings, self.rss0 = command, settings, rss0
+    def __init__(self, command:str, settings:dict, rss0:int|None=None):
+        self.command, self.settings, self.rss0, self.since = command, settings, rss0, 'the fit began' if rss0 is None else 'the learner was made'
     def shapes(self) -> dict:
         "The settings the estimate reads, the cell's own node count among them"
         return {**self.settings, 'nodes': getattr(getattr(self.model, 'cell', None), 'n_nodes', None) or self.settings.get('nodes')}
@@ -185,7 +186,7 @@ class PeakMemory(Callback):
         else: peak = None if self.rss0 is None or _proc_status('VmHWM') is None else max(0, _proc_status('VmHWM') - self.rss0)
         try: est = int(sum(memory_estimate(self.shapes(), self.model.ntoken, self.command).values()))
         except (KeyError, TypeError): est = None   # a hand-made record without the shapes
-        return dict(estimate=est, peak=peak, peak_of='torch.cuda.max_memory_allocated' if self.dev.type == 'cuda' else 'resident memory growth since the learner was made')
+        return dict(estimate=est, peak=peak, peak_of='torch.cuda.max_memory_allocated' if self.dev.type == 'cuda' else f'resident memory growth since {self.since}')
 
 class RunEnd(Callback):
     """At the end of a fit that trained and ran to its end (or to DARTS-ES's stop), not a signal's: the run's cell (DARTS-PT's
@@ -266,16 +267,16 @@ def _loader_settings(dls) -> tuple:
     maker = 'numbers_corpus' if made.get('data') == 'numbers' else 'read_corpus'
     return {**s, **made}, {**src, **{k: maker for k in made}}
 
-def run_settings(command:str, c:RunConfig, dls, path, keywords=(), **extra) -> tuple:
+def run_settings(command:str, c:RunConfig, dls, path, keywords=(), caller:str='run_record', **extra) -> tuple:
     """The settings a learner made in Python records in `run.json`, and who set each, as the command line records its
     flags': the config's (`caller` keywords, the config's maker, or the default), then what the data loaders fix"""
-    caller, maker = f'{command}_learner', type(c).__name__
+    maker = type(c).__name__
     src = {k: f'{caller} keyword' if k in keywords else (f'{maker}.of' if k in c.read else maker) if v == 'user' else v
            for k, v in c.sources().items()}
     ds, dsrc = _loader_settings(dls)
     return {**c.asdict(), **ds, 'out': str(path), **extra}, {**src, **dsrc, 'out': f'{caller} path', **{k: caller for k in extra}}
 
-def run_record(command:str, c:RunConfig, dls, path, resume=None, cbs=None, keywords=(), rss0=None, **extra) -> list:
+def run_record(command:str, c:RunConfig, dls, path, resume=None, cbs=None, keywords=(), rss0=None, caller:str='run_record', **extra) -> list:
     """What makes a learner given a `path` write the run folder the command line writes: `RunLogger` (`log.csv`) and
     `RunInfo` (`run.json`, `genotype.json`) and `RunEnd` (`finished`), each unless `cbs` brings its own (the command line's, with its flags' sources)"""
     if path is None: return []
@@ -283,7 +284,7 @@ def run_record(command:str, c:RunConfig, dls, path, resume=None, cbs=None, keywo
     has = lambda t: any(isinstance(cb, t) for cb in own)
     res = [] if has(RunLogger) else [RunLogger(append=bool(resume))]
     if not has(RunInfo):
-        s, src = run_settings(command, c, dls, path, keywords, **extra)
+        s, src = run_settings(command, c, dls, path, keywords, caller, **extra)
         corpus = getattr(dls, 'corpus', None)
         res.append(RunInfo(command, s, None if corpus is None else fingerprint(corpus), sources=src))
     if not has(PeakMemory): res.append(PeakMemory(command, next(cb for cb in [*own, *res] if isinstance(cb, RunInfo)).settings, rss0))
@@ -308,7 +309,7 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path=None, res
     own = search_parts(c, search_dl, cg)
     learn.metrics += [ValueMetric(cb.search_loss, 'search_loss') for cb in own if isinstance(cb, ArchParamUpdate)]
     learn.metrics += [ValueMetric(cb.lambda_max, 'lambda_max') for cb in own if isinstance(cb, Curvature)]
-    learn.add_cbs(_common_cbs(c, resume, cg) + own + run_record('search', c, dls, path, resume, cbs, settings, rss0) + list(L(cbs)))
+    learn.add_cbs(_common_cbs(c, resume, cg) + own + run_record('search', c, dls, path, resume, cbs, settings, rss0, 'search_learner') + list(L(cbs)))
     return learn
 
 def search_parts(c:SearchConfig, search_dl=None, graphs:CudaGraphs|None=None) -> list:
@@ -336,7 +337,7 @@ def train_learner(dls, genotype, config:TrainConfig|None=None, path=None, resume
     model = DartsRnn(_ntoken(dls, ntoken), g, c.emsize, c.nhid, **_dropouts(c))
     learn, cg = _learner(dls, model, c, path or '.', device, 'train', plan)
     named = genotype if isinstance(genotype, (str, Path)) else json.dumps(genotype_to_dict(g, cell_ops(g)))   # what --genotype would say
-    record = run_record('train', c, dls, path, resume, cbs, settings, rss0, genotype=str(named))
+    record = run_record('train', c, dls, path, resume, cbs, settings, rss0, 'train_learner', genotype=str(named))
     learn.add_cbs(_common_cbs(c, resume, cg) + [ASGDSwitch(c.nonmono, start=c.asgd)] + record + list(L(cbs)))
     return learn
 

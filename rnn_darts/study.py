@@ -179,7 +179,7 @@ def _estimate(stages:list, study_dir:Path, work:dict) -> float|None:
     pooled = sum(t for v in done.values() for t, _ in v) / sum(w for v in done.values() for _, w in v)
     return sum(work[st.name] * rate.get('search' if st.kind == 'search' else 'train', pooled) for st in stages)
 
-def _study_record(study_dir:Path, s:dict, preset, override:bool) -> dict:
+def _study_record(study_dir:Path, s:dict, preset, override:bool, settings_file=None) -> dict:
     "Write `study.json`, or check this study's settings against it (refused if they differ, unless `override`)"
     from rnn_darts.runs import settings_diff, _fmt_changes
     folder = RunFolder(study_dir)
@@ -191,7 +191,7 @@ def _study_record(study_dir:Path, s:dict, preset, override:bool) -> dict:
                                           f"pass --override true to go on with the new values, or choose another --out")
         print(f"--override: continuing the study in {study_dir} with changed settings: {_fmt_changes(changes)}")
         rec.setdefault('overrides', []).append({k: dict(old=a, new=b) for k, (a, b) in changes.items()})
-    else: rec = dict(study=True, preset=preset)
+    else: rec = dict(study=True, preset=preset, settings_file=settings_file and str(Path(settings_file).absolute()))   # what a bare rerun reads its presets from
     rec['settings'] = dict(s)
     folder.write_study_record(rec)
     return rec
@@ -271,9 +271,12 @@ def run_study(
 ):
     "Run (or continue) the study; returns its table (`study.csv`), or None when `stage` ran one stage"
     if isinstance(ray, bool): ray = 'local' if ray else None
+    study_dir = Path(out or 'runs/study')
+    rec = RunFolder(study_dir).study_record() if RunFolder(study_dir).is_study() else None
+    if rec is not None and preset is None and settings is None:   # continued with no preset named: the study's own, from its study.json
+        preset, settings = rec.get('preset'), rec.get('settings_file')
     s, src = study_settings(preset, settings, **flags)
     stages = plan_stages(check_study(s, src))
-    study_dir = Path(out or 'runs/study')
     names = [x.name for x in stages]
     if stage is not None and stage not in names:
         raise UsageError(f"--stage {stage}: this study has no such stage; its stages: {', '.join(names)}")
@@ -294,7 +297,7 @@ def run_study(
             st = stages[names.index(stage)]
             wait = _needs(st, stages, study_dir, s, settings)
             if wait: raise UsageError(f"--stage {stage} needs {', '.join(x.name for x in wait)} done first (rnn-darts study --stage NAME runs one)")
-        _study_record(study_dir, s, preset, override)
+        _study_record(study_dir, s, preset, override, settings)
         work = planned_work(stages, s, study_dir, settings)
         if ray is not None:   # every worker finds the folder and the settings where the driver does
             run_on_ray(ray, stages, s, study_dir.absolute(), settings and str(Path(settings).absolute()), device, threads, override, work)

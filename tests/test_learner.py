@@ -269,6 +269,27 @@ def test_readme_python_example_and_the_command_line_write_the_same_run(tmp_path)
     assert len(rows(py_run)) == 3 and rows(py_run) == rows(cli_run) and more.model.nhid == resumed.model.nhid == 16
     for d in (cli_run, py_run): assert json.loads((d/'run.json').read_text())['settings']['epochs'] == 2
 
+def test_a_learner_built_by_hand_writes_the_run_with_run_records_callbacks(corpus, tmp_path, capsys):
+    """fastai's `Learner` built by hand, with `run_record`'s callbacks (and the `BestValidLoss` they read): run.json with
+    its settings and their sources, log.csv, genotype.json, the run finished; a run `rnn-darts report` takes"""
+    import json
+    from fastai.callback.rnn import ModelResetter, RNNCallback
+    from rnn_darts import cli
+    from rnn_darts.config import SearchConfig
+    from rnn_darts.learner import run_record
+    from rnn_darts.callbacks.epochs import BestValidLoss
+    dls, out = lm_dls(corpus, bs=8, bptt=10, eval_bs=4), tmp_path/'mine'
+    learn = Learner(dls, DartsRnnSearch(len(corpus.vocab), **TINY), loss_func=SeqCrossEntropy(), splitter=flat_splitter, path=out,
+                    cbs=[ModelResetter(), RNNCallback(), ArchParamUpdate(search_stream(corpus, 8)), FlatGradClip(0.25), BestValidLoss(),
+                         *run_record('search', SearchConfig(**TINY), dls, out)])
+    with learn.no_bar(): learn.fit(1, 1e-2)
+    info = json.loads((out/'run.json').read_text())
+    assert info['finished'] and info['settings']['nhid'] == 16 and info['sources']['nhid'] == 'SearchConfig' and info['sources']['out'] == 'run_record path'
+    assert info['genotype'] == json.loads((out/'genotype.json').read_text()) and len((out/'log.csv').read_text().splitlines()) == 2
+    assert info['memory']['estimate'] > 0 and info['memory']['peak_of'] == 'resident memory growth since the fit began'
+    cli.run_command(['report', str(out)])
+    assert (out/'report'/'report.md').is_file()
+
 def test_top_level_api_is_lazy_and_complete():
     code = ("import sys, rnn_darts; assert 'fastai' not in sys.modules, 'import rnn_darts imported fastai'; "
             "from rnn_darts import search_learner; assert 'fastai' in sys.modules; "

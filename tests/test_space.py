@@ -185,10 +185,13 @@ def test_a_new_space_end_to_end_on_the_command_line(tmp_path, capsys):
     same = ['--ops', ','.join(ops), '--nodes', '5', '--edge-norm', 'true']
     for flags, k in ((['--ops', 'tanh,relu', '--nodes', '5', '--edge-norm', 'true'], 'ops'), ([*same, '--nodes', '4'], 'nodes'),
                      ([*same, '--nodes', '4', '--override', 'true'], 'nodes'), ([*same, '--edge-norm', 'false'], 'edge_norm')):
-        fails(capsys, ['search', *NUM, *flags, '--curvature', 'false', '--resume', '--epochs', '2', '--out', str(out)], 2,
-              f"--resume: {out} ran --{k.replace('_', '-')} ", "cannot go on in another (not even with --override)")
+        line = fails(capsys, ['search', *NUM, *flags, '--curvature', 'false', '--resume', '--epochs', '2', '--out', str(out)], 2,
+                     f"--resume: {out} ran --{k.replace('_', '-')} ", "cannot go on in another (not even with --override)")
+        if k == 'edge_norm': assert '--edge-norm true, not false' in line   # as the flag takes it, not True/False
     err = fails(capsys, ['search', '--ops', 'tanh,relu', '--nodes', '4', '--resume', '--out', str(out)], 2, f"--resume: {out} ran ")
     assert f"--ops {','.join(ops)!r}, not 'tanh,relu', --nodes 5, not 4" in err and 'drop those flags' in err   # every difference at once
+    cli.run_command(['search', *NUM, '--ops', ','.join(reversed(ops)), '--curvature', 'false', '--resume', '--epochs', '2', '--out', str(out)])
+    assert json.loads((out/'run.json').read_text())['settings']['ops'] == ','.join(ops)   # the same ops in another order: the run's order goes on
     cli.run_command(['train', *NUM, '--genotype', str(out), '--out', str(tmp_path/'train')])
     assert 'test loss' in capsys.readouterr().out
     cli.run_command(['evaluate', str(out)])

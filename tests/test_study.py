@@ -136,6 +136,8 @@ def test_run_again_skips_and_changed_settings_are_refused(done, tmp_path, capsys
     before = (s2/'study.csv').read_text()
     cli.run_command(study_args(d, s2))
     assert capsys.readouterr().out.count('skipped') == len(STAGES)
+    cli.run_command(['study', '--resume', '--out', str(s2), '--device', 'cpu', '--threads', '1'])   # no preset, no settings file: study.json's
+    assert capsys.readouterr().out.count('skipped') == len(STAGES)
     assert (s2/'study.csv').read_text() == before
     with pytest.raises(SystemExit) as e: cli.run_command(study_args(d, s2, '--final-epochs', '3'))
     err = capsys.readouterr().err.strip()
@@ -336,14 +338,16 @@ def test_the_ptb_study_preset_runs_end_to_end_through_ray_at_a_tiny_size(tmp_pat
     """(#68) The shipped study-ptb preset on a folder laid out as the shared Penn Treebank (valid.txt and test.txt
     only): each stage trains on valid.txt and validates and tests on test.txt's halves, unknown words mapped to <unk>;
     both its references; through --ray. Tiny sizes, and 3 of its methods at one seed for the suite's time (the
-    others' fits: test_family.py). Every number in study.csv is finite"""
+    others' fits: test_family.py); their ops a user's, through --import on Ray's workers. Every number in study.csv is finite"""
     import configparser
     shipped = configparser.ConfigParser(); shipped.read(ROOT/'settings.ini')
     p = dict(shipped['study-ptb'])
     assert (p['files'], p['unk'], p['references']) == ('valid.txt,test.txt:1/2,test.txt:2/2', '<unk>', 'DARTS_V2,ENAS')
     assert p['methods'].split(',') == ['darts', 'first', 'gdas', 'snas', 'drnas', 'milenas', 'beta-darts', 'sdarts-rs', 'sdarts-adv', 'darts-pt', 'fair-darts', 'random']
-    p.update(methods='darts,gdas,random', seeds='1', search_preset='tiny-search', train_preset='tiny-train', short_epochs='1', final_epochs='1')
-    (tmp_path/'settings.ini').write_text(TINY + '\n[ptb-tiny]\n' + ''.join(f'{k} = {v}\n' for k, v in p.items()))
+    p.update(methods='darts,gdas,random', seeds='1', search_preset='tiny-swish', train_preset='tiny-train', short_epochs='1', final_epochs='1')
+    swish = TINY.split('[tiny-train]')[0].replace('[tiny-search]', '[tiny-swish]') + 'ops = tanh,swish\n'   # a user's op: Ray's workers import it too
+    (tmp_path/'settings.ini').write_text(TINY + swish + '\n[ptb-tiny]\n' + ''.join(f'{k} = {v}\n' for k, v in p.items()))
+    (tmp_path/'plugin.py').write_text("import torch\nfrom rnn_darts.ops import register_op\nregister_op('swish', lambda x: x * torch.sigmoid(x))\n")
     penn = tmp_path/'penn'; penn.mkdir()
     words = 'zero one two three four five six seven eight nine ten'.split()
     line = lambda i: ' '.join(words[(i * j) % 11] for j in range(1, 8))
@@ -351,7 +355,7 @@ def test_the_ptb_study_preset_runs_end_to_end_through_ray_at_a_tiny_size(tmp_pat
     (penn/'test.txt').write_text(''.join(line(i) + (' eleven' if i % 7 == 0 else '') + '\n' for i in range(180)))   # words the train split lacks
     out = tmp_path/'s'
     r = subprocess.run([sys.executable, '-m', 'rnn_darts.cli', 'study', '--preset', 'ptb-tiny', '--settings', str(tmp_path/'settings.ini'),
-                        '--data', str(penn), '--out', str(out), '--device', 'cpu', '--threads', '1', '--ray'], cwd=ROOT, capture_output=True,
+                        '--data', str(penn), '--out', str(out), '--device', 'cpu', '--threads', '1', '--ray', '--import', str(tmp_path/'plugin.py')], cwd=ROOT, capture_output=True,
                        text=True, env={**os.environ, 'PYTHONPATH': str(ROOT)}, timeout=600)
     assert r.returncode == 0, r.stderr
     df = pd.read_csv(out/'study.csv')
@@ -361,6 +365,8 @@ def test_the_ptb_study_preset_runs_end_to_end_through_ray_at_a_tiny_size(tmp_pat
     assert empty['search_seconds'].tolist() == [False] * 3 + [True] * 2 and (empty['final_test_ppl'] == ~df['selected']).all(), raw
     cols = ['seed', 'search_seconds', 'short_valid_loss', 'short_valid_ppl', 'final_valid_ppl', 'final_test_ppl']
     assert all(math.isfinite(float(v)) for c in cols for v in raw[c] if v != '') and df['selected'].sum() == 1, raw   # every number written is finite
+    assert json.loads((out/'search-darts-1'/'run.json').read_text())['imports'][0]['name'] == str(tmp_path/'plugin.py')
+    assert 'swish' in json.loads((out/'search-random-1'/'genotype.json').read_text())['ops']
     data = json.loads((out/'search-darts-1'/'run.json').read_text())['data']
     assert [data[s]['file'] for s in ('train', 'valid', 'test')] == [f'{penn}/valid.txt', f'{penn}/test.txt:1/2', f'{penn}/test.txt:2/2']
 
