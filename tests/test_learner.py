@@ -263,6 +263,8 @@ def test_readme_python_example_and_the_command_line_write_the_same_run(tmp_path)
     assert cli.run_command(['report', str(py_run)]) is not None and (py_run/'report').is_dir()
     t = cli.run_command(['train', '--genotype', str(py_run), *flags[:-2], '--device', 'cpu', '--out', str(tmp_path/'train')])   # train has no --curvature
     assert t.model.genotype() == learn.model.genotype()
+    cli.run_command(['train', '--resume', '--out', str(tmp_path/'train'), '--epochs', '2'])   # train too: run.json's settings, its cell
+    assert len(rows(tmp_path/'train')) == 3 and json.loads((tmp_path/'train'/'run.json').read_text())['finished']
     more = cli.run_command(['search', '--resume', '--out', str(py_run), '--epochs', '2'])   # the command continues the Python run,
     resumed = resume_learner(cli_run)                                                       # and Python the command's
     with resumed.no_bar(): resumed.fit(2)
