@@ -188,15 +188,16 @@ def random_corpus(ntoken:int, tokens:int, seed:int=0):
 def run_learner(kind:str, corpus, sizes:dict, device, folder='.', cbs=(), **settings):
     """The learner a run builds on `corpus`, with `sizes` (bs, bptt, eval_bs, ...) and `settings`, without its progress
     bar: `kind` 'search' (`search_learner`; λ_max's own eager passes off, but in random search, which has none) or 'train'
-    (`train_learner` of `settings`' genotype, by default DARTS_V2)"""
+    (`train_learner` of `settings`' genotype, by default DARTS_V2). Its path is `folder`, where it writes no run's record"""
     from rnn_darts.data import lm_dls, search_stream
     from rnn_darts.learner import search_learner, train_learner
     s = dict(sizes, **settings)
     dls = lm_dls(corpus, s['bs'], s['bptt'], phase=kind, eval_bs=s['eval_bs'], device=device)
-    if kind == 'train': learn = train_learner(dls, s.pop('genotype', _T.genotype), device=device, path=folder, cbs=list(cbs), **s)
+    if kind == 'train': learn = train_learner(dls, s.pop('genotype', _T.genotype), device=device, cbs=list(cbs), **s)
     else:
         if s.get('mode') != 'random': s.setdefault('curvature', False)
-        learn = search_learner(dls, search_stream(corpus, s['bs'], device=device), device=device, path=folder, cbs=list(cbs), **s)
+        learn = search_learner(dls, search_stream(corpus, s['bs'], device=device), device=device, cbs=list(cbs), **s)
+    learn.path = Path(folder)   # a timing's or a check's learner: no run.json, log.csv or genotype.json (a `path` to the learners writes a run)
     learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, ProgressCallback)])
     return learn
 
