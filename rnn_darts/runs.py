@@ -10,7 +10,7 @@ from rnn_darts.core import UsageError, get_device, set_seed, check_number, check
 from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, with_taus
 from rnn_darts.plan import plan_of, with_fit, compile_key
 from rnn_darts.folder import RunFolder, RunLock, write_json_atomic
-from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources,
+from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources, code_defaults,
                                check_settings, check_fits, check_memory, command_flags, flag_default, flags_signature, setting_name)
 
 # %% auto #0
@@ -67,7 +67,6 @@ def resumed_settings(info:dict, s:dict, src:dict, command:str) -> tuple:
     """The settings of a resumed run: its record's (`run.json`, the code's defaults under a record older than a setting),
     with what a flag or preset key of this command gives over them; and who set each. `--ops` naming the run's ops in
     another order keeps the run's order (α's columns follow it)"""
-    from rnn_darts.options import code_defaults
     res, who = {**code_defaults(command), **with_taus(info['settings'])}, {**info.get('sources', {})}
     for k, v in s.items():
         if not _given(src, k) or (k == 'ops' and same_ops(v, res.get(k))): continue
@@ -408,7 +407,6 @@ def resume_learner(path, device=None, cbs=None):
     """The learner of the run in `path` (written by `rnn-darts search|train --out`, or by a learner given that `path`),
     made from `run.json` alone; its `fit(N)` continues the run from its newest checkpoint to `N` epochs in all"""
     from fastcore.foundation import L
-    from rnn_darts.options import code_defaults
     from rnn_darts.data import lm_dls, search_stream, fingerprint
     from rnn_darts.learner import search_learner, train_learner
     folder = RunFolder(path)
