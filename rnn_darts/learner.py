@@ -29,7 +29,7 @@ from rnn_darts.runners import runner_of
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict, check_in_space, save_genotype, cell_ops
 from rnn_darts.data import fingerprint
-from rnn_darts.options import memory_estimate, check_memory
+from rnn_darts.options import check_memory
 from rnn_darts.ops import ops_of, IMPORTED
 from rnn_darts.callbacks.arch import ArchParamUpdate, Temperature
 from rnn_darts.callbacks.perturb import Perturbation
@@ -177,16 +177,14 @@ class PeakMemory(Callback):
         return {**self.settings, 'nodes': getattr(getattr(self.model, 'cell', None), 'n_nodes', None) or self.settings.get('nodes')}
     def before_fit(self):
         self.dev = self.model.flat.data.device
-        try: check_memory(self.shapes(), self.model.ntoken, self.command, self.dev)
-        except KeyError: pass   # a hand-made record without the shapes: nothing to estimate
+        try: self.estimate = check_memory(self.shapes(), self.model.ntoken, self.command, self.dev)
+        except KeyError: self.estimate = None   # a hand-made record without the shapes: nothing to estimate
         if self.dev.type == 'cuda': torch.cuda.reset_peak_memory_stats(self.dev)   # what is allocated now counts: the weights
         elif self.rss0 is None: self.rss0 = resident_mark()
     def record(self) -> dict:
         if self.dev.type == 'cuda': peak = torch.cuda.max_memory_allocated(self.dev)
-        else: peak = None if self.rss0 is None or _proc_status('VmHWM') is None else max(0, _proc_status('VmHWM') - self.rss0)
-        try: est = int(sum(memory_estimate(self.shapes(), self.model.ntoken, self.command).values()))
-        except (KeyError, TypeError): est = None   # a hand-made record without the shapes
-        return dict(estimate=est, peak=peak, peak_of='torch.cuda.max_memory_allocated' if self.dev.type == 'cuda' else f'resident memory growth since {self.since}')
+        else: peak = None if self.rss0 is None or (hwm := _proc_status('VmHWM')) is None else max(0, hwm - self.rss0)
+        return dict(estimate=self.estimate and int(self.estimate), peak=peak, peak_of='torch.cuda.max_memory_allocated' if self.dev.type == 'cuda' else f'resident memory growth since {self.since}')
 
 class RunEnd(Callback):
     """At the end of a fit that trained and ran to its end (or to DARTS-ES's stop), not a signal's: the run's cell (DARTS-PT's

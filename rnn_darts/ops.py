@@ -120,10 +120,9 @@ def import_ops(spec:str, flag:str='--import') -> dict:
     os.environ[IMPORT_ENV] = os.pathsep.join(IMPORTED)
     return rec
 
-def import_recorded(imports, where:str, say=print) -> list:
+def import_recorded(imports, where:str, say=print):
     """Import again what a run imported (`imports`: its run.json's records; `where`: that file), saying so; a file that is
-    gone or has changed is said, not refused: an op it lacks is refused where the run uses it. Returns the records imported"""
-    done = []
+    gone or has changed is said, not refused: an op it lacks is refused where the run uses it"""
     for rec in imports or []:
         name, file = rec['name'], rec.get('file')
         if name in IMPORTED: continue
@@ -132,8 +131,6 @@ def import_recorded(imports, where:str, say=print) -> list:
             say(f"{where} imported {name}, which is gone: the ops it registered are unknown here (--import another)"); continue
         changed = rec.get('sha256') not in (None, now['sha256'])
         say(f"imported {name}, as {where} records{': it has changed since the run (another sha256)' if changed else ''}")
-        done.append(now)
-    return done
 
 def load_entry_points(group:str=ENTRY_POINTS):
     "Import the ops of installed packages: each entry point of `group` names a module that registers ops, or a function that does"

@@ -8,7 +8,7 @@ import inspect, os
 from dataclasses import fields, asdict
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, read_preset, option_type, PAPER_NODES, PAPER_OPS
-from rnn_darts.config import CONFIGS, MODES, RELAXATIONS, TEMPERED, check_rules, check_random, check_value, resolve
+from rnn_darts.config import CONFIGS, MODES, RELAXATIONS, TEMPERED, check_rules, check_random, check_value, resolve, ops_text
 
 # %% auto #0
 __all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'FLAG_ORDER', 'FLAG_GROUPS', 'FLAG_SUMMARY', 'FLAGS', 'CHECKS', 'CHOICES',
@@ -202,14 +202,14 @@ def memory_estimate(s:dict, ntoken:int, command:str) -> dict:
     """The peak memory, in bytes, a run of settings `s` needs beyond the process's own: weights (with gradients and the
     optimizer's copies), the activations of its largest pass, the logits, and a base; from its shapes (measured, above)"""
     e, h, bs, T, nodes, M = s['emsize'], s['nhid'], s['bs'], s['bptt'], s.get('nodes') or PAPER_NODES, 2**20
-    n_ops = len([x for x in str(s.get('ops') or ','.join(PAPER_OPS)).split(',') if x.strip()])
+    n_ops = len(ops_text(s.get('ops') or PAPER_OPS).split(','))
     copies = 4 if command == 'search' else 3   # weights, gradients, and the unrolled step's backup / ASGD's average
     weights = 4 * copies * (ntoken * e + (e + h) * 2 * h + nodes * h * 2 * h)
     k, edges = MEMORY, nodes * (nodes + 1) // 2
     if command == 'search' and s.get('mode') != 'random':   # every edge, each op: a supernet
         per_edge = k['edge'] + k['edge_op'] * n_ops
         rows = lambda n, ke, kn: 4 * n * T * h * (ke * edges + kn * nodes)
-        act = max(rows(bs, per_edge, k['node']), rows(CURVATURE_ROWS, k['curv_edge'] * per_edge / (k['edge'] + 4 * k['edge_op']), k['curv_node'])
+        act = max(rows(bs, per_edge, k['node']), rows(CURVATURE_ROWS, k['curv_edge'] * per_edge / (k['edge'] + len(PAPER_OPS) * k['edge_op']), k['curv_node'])
                   if s.get('curvature') else 0)
         base = k['base']
     else: act, base = 4 * bs * T * h * nodes * k['train_node'], k['train_base']   # a derived cell (random search's too): one op per node

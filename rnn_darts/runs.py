@@ -78,6 +78,8 @@ def data_changes(old:dict|None, new:dict) -> dict:
     fmt = lambda d: f"{d['file']} ({d['size']:,} bytes, sha256 {d['sha256'][:12]})"
     return {f"data {k}": (fmt(old[k]), fmt(new[k])) for k in sorted(old or {}) if k in new and old[k]['sha256'] != new[k]['sha256']}
 
+def _moved_text(moved:dict) -> str: return '; '.join(f"the {k} was {a}, it is {b}" for k, (a, b) in moved.items())
+
 def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, override=False, data:dict|None=None):
     "Lock the run folder `out` and check it: returns `(lock, changes)`, `changes` the settings (and data) a resume overrides"
     out = Path(out)
@@ -106,7 +108,7 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
                                  f"(--resume reads the run's own from {folder.RECORD}), or start a new --out")
             moved = data_changes(info.get('data'), data or {})
             if moved and not override:
-                said = '; '.join(f"the {k} was {a}, it is {b}" for k, (a, b) in moved.items())
+                said = _moved_text(moved)
                 rest = f"; and these settings differ from it: {_fmt_changes(changes)}" if changes else ''
                 raise UsageError(f"--resume: the data changed since the run started ({said}){rest}; resume on the data the run was "
                                  f"trained on, or pass --override true to continue on this data (recorded in {folder.RECORD})")
@@ -408,7 +410,7 @@ def resume_learner(path, device=None, cbs=None):
     made from `run.json` alone; its `fit(N)` continues the run from its newest checkpoint to `N` epochs in all"""
     from fastcore.foundation import L
     from rnn_darts.data import lm_dls, search_stream, fingerprint
-    from rnn_darts.learner import search_learner, train_learner
+    from rnn_darts.learner import search_learner, train_learner, RunInfo
     folder = RunFolder(path)
     info = folder.record()
     import_run_ops(folder, info)
@@ -419,9 +421,8 @@ def resume_learner(path, device=None, cbs=None):
     set_seed(s['seed'])   # as the command line does before it loads the data
     corpus = load_corpus(s)
     moved = data_changes(info.get('data'), fingerprint(corpus))
-    if moved: raise UsageError(f"{folder.path}: the data changed since the run started ({'; '.join(f'the {k} was {a}, it is {b}' for k, (a, b) in moved.items())})")
+    if moved: raise UsageError(f"{folder.path}: the data changed since the run started ({_moved_text(moved)})")
     dls = lm_dls(corpus, s['bs'], s['bptt'], phase=command, eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
-    from rnn_darts.learner import RunInfo
     own = [RunInfo(command, s, info.get('data'), sources=info.get('sources')), *L(cbs)]
     if command == 'search':
         stream = None if s['mode'] == 'random' else search_stream(corpus, s['bs'], device=dev)

@@ -451,3 +451,21 @@ def test_running_out_of_memory_mid_run_is_one_line_naming_memory(capsys, tmp_pat
     def no_memory(*a, **k): raise error
     monkeypatch.setattr(LanguageModel, 'forward', no_memory)
     fails(capsys, ['search', *NUM, '--out', str(tmp_path/'o')], 1, 'rnn-darts: error: out of memory (', 'lower --bs, --bptt, --nhid or --nodes')
+
+@uses_run_dir
+def test_what_resume_refuses_at_either_door(capsys, run_dir, tmp_path):
+    """--resume with --overwrite, a --resume value but auto (the command, and `search(resume=...)` from Python); from
+    Python, `resume_learner` on a folder without a checkpoint, and on data changed since the run started: one line each"""
+    run, data = run_dir
+    fails(capsys, ['search', '--resume', '--overwrite', '--out', str(run)], 2, '--resume continues the run in the folder and --overwrite deletes it')
+    fails(capsys, ['search', '--resume', 'sometimes', '--out', str(run)], 2, "--resume: invalid choice: 'sometimes'")
+    with pytest.raises(UsageError, match=r"--resume takes no value, or auto; got 'sometimes'"): runs.search(resume='sometimes', out=str(run))
+    from rnn_darts.runs import resume_learner
+    bare = tmp_path/'bare'; bare.mkdir(); (bare/'run.json').write_text(json.dumps(dict(command='search', settings={})))
+    with pytest.raises(UsageError, match=f"{bare} holds no checkpoint to continue from"): resume_learner(bare)
+    moved = tmp_path/'moved'; shutil.copytree(run.parent, moved)
+    info = json.loads((moved/'run'/'run.json').read_text())
+    info['settings']['data'] = str(moved/'corpus')
+    (moved/'run'/'run.json').write_text(json.dumps(info))
+    (moved/'corpus'/'train.txt').write_text((moved/'corpus'/'train.txt').read_text() + 'a new line\n')
+    with pytest.raises(UsageError, match=r"the data changed since the run started \(the data train was .*, it is "): resume_learner(moved/'run')
