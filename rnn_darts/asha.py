@@ -69,13 +69,19 @@ def asha_trial(config:dict):
 # %% ../nbs/17a_asha.ipynb #19e288b3
 def select_asha(pool:dict, settings:dict, rungs='1,3,9', out='runs/asha', ray:str|None=None):
     "Train the cells of `pool` under ASHA (`rungs`); `settings`: train's (data, sizes, seed). Returns (name of the chosen cell, table)"
-    import pandas as pd
-    from rnn_darts.study import start_ray
+    from rnn_darts.study import start_ray, import_ray
     r = rungs_of(rungs)
+    started = not import_ray().is_initialized()
     start_ray(ray)
+    try: return _select(pool, settings, r, Path(out).absolute())
+    finally:
+        if started: import_ray().shutdown()   # the Ray this call started ends with it: no raylet and idle workers left behind
+
+def _select(pool:dict, settings:dict, r:dict, out:Path):
+    "`select_asha`'s trials on the running Ray: `r` the scheduler's rungs (`rungs_of`), `out` the trials' folder"
+    import pandas as pd
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
-    out = Path(out).absolute()
     cells = {n: json.dumps(genotype_to_dict(g, cell_ops(g))) for n, g in pool.items()}
     space = dict(name=tune.grid_search(list(cells)), settings=dict(settings), out=str(out), max_t=r['max_t'])
     trainable = tune.with_parameters(lambda cfg, cells: asha_trial({**cfg, 'cell': cells[cfg['name']]}), cells=cells)
