@@ -447,3 +447,25 @@ def test_on_ray_a_worker_that_cannot_write_the_study_folder_gets_one_line(tmp_pa
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert lines[0] == f"rnn-darts: error: a Ray worker on {socket.gethostname()} cannot write in the study folder --out {out}: Read-only file system"
     assert not any(p.name.startswith('search-') for p in out.iterdir())   # no stage ran
+
+needs_tune = pytest.mark.skipif(importlib.util.find_spec('ray') is None or importlib.util.find_spec('pyarrow') is None,
+                                reason="Ray Tune is not installed (pip install 'rnn-darts[ray]')")
+
+@pytest.mark.slow
+@needs_tune
+def test_a_tiny_pool_under_asha_chooses_the_best_cell_of_the_last_rung(tmp_path):
+    "DARTS_V2 and 3 random cells, rungs 1,2: each trial's run folder logs the epochs it reached; the chosen cell reached 2 and is the best there"
+    from rnn_darts.asha import asha_pool, select_asha
+    from rnn_darts.options import code_defaults
+    s = {**code_defaults('train'), **dict(data='numbers', n_train=1500, n_eval=600, bs=8, bptt=10, eval_bs=4, emsize=16, nhid=16, seed=3, threads=1)}
+    pool = asha_pool(dict(DARTS_V2='DARTS_V2'), n_random=3, seed=1)
+    chosen, table = select_asha(pool, s, rungs='1,2', out=tmp_path/'asha')
+    import ray
+    assert not ray.is_initialized()   # the local Ray it started is gone: no raylet or idle workers slow what runs next
+    assert sorted(table.cell) == sorted(pool) and set(table.epochs) <= {1, 2}
+    top = table[table.epochs == 2]
+    assert chosen == top.cell[top.valid_ppl.idxmin()]
+    for _, r in table.iterrows():
+        run = tmp_path/'asha'/r.cell
+        assert len((run/'log.csv').read_text().splitlines()) == 1 + r.epochs   # the epochs it reached, no more
+        assert json.loads((run/'run.json').read_text())['genotype']['recurrent'] == [list(x) for x in pool[r.cell].recurrent]
