@@ -4,13 +4,18 @@
 
 # %% ../nbs/17a_asha.ipynb #12dc5212
 from __future__ import annotations
-import json, math
+import contextlib, json, logging, math, os, shutil, signal, socket, time
+from unittest.mock import patch
 from pathlib import Path
-from rnn_darts.core import UsageError, PAPER_OPS, PAPER_NODES
+from rnn_darts.core import UsageError, UserError, PAPER_OPS, PAPER_NODES, write_text_atomic, fmt_time, foreign_warnings_off
+from rnn_darts.folder import RunFolder, RunLock
+from rnn_darts.config import StudyConfig
+from rnn_darts.cluster import start_ray, import_ray, task_options, wait_unlocked, take_sigterm, RETRIES, PROGRESS_EVERY
 from rnn_darts.genotypes import load_genotype, sample_genotype, genotype_to_dict, cell_ops
 
 # %% auto #0
-__all__ = ['rungs_of', 'asha_pool', 'asha_trial', 'select_asha']
+__all__ = ['ASHA_RECORD', 'TUNE_DIR', 'STOP', 'STOP_WAIT', 'rungs_of', 'rung_epochs', 'asha_epochs', 'asha_pool', 'ignore_sigint',
+           'asha_trial', 'RungBoard', 'asha_want', 'asha_table', 'asha_record', 'select_asha', 'trials_text']
 
 # %% ../nbs/17a_asha.ipynb #0b1c4f7f
 def rungs_of(text, name:str='--rungs') -> dict:
@@ -24,6 +29,15 @@ def rungs_of(text, name:str='--rungs') -> dict:
         raise UsageError(f"{name}: each rung is the one before times the same integer η (1,3,9: η 3), got {text!r}")
     return dict(grace_period=r[0], max_t=r[-1], reduction_factor=int(eta))
 
+def rung_epochs(r:dict) -> list:
+    "The rungs' epochs from `rungs_of`'s dict: the grace period times η, η², ... to the maximum"
+    return [r['grace_period'] * r['reduction_factor'] ** k for k in range(round(math.log(r['max_t'] / r['grace_period'], r['reduction_factor'])) + 1)]
+
+def asha_epochs(n:int, rungs:list) -> int:
+    "Epochs successive halving trains `n` cells for at `rungs` when each rung keeps the best 1/η (the asynchronous scheduler's expectation)"
+    eta = rungs[1] // rungs[0]
+    return sum(math.ceil(n / eta ** k) * (m - (rungs[k - 1] if k else 0)) for k, m in enumerate(rungs))
+
 def asha_pool(cells:dict|None=None, n_random:int=0, ops=PAPER_OPS, nodes:int=PAPER_NODES, seed:int=0) -> dict:
     "The cells ASHA chooses from: `cells` (name -> genotype, a file or a published name) and `n_random` drawn uniformly from the space, named random-1, ..."
     import torch
@@ -34,65 +48,197 @@ def asha_pool(cells:dict|None=None, n_random:int=0, ops=PAPER_OPS, nodes:int=PAP
     return pool
 
 # %% ../nbs/17a_asha.ipynb #815a09c7
+def _metrics(loss:float, epochs:int) -> dict:
+    "What a trial reports for an epoch: its validation perplexity (a non-finite loss: infinite, so ASHA stops it at the next rung) and the epochs done"
+    return dict(valid_ppl=math.exp(min(loss, 700.)) if math.isfinite(loss) else math.inf, epochs=epochs)
+
 def _report_epochs():
-    "A callback reporting each trained epoch's validation perplexity (and the epochs done) to Ray Tune"
+    "A callback reporting each trained epoch to Ray Tune; a resumed trial first reports the epochs its `log.csv` kept, as they were"
     from fastai.callback.core import Callback
     from ray import tune
     class TuneReport(Callback):
         order = 95   # after the epoch's record is written
+        def before_fit(self): self.replayed = False
+        def before_train(self):
+            if self.replayed: return
+            self.replayed = True   # the first epoch this process trains: by now a resumed run's log holds the epochs it resumes after
+            for r in RunFolder(self.path).log_rows():
+                if int(r['epoch']) < self.epoch: tune.report(_metrics(float(r['valid_loss']), int(r['epoch']) + 1))
         def after_epoch(self):
             if not self.training and self.learn.recorder.values:
-                loss = float(self.learn.recorder.values[-1][1])
-                tune.report(dict(valid_ppl=math.exp(min(loss, 700)), epochs=self.epoch + 1))
+                tune.report(_metrics(float(self.learn.recorder.values[-1][1]), self.epoch + 1))
     return TuneReport()
 
+def _replay(run:Path):
+    "A trial whose run had finished: report its logged epochs again (ASHA's rungs as they were) and train nothing"
+    from ray import tune
+    for r in RunFolder(run).log_rows(): tune.report(_metrics(float(r['valid_loss']), int(r['epoch']) + 1))
+
+def ignore_sigint():
+    """Each Ray worker's setup under `select_asha`: Ctrl-C in a terminal reaches every process of its group, and a trial's
+    fit runs in a thread, which cannot take the signal; the trial stops at a checkpoint by the driver's stop file instead"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
 def asha_trial(config:dict):
-    "A Tune trainable: train `config['cell']` (JSON) under `config['settings']` (train's) in `config['out']/NAME` to `max_t` epochs, reporting each"
-    import json
-    from rnn_darts.runs import load_corpus, resumable, resume_learner
-    from rnn_darts.folder import RunFolder
+    """A Tune trainable: train `config['cell']` (JSON) under `config['settings']` (train's) in `config['out']/NAME` to
+    `max_t` epochs, reporting each; its output goes to `OUT/NAME.log`, and it stops at a checkpoint once `config['stop']` exists"""
+    import torch
+    from rnn_darts.callbacks.preemption import STOP_ENV
+    s, run = dict(config['settings']), Path(config['out'])/config['name']
+    if s.get('tensorboard'): s['tensorboard'] = str(Path(s['tensorboard'])/config['name'])   # each trial its own TensorBoard run
+    torch.set_num_threads(s.get('threads') or 1)
+    if config.get('stop'): os.environ[STOP_ENV] = config['stop']   # the driver's Ctrl-C: the fit stops after its batch, at a mid-epoch checkpoint
+    with open(Path(config['out'])/f"{config['name']}.log", 'a') as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f), foreign_warnings_off():
+        print(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} on {socket.gethostname()}, pid {os.getpid()}", flush=True)
+        run.mkdir(parents=True, exist_ok=True)
+        wait_unlocked(run)   # a killed Ray's trial may go on for a few seconds
+        with RunLock(run): _train_trial(config, s, run)   # locked while it trains: the driver's Ctrl-C waits for its checkpoint
+
+def _train_trial(config:dict, s:dict, run:Path):
+    """`asha_trial`'s training in its locked run folder: replayed if it had trained to the end, else continued from its
+    checkpoint (one written mid-epoch too, before the run's first record), or started"""
+    from rnn_darts.runs import load_corpus, resumable
     from rnn_darts.data import lm_dls
     from rnn_darts.learner import train_learner
     from rnn_darts.config import TrainConfig
     from rnn_darts.core import set_seed
-    import torch
-    s, run = dict(config['settings']), Path(config['out'])/config['name']
-    torch.set_num_threads(s.get('threads') or 1)
-    if resumable(RunFolder(run)): learn = resume_learner(run, cbs=[_report_epochs()])
-    else:
-        set_seed(s['seed'])
-        corpus = load_corpus(s)
-        dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'])
-        learn = train_learner(dls, json.loads(config['cell']), TrainConfig.of(s), path=run, cbs=[_report_epochs()])
+    folder = RunFolder(run)
+    if (folder.record_or_none() or {}).get('finished') or folder.epochs_logged() >= config['max_t']: return _replay(run)   # (killed as ASHA stopped it at the end)
+    dev = config.get('device')
+    set_seed(s['seed'])   # as the command line does before it loads the data
+    dls = lm_dls(load_corpus(s), s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
+    learn = train_learner(dls, json.loads(config['cell']), TrainConfig.of(s), path=run, resume=resumable(folder) or None, device=dev, cbs=[_report_epochs()])
     with learn.no_bar(): learn.fit(config['max_t'])
 
-# %% ../nbs/17a_asha.ipynb #19e288b3
-def select_asha(pool:dict, settings:dict, rungs='1,3,9', out='runs/asha', ray:str|None=None):
-    "Train the cells of `pool` under ASHA (`rungs`); `settings`: train's (data, sizes, seed). Returns (name of the chosen cell, table)"
-    from rnn_darts.study import start_ray, import_ray
-    r = rungs_of(rungs)
-    started = not import_ray().is_initialized()
-    start_ray(ray)
-    try: return _select(pool, settings, r, Path(out).absolute())
-    finally:
-        if started: import_ray().shutdown()   # the Ray this call started ends with it: no raylet and idle workers left behind
 
-def _select(pool:dict, settings:dict, r:dict, out:Path):
-    "`select_asha`'s trials on the running Ray: `r` the scheduler's rungs (`rungs_of`), `out` the trials' folder"
+# %% ../nbs/17a_asha.ipynb #0b929483
+class RungBoard:
+    "Where the trials stand at each rung: each trial's result there and whether ASHA stopped it; a line as a rung fills"
+    def __init__(self, rungs:list, names:list): self.rungs, self.names, self.at, self.said = list(rungs), list(names), {m: {} for m in rungs}, set()
+
+    def stopped_below(self, name:str, m:int) -> bool:
+        "Whether ASHA stopped trial `name` at a rung below `m`"
+        return any(self.at[r].get(name, (0, False))[1] for r in self.rungs if r < m)
+
+    def result(self, name:str, epochs:int, ppl:float, stopped:bool) -> list:
+        "Note a trial's result (`stopped`: ASHA's decision on it); the lines of the rungs this fills"
+        if epochs in self.at and name not in self.at[epochs]: self.at[epochs][name] = (ppl, stopped)
+        return self.fill_lines()
+
+    def fill_lines(self) -> list:
+        lines = []
+        for k, m in enumerate(self.rungs):
+            got = self.at[m]
+            if m in self.said or not got or not all(n in got or self.stopped_below(n, m) for n in self.names): continue
+            self.said.add(m)
+            best = min(got, key=lambda n: (got[n][0], n))
+            head = f"ASHA rung {k + 1}/{len(self.rungs)} (epoch {m}) filled: {len(got)} trial{'s' * (len(got) != 1)}"
+            fate = (f", {sum(not s for _, s in got.values())} promoted, {sum(s for _, s in got.values())} stopped"
+                    if k < len(self.rungs) - 1 else " trained to the last rung")
+            lines.append(f"{head}{fate}; best {best} (validation perplexity {got[best][0]:,.1f})")
+        return lines
+
+# %% ../nbs/17a_asha.ipynb #19e288b3
+ASHA_RECORD, TUNE_DIR, STOP = 'asha.json', '.tune', RunFolder.STOP   # in OUT: the selection's record, Tune's own files (made afresh each run), the stop request
+STOP_WAIT = 60.   # seconds the running trials have to write their checkpoint after Ctrl-C
+
+def asha_want(pool:dict, settings:dict, rungs:str) -> dict:
+    "What a selection is made of (its record's `want`): the cells, the trials' settings and the rungs; the same `want` means the same selection"
+    keep = {k: v for k, v in settings.items() if k not in ('genotype', 'out', 'epochs', 'threads')}
+    return json.loads(json.dumps(dict(cells={n: genotype_to_dict(g, cell_ops(g)) for n, g in pool.items()}, settings=keep, rungs=str(rungs))))
+
+def asha_table(out, pool:dict, yardsticks=()) -> tuple:
+    "(the chosen cell, a table) from the trials' run folders in `out`: the epochs each trained, its last and best validation perplexity; the chosen: the best at the highest rung any non-yardstick reached"
     import pandas as pd
+    rows = []
+    for name in pool:
+        ppl = [_metrics(float(r['valid_loss']), 0)['valid_ppl'] for r in RunFolder(Path(out)/name).log_rows()]
+        rows.append(dict(cell=name, epochs=len(ppl), valid_ppl=ppl[-1] if ppl else math.nan, best_valid_ppl=min(ppl, default=math.nan)))
+    table = pd.DataFrame(rows).sort_values(['epochs', 'valid_ppl'], ascending=[False, True], kind='stable').reset_index(drop=True)
+    ok = table[~table.cell.isin(list(yardsticks)) & (table.epochs > 0) & table.valid_ppl.lt(math.inf)]
+    return (ok.cell.iloc[0] if len(ok) else None), table
+
+def asha_record(out) -> dict|None:
+    "The record of the selection in `out` (`asha.json`), or None before one ended"
+    p = Path(out)/ASHA_RECORD
+    return json.loads(p.read_text()) if p.is_file() else None
+
+def select_asha(pool:dict, settings:dict, rungs=StudyConfig.rungs, out='runs/asha', ray:str|None=None, device:str|None=None, yardsticks=(), at_once:int=0, say=print):
+    """Train the cells of `pool` under ASHA (`rungs`), each a trial in `out/NAME`, `at_once` at most side by side (0: as
+    many as the Ray has room for); `settings`: train's (data, sizes, seed, threads); `yardsticks`: cells trained and
+    compared, never chosen. Writes `out/asha.json`; returns (the chosen cell, table). Ctrl-C stops the running trials at a
+    checkpoint (so does SIGTERM, raising `KeyboardInterrupt('SIGTERM')`): the same call again finishes the selection,
+    with the same choice when the trials run one at a time"""
+    r, out = rungs_of(rungs), Path(out).absolute()
+    started = not import_ray().is_initialized()
+    ray_ = start_ray(ray, setup_hook='rnn_darts.asha.ignore_sigint')
+    stopped, before = {}, signal.getsignal(signal.SIGTERM)
+    take_sigterm(stopped)   # after Ray's start: `ray.init` takes SIGTERM with a handler that exits at once
+    try:
+        res, dev, threads = task_options(ray_, device, settings.get('threads'))
+        _trials(pool, {**settings, 'threads': threads}, r, out, dict(cpu=res['num_cpus'], gpu=res.get('num_gpus', 0)), dev, at_once, say)
+    except KeyboardInterrupt: raise KeyboardInterrupt(stopped.get('signal', signal.SIGINT).name) from None   # the trials stopped; which signal did it
+    finally:
+        if stopped.get('took') and before is not None: signal.signal(signal.SIGTERM, before)
+        if started: ray_.shutdown()   # the Ray this call started ends with it: no raylet and idle workers left behind
+    chosen, table = asha_table(out, pool, yardsticks)
+    write_text_atomic(json.dumps(dict(want=asha_want(pool, settings, rungs), yardsticks=list(yardsticks), finished=True, chosen=chosen), indent=1) + '\n', out/ASHA_RECORD)
+    return chosen, table
+
+def _trials(pool:dict, settings:dict, r:dict, out:Path, resources:dict, device:str, at_once:int, say):
+    "`select_asha`'s trials on the running Ray, `r` the scheduler's rungs (`rungs_of`); a line as each rung fills, and every minute"
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
-    cells = {n: json.dumps(genotype_to_dict(g, cell_ops(g))) for n, g in pool.items()}
-    space = dict(name=tune.grid_search(list(cells)), settings=dict(settings), out=str(out), max_t=r['max_t'])
+    board, cells = RungBoard(rung_epochs(r), list(pool)), {n: json.dumps(genotype_to_dict(g, cell_ops(g))) for n, g in pool.items()}
+    tell = lambda lines: [say(l) for l in lines]
+    class LoggedASHA(ASHAScheduler):
+        "Tune's ASHAScheduler; its decisions, as it makes them, go on the board"
+        def on_trial_result(self, controller, trial, result):
+            action = super().on_trial_result(controller, trial, result)
+            if 'epochs' in result: tell(board.result(trial.config['name'], result['epochs'], result['valid_ppl'], action == self.STOP))
+            return action
+    running = set()
+    class Progress(tune.Callback):
+        "Keeps the names of the running trials; every `PROGRESS_EVERY` seconds, says where the trials stand"
+        said, t0 = time.time(), time.time()
+        def on_step_end(self, iteration, trials, **info):
+            running.clear(); running.update(t.config['name'] for t in trials if t.status == 'RUNNING')
+            if time.time() - self.said < PROGRESS_EVERY: return
+            self.said = time.time()
+            say(f"ASHA: {trials_text(trials, r['max_t'])}; {fmt_time(time.time() - self.t0)} so far")
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out/TUNE_DIR, ignore_errors=True)   # Tune's state is not resumed (it keeps no rungs): each trial's run folder is
+    (out/STOP).unlink(missing_ok=True)
+    space = dict(name=tune.grid_search(list(cells)), settings=dict(settings), out=str(out), max_t=r['max_t'], stop=str(out/STOP), device=device)
     trainable = tune.with_parameters(lambda cfg, cells: asha_trial({**cfg, 'cell': cells[cfg['name']]}), cells=cells)
-    tuner = tune.Tuner(tune.with_resources(trainable, dict(cpu=settings.get('threads') or 1)), param_space=space,
-                       tune_config=tune.TuneConfig(scheduler=ASHAScheduler(metric='valid_ppl', mode='min', time_attr='epochs', **r)),
-                       run_config=tune.RunConfig(storage_path=str(out/'tune'), name='asha', verbose=0))
-    res = tuner.fit()
-    rows = []
-    for t in res:
-        df = t.metrics_dataframe
-        if t.error is not None: raise RuntimeError(f"ASHA: the trial of {t.config['name']} failed: {t.error}")
-        rows.append(dict(cell=t.config['name'], epochs=int(df.epochs.max()), valid_ppl=float(df.valid_ppl.iloc[-1]), best_valid_ppl=float(df.valid_ppl.min())))
-    table = pd.DataFrame(rows).sort_values(['epochs', 'valid_ppl'], ascending=[False, True]).reset_index(drop=True)
-    return table.cell[0], table
+    tuner = tune.Tuner(tune.with_resources(trainable, resources), param_space=space,
+                       tune_config=tune.TuneConfig(scheduler=LoggedASHA(metric='valid_ppl', mode='min', time_attr='epochs', **r), max_concurrent_trials=at_once or None),
+                       run_config=tune.RunConfig(storage_path=str(out/TUNE_DIR), name='asha', verbose=0, callbacks=[Progress()],
+                                                 failure_config=tune.FailureConfig(max_failures=RETRIES)))
+    quiet = {'TUNE_DISABLE_SIGINT_HANDLER': '1',   # Ctrl-C is ours: the trials stop at a checkpoint, and the same call resumes
+             'RAY_AIR_NEW_OUTPUT': '0'}            # Tune's newer console prints its experiment's paths at any verbosity; the board speaks
+    try:
+        with patch.dict(os.environ, quiet), _quiet_logger('ray.tune'): res = tuner.fit()   # a failed trial: our line, not Tune's trace
+    except KeyboardInterrupt:
+        write_text_atomic('stop\n', out/STOP)
+        for name in sorted(running):   # each running trial writes its checkpoint and lets its folder go
+            with contextlib.suppress(UserError): wait_unlocked(out/name, STOP_WAIT)
+        raise
+    bad = next((t for t in res if t.error is not None), None)
+    if bad is not None: raise UserError(f"ASHA: the trial of {bad.config['name']} failed {RETRIES + 1} times; its output: {out/bad.config['name']}.log")
+
+@contextlib.contextmanager
+def _quiet_logger(name:str):
+    "The logger `name` says nothing while the block runs"
+    log = logging.getLogger(name)
+    level, log.level = log.level, logging.CRITICAL + 1
+    try: yield
+    finally: log.level = level
+
+def trials_text(trials:list, max_t:int) -> str:
+    "Where Tune's `trials` stand: those running with their epochs, and how many stopped, finished and wait"
+    going = [f"{t.config['name']} epoch {(t.last_result or {}).get('epochs', 0)}/{max_t}" for t in trials if t.status == 'RUNNING']
+    ended = [t for t in trials if t.status == 'TERMINATED']
+    done = sum((t.last_result or {}).get('epochs', 0) >= max_t for t in ended)
+    waiting = sum(t.status == 'PENDING' for t in trials)
+    return ', '.join(going + [f"{len(ended) - done} stopped", f"{done} trained to the end", f"{waiting} waiting"])

@@ -42,6 +42,10 @@ def study(
     train_preset:str=None,
     short_epochs:int=None,
     final_epochs:int=None,
+    select:str=None,
+    random_cells:int=None,
+    rungs:str=None,
+    at_once:int=None,
     tensorboard:str=None,
 ):
     "The paper's protocol: searches over methods and seeds, a short training of each cell, the best one trained fully and tested"

@@ -235,6 +235,14 @@ class StudyConfig:
     train_preset: str = setting('train', 'settings.ini preset of the short trainings and the final one')
     short_epochs: int = setting(300, "epochs of each cell's short training (the paper: 300)", 'pos_int')
     final_epochs: int = setting(3600, "epochs of the selected cell's final training (the paper: 3600)", 'pos_int')
+    select: str = setting('short', "how the cell to train fully is chosen: short (each searched cell trained short_epochs, the paper's) | "
+                          "asha (successive halving on Ray Tune over the searched, reference and random cells, the rungs' epochs)", ('short', 'asha'))
+    random_cells: int = setting(0, "cells drawn uniformly from the search space into ASHA's pool (--select asha): Li & Talwalkar's random "
+                                "search with ASHA", 'nonneg_int')
+    rungs: str = setting('1,3,9', "ASHA's rungs in epochs (--select asha): a trial may be stopped at each, the best 1/η go on, the last is "
+                         "the most any trains; geometric, η the ratio (1,3,9: η 3)")
+    at_once: int = setting(0, "ASHA's trials side by side at most (--select asha; 0: as many as the Ray has cores or GPUs for; 1: one after "
+                           "another, so a rerun or a resumed study chooses the same cell)", 'nonneg_int')
     tensorboard: str = setting('', "a folder for TensorBoard's event files: each stage writes its own run, DIR/STAGE, as its epochs end "
                                "(tensorboard --logdir DIR shows them side by side; default: none)")
 

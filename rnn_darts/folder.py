@@ -30,7 +30,7 @@ class RunFolder:
     RUN_FILES = (RECORD, LOG, HISTORY, GENOTYPE, CANDIDATES, CHECKPOINTS)
     FIGURES = dict(genotype='genotype.png', candidates='candidates.png', alphas_first='alphas_first.png', alphas='alphas.png',
                    search='search.gif', curvature='curvature.png', curves='curves.png', selected='selected.png',
-                   final_curves='final_curves.png', searches='searches.png')
+                   final_curves='final_curves.png', searches='searches.png', rungs='rungs.png')
     PAGE = 'report'   # a report's page: `report/report.md` (or .html) in a run or study, `report.md` beside a folder's searches
 
     def __init__(self, path): self.path = Path(path)

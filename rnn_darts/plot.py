@@ -25,7 +25,7 @@ from rnn_darts.folder import RunFolder
 __all__ = ['OP_COLORS', 'USER_COLORS', 'FORMATS', 'LABEL_AT', 'VALID_BELOW_TRAIN', 'op_color', 'ShownFigure', 'dot_path',
            'genotype_dot', 'cell_layout', 'genotype_png', 'plot_genotype', 'load_history', 'entry_ops',
            'entry_genotype', 'alpha_matrix', 'edge_names', 'plot_alphas', 'genotype_gif', 'log_frame', 'plot_curves',
-           'plot_curvature', 'plot_candidates', 'plot_study', 'plot_search_comparison']
+           'plot_curvature', 'plot_candidates', 'plot_study', 'plot_search_comparison', 'plot_rungs']
 
 # %% ../nbs/09_plot.ipynb #ccbf2eea
 OP_COLORS = {'none': '#9e9e9e', 'tanh': '#1f77b4', 'relu': '#d62728', 'sigmoid': '#2ca02c', 'identity': '#9467bd',   # the paper's ops: tab10's
@@ -478,5 +478,24 @@ def plot_search_comparison(rows:list, path=None):
     if axs[0].lines: axs[0].legend(fontsize=8)
     axs[1].set_title('the validation Hessian in α' + (' (none for random search)' if any(not r['by_epoch']['lambda_max'] for r in rows) else ''), fontsize=9)
     fig.tight_layout()
+    return _out(fig, path)
+
+
+# %% ../nbs/09_plot.ipynb #2c110a8b
+def plot_rungs(curves:dict, rungs:list, chosen:str|None=None, yardsticks=(), path=None):
+    """ASHA's trials: validation perplexity against epochs, one line per trial (`curves`: name -> [(epoch, perplexity)]),
+    the stopped ones ending early; the rungs as dotted lines, yardsticks in grey, the chosen cell marked; a Figure, or the path written"""
+    fig = _figure(7.5, 4.2); ax = fig.subplots()
+    for m in rungs: ax.axvline(m, color='0.7', ls=':', lw=1)
+    for j, (name, pts) in enumerate(curves.items()):
+        pts = [(e, v) for e, v in pts if math.isfinite(v)]
+        if not pts: continue
+        ref, top = name in yardsticks, name == chosen
+        ax.plot(*zip(*pts), 'o-', ms=3, lw=2.2 if top else 1, alpha=1 if top or ref else 0.6, color='C3' if top else '0.55' if ref else f'C{(0, 1, 2, 4, 5, 6, 8, 9)[j % 8]}',   # red is the chosen's
+                label=f"chosen: {name}" if top else name if ref else None, zorder=3 if top else 2)
+    ax.set_xlabel('epoch'); ax.set_ylabel('validation perplexity'); ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(f"ASHA: {len(curves)} trials, rungs at epochs {', '.join(map(str, rungs))}", fontsize=10)
+    if any(l.get_label() and not l.get_label().startswith('_') for l in ax.lines): ax.legend(fontsize=8)
     return _out(fig, path)
 

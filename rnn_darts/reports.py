@@ -11,7 +11,8 @@ from rnn_darts.core import naming, write_text_atomic, fmt_time, run_seconds
 from rnn_darts.folder import RunFolder
 from rnn_darts.genotypes import load_genotype, genotype_from_dict, cell_text
 from rnn_darts.plot import (plot_genotype, plot_alphas, genotype_gif, plot_curves, plot_curvature, plot_candidates, plot_study,
-                            plot_search_comparison, log_frame, load_history, entry_genotype)
+                            plot_search_comparison, plot_rungs, log_frame, load_history, entry_genotype)
+from rnn_darts.asha import asha_record, rungs_of, rung_epochs
 
 # %% auto #0
 __all__ = ['COMPARISON_COLUMNS', 'run_summary', 'write_report', 'write_study_report', 'search_comparison',
@@ -148,11 +149,21 @@ def write_study_report(study_dir, df=None) -> Path:
         df = pd.read_csv(p).astype(dict(seed='Int64'))
     s = ((f.study_record(check=False) if f.is_study() else None) or {}).get('settings', {})   # what it lacks, the page says it lacks
     f.report.mkdir(exist_ok=True)
+    asha = s.get('select') == 'asha'
+    chose = (f"ASHA over the searched cells, the references and {s.get('random_cells', 0)} random cells, rungs {s.get('rungs', '?')} epochs"
+             if asha else f"short training {s.get('short_epochs', '?')} epochs")
     L = [f"# rnn_darts study: {f.path.resolve().name}", '',
          f"Searches: {s.get('methods', '?')} × seeds {s.get('seeds', '?')} (preset `{s.get('search_preset', '?')}`); "
-         f"references: {s.get('references') or 'none'}; short training {s.get('short_epochs', '?')} epochs and final training "
+         f"references: {s.get('references') or 'none'}; {chose} and final training "
          f"{s.get('final_epochs', '?')} epochs (preset `{s.get('train_preset', '?')}`)" + (f"; data {s['data']}" if s.get('data') else '') + '.', '']
-    if len(df):
+    rec = asha_record(f.path/'asha') if asha else None
+    if rec:
+        names = list(rec['want']['cells'])
+        curves = {n: [(int(r['epoch']) + 1, math.exp(min(float(r['valid_loss']), 700.))) for r in RunFolder(f.path/'asha'/n).log_rows()] for n in names}
+        plot_rungs(curves, rung_epochs(rungs_of(rec['want']['rungs'])), rec.get('chosen'), rec.get('yardsticks', ()), f.figure('rungs'))
+        L += ['## The rungs', '', f"![rungs]({f.figure('rungs').name})", '',
+              "*ASHA's trials: validation perplexity by epoch, each trial's line ending where ASHA stopped it; the rungs dotted, references in grey.*", '']
+    elif len(df):
         plot_study(df, f.figure('candidates'))
         L += ['## Candidates', '', f"![candidates]({f.figure('candidates').name})", '',
               '*Validation perplexity of every cell after the short training; references in grey; the star is the selected cell.*', '']
@@ -160,7 +171,9 @@ def write_study_report(study_dir, df=None) -> Path:
     if len(sel):
         w = sel.iloc[0]
         plot_genotype(load_genotype(w['genotype']), f.figure('selected'), title=f"selected: {w['stage']}")
-        L += ['## The selected cell', '', f"{w['stage']}: short-training validation perplexity {w['short_valid_ppl']:.2f}"
+        how = (f"ASHA: {int(w['asha_epochs'])} epochs, validation perplexity {w['asha_valid_ppl']:.2f}" if asha and 'asha_epochs' in w else
+               f"short-training validation perplexity {w['short_valid_ppl']:.2f}")
+        L += ['## The selected cell', '', f"{w['stage']}: {how}"
               + (f"; final training: validation {w['final_valid_ppl']:.2f}, **test {w['final_test_ppl']:.2f}**" if w['final_test_ppl'] == w['final_test_ppl'] else
                  '; the final training has not finished'), '', f"![selected cell]({f.figure('selected').name})", '']
         fin = f.final()

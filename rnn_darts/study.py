@@ -11,16 +11,17 @@ from pathlib import Path
 from rnn_darts.core import UsageError, UserError, find_settings, read_preset, check_choice, write_text_atomic, option_type, foreign_warnings_off, fmt_time, run_seconds
 from rnn_darts.folder import RunFolder, RunLock
 from rnn_darts.config import StudyConfig, METHODS, check_fields
+from rnn_darts.cluster import (INSTALL, RETRIES, PROGRESS_EVERY, POLL, import_ray, check_ray, start_ray, check_answers, wait_unlocked,
+                               task_options, parallel_slots, take_sigterm)
 
 # %% auto #0
-__all__ = ['STUDY_OPTIONS', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'INSTALL', 'RETRIES', 'PROBE', 'STOP_WAIT', 'STOP',
-           'LOCK_WAIT', 'OBJECT_STORE', 'H2_PREFACE', 'PROGRESS_EVERY', 'POLL', 'study_settings', 'Stage',
-           'plan_stages', 'check_study', 'stage_command', 'stage_record', 'stage_settings', 'stage_done',
-           'select_winner', 'study_rows', 'run_passes', 'planned_work', 'check_stages', 'waits_for', 'stage_finished',
-           'check_final', 'run_stage', 'run_study', 'progress_text', 'collect_study', 'import_ray', 'check_ray',
-           'start_ray', 'check_answers', 'probe_folder', 'check_workers_see', 'run_stage_task', 'wait_unlocked',
-           'stage_error', 'task_options', 'parallel_slots', 'submit_stages', 'run_on_ray', 'began_since', 'start_text',
-           'stage_figure', 'epochs_logged', 'running_text', 'take_sigterm', 'stop_stages']
+__all__ = ['STUDY_OPTIONS', 'ASHA_STAGE', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'PROBE', 'STOP_WAIT', 'STOP',
+           'study_settings', 'Stage', 'plan_stages', 'check_study', 'stage_command', 'stage_record', 'stage_settings',
+           'stage_done', 'select_winner', 'study_rows', 'run_passes', 'planned_work', 'check_stages', 'waits_for',
+           'stage_finished', 'check_final', 'run_stage', 'study_pool', 'asha_stage_settings', 'asha_stage_done',
+           'run_asha_stage', 'asha_rows', 'run_study', 'progress_text', 'collect_study', 'probe_folder',
+           'check_workers_see', 'run_stage_task', 'stage_error', 'submit_stages', 'run_on_ray', 'began_since',
+           'start_text', 'stage_figure', 'epochs_logged', 'running_text', 'stop_stages']
 
 # %% ../nbs/17_study.ipynb #160dffce
 STUDY_OPTIONS = {f.name: (option_type(f.default, f.type), f.default) for f in fields(StudyConfig)}   # name -> (type, default): `StudyConfig`'s, the paper's protocol
@@ -32,6 +33,8 @@ def study_settings(preset:str|None=None, settings_file=None, **flags) -> tuple:
     bad = next((k for k in flags if k not in STUDY_OPTIONS), None)
     if bad is not None: raise TypeError(f"run_study() got an unknown setting {bad!r}; settings: {', '.join(STUDY_OPTIONS)}")
     return settings_and_sources('study', preset, settings_file, **flags)
+
+ASHA_STAGE = 'asha'   # the study's stage (and folder) of the selection under --select asha
 
 def _folder_name(ref:str) -> str:
     "The stage folder name of reference cell `ref` (a published name, or a genotype file's stem)"
@@ -47,12 +50,14 @@ def _unique(name, xs):
 # %% ../nbs/17_study.ipynb #ad2ab8ba
 @dataclass(frozen=True)
 class Stage:
-    "One run of a study: `kind` search, short (a short training) or final; `source` is the search stage or the reference cell it trains"
+    "One run of a study: `kind` search, short (a short training), asha (the selection by ASHA) or final; `source` is the search stage or the reference cell it trains"
     name:str; kind:str; method:str=''; seed:int|None=None; source:str=''
 
 def plan_stages(lists:dict) -> list:
-    "The stages of a study with these `methods`, `seeds` and `references` (`check_study`), in the order they run"
+    """The stages of a study with these `methods`, `seeds` and `references` (`check_study`), in the order they run;
+    with `select` asha, one stage `asha` chooses among the searched cells in place of their short trainings"""
     searches = [Stage(f"search-{m}-{x}", 'search', m, x) for m in lists['methods'] for x in lists['seeds']]
+    if lists.get('select') == 'asha': return searches + [Stage(ASHA_STAGE, 'asha'), Stage(RunFolder.FINAL, 'final')]
     shorts = [Stage(f"short-{st.name}", 'short', st.method, st.seed, st.name) for st in searches]
     shorts += [Stage(f"short-{_folder_name(r)}", 'short', 'reference', None, r) for r in lists['references']]
     return searches + shorts + [Stage(RunFolder.FINAL, 'final')]
@@ -74,8 +79,20 @@ def check_study(s:dict, src:dict|None=None) -> dict:
     for r in refs:
         try: load_genotype(r)
         except (FileNotFoundError, ValueError) as e: raise UsageError(f"{n('references')}: {e}") from None
-    check_fields(StudyConfig, s, n)                                   # short_epochs, final_epochs: their fields' checks
-    lists, taken = dict(methods=methods, seeds=seeds, references=refs), set()
+    check_fields(StudyConfig, s, n)                                   # short_epochs, final_epochs, select, random_cells: their fields' checks
+    if s['select'] == 'asha':
+        from rnn_darts.asha import rungs_of
+        rungs_of(s['rungs'], n('rungs'))
+        try: import ray.tune, pyarrow   # Tune and what it stores results with
+        except ImportError: raise UserError(f"{n('select')} asha runs the trials on Ray Tune, an optional extra of rnn-darts: {INSTALL}") from None
+    else:
+        for k in ('random_cells', 'at_once'):
+            if s[k]: raise UsageError(f"{n(k)} is a setting of ASHA's selection: give --select asha too (or the preset key select = asha)")
+    lists, taken = dict(methods=methods, seeds=seeds, references=refs, select=s['select']), set()
+    names = [f"search-{m}-{x}" for m in methods for x in seeds] + [f"random-{i + 1}" for i in range(s['random_cells'])]
+    for r in (refs if s['select'] == 'asha' else ()):                # ASHA's trials: a folder each, by name
+        if _folder_name(r) in names: raise UsageError(f"{n('references')}: {r} would train in ASHA's trial folder {_folder_name(r)}, which another cell has; rename the file")
+        names.append(_folder_name(r))
     for st in plan_stages(lists):                                     # each reference trains in a folder of its own
         if st.name in taken: raise UsageError(f"{n('references')}: {st.source} would train in the stage folder {st.name}, "
                                               f"which another stage has; rename the file")
@@ -94,8 +111,13 @@ def stage_command(st:Stage, s:dict, study_dir, settings_file=None, winner:str|No
     flags = dict(settings=settings_file, data=s['data'] or None, files=s['files'] or None, unk=s['unk'] or None, out=str(study_dir/st.name),
                  tensorboard=str(Path(s['tensorboard']).absolute()/st.name) if s.get('tensorboard') else None)   # each stage a run of its own
     if st.kind == 'search': return 'search', dict(preset=s['search_preset'], seed=st.seed, method=st.method, **flags)
+    from rnn_darts.asha import rungs_of, asha_record
+    if st.kind == 'asha':   # each trial's settings; the cell here is the first search's (each trial trains its own)
+        first = RunFolder(study_dir/f"search-{_items(s['methods'])[0]}-{_items(s['seeds'])[0]}").genotype_file
+        return 'train', dict(preset=s['train_preset'], genotype=_genotype_arg(first), epochs=rungs_of(s['rungs'])['max_t'], **flags)
     src = winner if st.kind == 'final' else st.source
-    genotype = st.source if st.method == 'reference' else _genotype_arg(RunFolder(study_dir/src).genotype_file)
+    chosen = (asha_record(study_dir/ASHA_STAGE) or {}).get('want', {}).get('cells', {}).get(src) if st.kind == 'final' and s['select'] == 'asha' else None
+    genotype = (st.source if st.method == 'reference' else json.dumps(chosen) if chosen else _genotype_arg(RunFolder(study_dir/src).genotype_file))
     epochs = s['short_epochs'] if st.kind == 'short' else s['final_epochs']
     return 'train', dict(preset=s['train_preset'], genotype=genotype, epochs=epochs, **flags)
 
@@ -117,12 +139,14 @@ def stage_done(rec:dict|None, command:str, flags:dict) -> bool:
 
 # %% ../nbs/17_study.ipynb #accb96f5
 STUDY_COLUMNS = ('stage', 'method', 'seed', 'cell', 'genotype', 'search_seconds', 'short_valid_loss', 'short_valid_ppl',
-                 'selected', 'final_valid_ppl', 'final_test_ppl')
+                 'selected', 'final_valid_ppl', 'final_test_ppl', 'asha_epochs', 'asha_valid_ppl')   # the last two: under --select asha, each trial's epochs (the rung it reached) and last perplexity
 
 def _ppl(loss): return math.exp(loss) if loss is not None and math.isfinite(loss) else float('nan')
 
 def select_winner(rows:list) -> int|None:
-    "Index of the searched row with the lowest finite short-training validation loss (the first on a tie), or None"
+    "Index of the row ASHA chose, else of the searched row with the lowest finite short-training validation loss (the first on a tie), or None"
+    marked = [i for i, r in enumerate(rows) if r.get('selected')]
+    if marked: return marked[0]
     ok = [i for i, r in enumerate(rows) if r['method'] != 'reference' and math.isfinite(r['short_valid_loss'])]
     return min(ok, key=lambda i: (rows[i]['short_valid_loss'], i)) if ok else None
 
@@ -131,8 +155,9 @@ def _cell_of(st:Stage, study_dir:Path):
     return load_genotype(st.source if st.method == 'reference' else RunFolder(study_dir/st.source).genotype_file)
 
 def study_rows(study_dir, stages:list) -> list:
-    "A row per short training whose stage is done (`STUDY_COLUMNS`, without the final training's results)"
+    "A row per short training whose stage is done, or per cell of ASHA's pool (`STUDY_COLUMNS`, without the final training's results)"
     from rnn_darts.genotypes import genotype_to_dict, cell_text
+    if any(x.kind == 'asha' for x in stages): return asha_rows(stages, study_dir)
     study_dir, rows = Path(study_dir), []
     for st in (x for x in stages if x.kind == 'short'):
         rec = stage_record(study_dir/st.name)
@@ -155,7 +180,8 @@ def run_passes(command:str, run:dict) -> int:
     return PASSES[run['mode']] + (ATTACK_PASSES if run.get('perturb') == 'adversarial' else 0)   # `run` as the command resolves it
 
 def planned_work(stages:list, s:dict, study_dir, settings_file=None) -> dict:
-    "Each stage's planned multiply-adds (stage name -> float): epochs × training tokens × passes × (a cell's 20 nhid² + the decoder's nhid · vocabulary)"
+    "Each stage's planned multiply-adds (stage name -> float): epochs × training tokens × passes × (a cell's 20 nhid² + the decoder's nhid · vocabulary); ASHA's: the epochs its rungs expect"
+    from rnn_darts.asha import asha_epochs, rung_epochs, rungs_of
     from rnn_darts.runs import load_corpus, corpus_key
     corpora, res = {}, {}
     for st in stages:
@@ -164,7 +190,9 @@ def planned_work(stages:list, s:dict, study_dir, settings_file=None) -> dict:
         key = corpus_key(run)
         if key not in corpora: c = load_corpus(run); corpora[key] = (len(c.train), len(c.vocab))
         tokens, vocab = corpora[key]
-        res[st.name] = run['epochs'] * tokens * run_passes(cmd, run) * (20 * run['nhid'] ** 2 + run['nhid'] * vocab)
+        pool = sum(x.kind == 'search' for x in stages) + len(_items(s['references'])) + s['random_cells']   # known before the searches end
+        epochs = asha_epochs(pool, rung_epochs(rungs_of(s['rungs']))) if st.kind == 'asha' else run['epochs']
+        res[st.name] = epochs * tokens * run_passes(cmd, run) * (20 * run['nhid'] ** 2 + run['nhid'] * vocab)
     return res
 
 def _estimate(stages:list, study_dir:Path, work:dict) -> float|None:
@@ -219,14 +247,17 @@ def _check_folder(study_dir:Path):
 
 # %% ../nbs/17_study.ipynb #dfd3f0c7
 def waits_for(st:Stage, stages:list) -> list:
-    "The stages whose results stage `st` uses: a short training its search's cell, the final training every short training's loss"
+    "The stages whose results stage `st` uses: a short training its search's cell, ASHA every search's, the final training every short training's loss (or ASHA's choice)"
     if st.kind == 'short': return [x for x in stages if x.name == st.source]
-    return [x for x in stages if x.kind == 'short'] if st.kind == 'final' else []
+    if st.kind == 'asha': return [x for x in stages if x.kind == 'search']
+    return [x for x in stages if x.kind in ('short', 'asha')] if st.kind == 'final' else []
 
 def stage_finished(st:Stage, stages:list, s:dict, study_dir, settings_file=None) -> bool:
     "Whether stage `st` is done with the settings the study asks for (the final training: of the cell selected now)"
     study_dir = Path(study_dir)
-    if st.kind == 'final' and not all((stage_record(study_dir/x.name) or {}).get('finished') for x in waits_for(st, stages)): return False
+    if st.kind == 'asha': return asha_stage_done(s, stages, study_dir, settings_file)
+    done = lambda x: asha_stage_done(s, stages, study_dir, settings_file) if x.kind == 'asha' else (stage_record(study_dir/x.name) or {}).get('finished')
+    if st.kind == 'final' and not all(done(x) for x in waits_for(st, stages)): return False
     return stage_done(stage_record(study_dir/st.name), *stage_command(st, s, study_dir, settings_file, _final_source(st, stages, study_dir)))
 
 def _needs(st:Stage, stages:list, study_dir:Path, s:dict, settings_file) -> list:
@@ -236,6 +267,11 @@ def _needs(st:Stage, stages:list, study_dir:Path, s:dict, settings_file) -> list
 def _final_source(st:Stage, stages:list, study_dir:Path) -> str|None:
     "For the final stage: the search stage of the selected cell"
     if st.kind != 'final': return None
+    if any(x.kind == 'asha' for x in stages):
+        from rnn_darts.asha import asha_record
+        chosen = (asha_record(study_dir/ASHA_STAGE) or {}).get('chosen')
+        if chosen is None: raise UserError(f"ASHA chose no cell in {study_dir/ASHA_STAGE}: no searched or random cell reached a rung with a finite validation loss")
+        return chosen
     rows = study_rows(study_dir, stages)
     i = select_winner(rows)
     if i is None: raise UserError(f"no short training in {study_dir} ended with a finite validation loss: there is no cell to select")
@@ -249,15 +285,79 @@ def check_final(study_dir, genotype, selected:str):
     if fin and fin['settings'].get('genotype') and load_genotype(fin['settings']['genotype']) != load_genotype(genotype):
         raise UserError(f"{final} trained another cell than the selected one ({selected}); delete {final} to train the selected one")
 
-def run_stage(st:Stage, stages:list, s:dict, study_dir, settings_file=None, device=None, threads=None, override=False):
-    "Run stage `st` as `rnn-darts search|train` would (resuming it if it started); returns the learner"
+def run_stage(st:Stage, stages:list, s:dict, study_dir, settings_file=None, device=None, threads=None, override=False, ray:str|None=None):
+    "Run stage `st` as `rnn-darts search|train` would (resuming it if it started; ASHA's on the Ray at `ray` or a local one); returns the learner"
     from rnn_darts import runs
     study_dir = Path(study_dir)
+    if st.kind == 'asha': return run_asha_stage(s, stages, study_dir, settings_file, device, threads, ray)
     winner = _final_source(st, stages, study_dir)
     cmd, flags = stage_command(st, s, study_dir, settings_file, winner)
-    if winner is not None: check_final(study_dir, flags['genotype'], f"short-{winner}")
+    if winner is not None: check_final(study_dir, flags['genotype'], f"{ASHA_STAGE}/{winner}" if st.kind == 'final' and s['select'] == 'asha' else f"short-{winner}")
     fn = runs.search if cmd == 'search' else runs.train
     return fn(device=device, threads=threads, resume=bool(RunFolder(flags['out']).held()), override=override, **flags)
+
+# %% ../nbs/17_study.ipynb #f10d2704
+def study_pool(s:dict, stages:list, study_dir, settings_file=None) -> tuple:
+    """(pool, yardsticks) of a study's ASHA stage: each search's cell, named by its stage; the references, named by their
+    folders, never chosen; and `random_cells` drawn uniformly from the searches' space (ops, nodes) with the study's first seed"""
+    from rnn_darts.asha import asha_pool
+    from rnn_darts.ops import ops_of
+    study_dir, searches = Path(study_dir), [x for x in stages if x.kind == 'search']
+    refs = {_folder_name(r): r for r in _items(s['references'])}
+    space = stage_settings(*stage_command(searches[0], s, study_dir, settings_file))[0]
+    cells = {x.name: RunFolder(study_dir/x.name).genotype_file for x in searches} | refs
+    return asha_pool(cells, s['random_cells'], ops_of(space['ops']), space['nodes'], seed=int(_items(s['seeds'])[0])), tuple(refs)
+
+def asha_stage_settings(s:dict, stages:list, study_dir, settings_file=None, threads:int|None=None) -> dict:
+    "The settings every trial of the study's ASHA stage trains with (its cell aside): the train preset's, with the study's data"
+    st = next(x for x in stages if x.kind == 'asha')
+    return {**stage_settings(*stage_command(st, s, study_dir, settings_file))[0], 'threads': threads}
+
+def asha_stage_done(s:dict, stages:list, study_dir, settings_file=None) -> bool:
+    "Whether the study's ASHA stage ended with the cells, settings and rungs it asks for now"
+    from rnn_darts.asha import asha_record, asha_want
+    study_dir = Path(study_dir)
+    rec = asha_record(study_dir/ASHA_STAGE)
+    if not rec or not all((stage_record(study_dir/x.name) or {}).get('finished') for x in stages if x.kind == 'search'): return False
+    pool, _ = study_pool(s, stages, study_dir, settings_file)
+    return rec['want'] == asha_want(pool, asha_stage_settings(s, stages, study_dir, settings_file), s['rungs'])
+
+def run_asha_stage(s:dict, stages:list, study_dir, settings_file=None, device=None, threads=None, ray:str|None=None):
+    "Run the study's ASHA stage (on the Ray at `ray`, or a local one); Ctrl-C or SIGTERM stop its trials at a checkpoint and exit 130 (143) saying how to resume"
+    from rnn_darts import runs
+    from rnn_darts.asha import rungs_of, rung_epochs, asha_epochs, select_asha
+    study_dir = Path(study_dir)
+    pool, refs = study_pool(s, stages, study_dir, settings_file)
+    r = rungs_of(s['rungs'])
+    print(f"study {ASHA_STAGE}: {len(pool)} cells ({len(pool) - len(refs) - s['random_cells']} searched, {s['random_cells']} random, "
+          f"{len(refs)} reference{'s' * (len(refs) != 1)}, never chosen) under ASHA, rungs {s['rungs']} (η {r['reduction_factor']}): "
+          f"about {asha_epochs(len(pool), rung_epochs(r))} epochs; a line as each rung fills, the trials' output in {study_dir/ASHA_STAGE}", flush=True)
+    try: return select_asha(pool, asha_stage_settings(s, stages, study_dir, settings_file, threads), s['rungs'], study_dir/ASHA_STAGE, ray, device, refs,
+                            s['at_once'], say=lambda l: print(f"study {ASHA_STAGE}: {l}", flush=True))
+    except KeyboardInterrupt as e:   # `select_asha` names the signal
+        sig = signal.Signals[e.args[0]] if e.args else signal.SIGINT
+        print(f"rnn-darts: {'interrupted' if sig == signal.SIGINT else sig.name}: the running trials stopped, each at a checkpoint it can resume "
+              f"from; resume the study with: {runs.resume_command()}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + sig) from None
+
+def asha_rows(stages:list, study_dir) -> list:
+    "The rows of study.csv under --select asha: a row per cell of the pool (`STUDY_COLUMNS`), the chosen one selected"
+    from rnn_darts.asha import asha_record, asha_table
+    from rnn_darts.genotypes import genotype_from_dict, genotype_to_dict, cell_text
+    study_dir = Path(study_dir)
+    rec = asha_record(study_dir/ASHA_STAGE)
+    if rec is None: return []
+    _, table = asha_table(study_dir/ASHA_STAGE, rec['want']['cells'])
+    of = {x.name: x for x in stages if x.kind == 'search'}
+    rows = []
+    for _, t in table.iterrows():
+        g, st = genotype_from_dict(rec['want']['cells'][t.cell]), of.get(t.cell)
+        ref = t.cell in rec['yardsticks']
+        rows.append(dict(stage=f"{ASHA_STAGE}/{t.cell}", method='reference' if ref else st.method if st else 'sampled', seed=st.seed if st else None,
+                         cell=t.cell if ref else cell_text(g), genotype=json.dumps(genotype_to_dict(g)),
+                         search_seconds=run_seconds(stage_record(study_dir/st.name)) if st else None, short_valid_loss=math.nan, short_valid_ppl=math.nan,
+                         selected=t.cell == rec['chosen'], final_valid_ppl=math.nan, final_test_ppl=math.nan, asha_epochs=int(t.epochs), asha_valid_ppl=float(t.valid_ppl)))
+    return rows
 
 # %% ../nbs/17_study.ipynb #9f8eec5f
 def run_study(
@@ -299,8 +399,10 @@ def run_study(
             if wait: raise UsageError(f"--stage {stage} needs {', '.join(x.name for x in wait)} done first (rnn-darts study --stage NAME runs one)")
         _study_record(study_dir, s, preset, override, settings)
         work = planned_work(stages, s, study_dir, settings)
-        if ray is not None:   # every worker finds the folder and the settings where the driver does
-            run_on_ray(ray, stages, s, study_dir.absolute(), settings and str(Path(settings).absolute()), device, threads, override, work)
+        if ray is not None:   # every worker finds the folder and the settings where the driver does; ASHA's Tune runs from here
+            for part in _ray_parts(stages):
+                if part[0].kind == 'asha': _run_in_turn(part, stages, s, study_dir, settings, device, threads, override, work, ray=ray)
+                else: run_on_ray(ray, stages, s, study_dir.absolute(), settings and str(Path(settings).absolute()), device, threads, override, work, part)
         else: _run_in_turn([stages[names.index(stage)]] if stage is not None else stages, stages, s, study_dir, settings, device, threads, override, work,
                            one=stage is not None)
         if stage is not None: return None
@@ -319,21 +421,26 @@ def progress_text(t0:float, left:list, study_dir:Path, work:dict, at_once:int=1)
     return (f"{fmt_time(time.time() - t0)} so far; the time left is known once a stage has finished, and {left[0].name} is "
             f"{share:.0%} of the planned work left")
 
-def _run_in_turn(todo:list, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, work:dict, one=False):
-    "Run the stages `todo` one after another in this process, each between two progress lines, skipping those done before"
+def _ray_parts(stages:list) -> list:
+    "The study's stages as Ray runs them: all as tasks at once; under --select asha, the searches, then ASHA (its trials Tune's), then the final training"
+    if not any(x.kind == 'asha' for x in stages): return [stages]
+    return [[x for x in stages if x.kind == 'search'], [x for x in stages if x.kind == 'asha'], [x for x in stages if x.kind == 'final']]
+
+def _run_in_turn(todo:list, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, work:dict, one=False, ray=None):
+    "Run the stages `todo` one after another in this process, each between two progress lines, skipping those done before (ASHA's trials on the Ray at `ray`, or a local one)"
     t0 = time.time()
     for st in todo:
         i, n = (1, 1) if one else (stages.index(st) + 1, len(stages))
         if stage_finished(st, stages, s, study_dir, settings_file):
             print(f"study [{i}/{n}] {st.name}: done before, skipped", flush=True); continue
         left = [x for x in todo[todo.index(st):] if x.kind == 'final' or not (stage_record(study_dir/x.name) or {}).get('finished')]
-        _run_logged(st, i, n, left, stages, s, study_dir, settings_file, device, threads, override, t0, work)
+        _run_logged(st, i, n, left, stages, s, study_dir, settings_file, device, threads, override, t0, work, ray)
 
-def _run_logged(st:Stage, i:int, n:int, left:list, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, t0:float, work:dict):
+def _run_logged(st:Stage, i:int, n:int, left:list, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, t0:float, work:dict, ray=None):
     "Run one stage between two progress lines: elapsed time, and the time the stages `left` take at the rate of the finished ones"
     print(f"study [{i}/{n}] {st.name}: {start_text(epochs_logged(study_dir/st.name))} ({progress_text(t0, left, study_dir, work)})", flush=True)
     t = time.time()
-    run_stage(st, stages, s, study_dir, settings_file, device, threads, override)
+    run_stage(st, stages, s, study_dir, settings_file, device, threads, override, ray)
     print(f"study [{i}/{n}] {st.name}: done in {fmt_time(time.time() - t)}{stage_figure(study_dir, st)}", flush=True)
 
 def collect_study(study_dir, stages:list):
@@ -351,64 +458,19 @@ def collect_study(study_dir, stages:list):
     df = pd.DataFrame(rows, columns=list(STUDY_COLUMNS)).astype(dict(seed='Int64'))   # whole seeds; none for a reference
     write_text_atomic(df.to_csv(index=False), RunFolder(study_dir).study_table_file)
     if i is not None and rows[i]['final_test_ppl'] == rows[i]['final_test_ppl']:
-        print(f"study: selected {rows[i]['stage']} (short-training validation perplexity {rows[i]['short_valid_ppl']:.2f}); "
+        how = (f"ASHA: {rows[i]['asha_epochs']} epochs, validation perplexity {rows[i]['asha_valid_ppl']:.2f}" if 'asha_epochs' in rows[i] else
+               f"short-training validation perplexity {rows[i]['short_valid_ppl']:.2f}")
+        print(f"study: selected {rows[i]['stage']} ({how}); "
               f"after the final training: validation {rows[i]['final_valid_ppl']:.2f}, test {rows[i]['final_test_ppl']:.2f}; "
               f"table in {RunFolder(study_dir).study_table_file}", flush=True)
     return df
 
 # %% ../nbs/17_study.ipynb #9b5bc4fe
-INSTALL = "pip install 'rnn-darts[ray]' (in a checkout: pip install -e '.[ray]')"
-RETRIES = 3       # a stage whose worker dies (a killed process, a lost node) runs again up to this many times, from its checkpoint
 PROBE = RunFolder.RAY_PROBE
 STOP_WAIT = 60.   # seconds the running stages have to write their checkpoint after Ctrl-C
 STOP = RunFolder.STOP    # written in the study folder on Ctrl-C: the running stages stop at a checkpoint, the others do not start
-LOCK_WAIT = 60.   # seconds a stage waits for its run folder, held by a worker of a Ray that is gone
-OBJECT_STORE = 256 * 2**20   # bytes of a local Ray's shared memory: the stages pass it their names only (Ray's default takes 30% of RAM)
 
-def import_ray():
-    "Ray, or one line saying how to install it"
-    try: import ray
-    except ImportError: raise UserError(f"--ray needs Ray, an optional extra of rnn-darts: {INSTALL}") from None
-    return ray
 
-def check_ray(address:str|None):
-    "Before anything is written: Ray is installed, and something answers at the cluster's `address`"
-    import_ray()
-    if address not in (None, 'local'): check_answers(address)
-
-def start_ray(address:str|None=None):
-    "Connect to the Ray cluster at `address`, or (None, `local`) start a Ray here with this machine's GPUs and cores; returns `ray`"
-    ray = import_ray()
-    if not sys.stdout.isatty(): os.environ.setdefault('RAY_COLOR_PREFIX', '0')   # Ray's own lines (a worker died, ...) without colour codes in a file
-    quiet = dict(log_to_driver=False, logging_level='ERROR')   # each stage's output goes to its log; Ray's notices stay off
-    from rnn_darts.ops import IMPORT_ENV
-    if os.environ.get(IMPORT_ENV): quiet['runtime_env'] = dict(env_vars={IMPORT_ENV: os.environ[IMPORT_ENV]})   # --import's modules: each worker imports them (the files at the same paths)
-    try:
-        if address in (None, 'local'): ray.init(address='local', include_dashboard=False, object_store_memory=OBJECT_STORE, **quiet)
-        else: ray.init(address=address, **quiet)
-    except ConnectionError as e:
-        raise UserError(f"--ray {address}: no Ray cluster answers there ({' '.join(str(e).split())[:160]}); start one with: ray start --head") from None
-    return ray
-
-H2_PREFACE = b'PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n' + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])   # HTTP/2's client preface and an empty SETTINGS frame
-
-def check_answers(address:str, timeout:float=10.):
-    """One line if no Ray cluster answers at `HOST:PORT`: nothing listens there, or what listens is no gRPC server (Ray's
-    GCS is one: it answers HTTP/2's preface with its SETTINGS frame). Ray itself would wait there for minutes, printing
-    its retries; `auto` and `ray://` addresses, and TLS (`RAY_USE_TLS`), are Ray's to check"""
-    host, sep, port = address.rpartition(':')
-    if address == 'auto' or '://' in address: return
-    if not sep or not port.isdigit(): raise UsageError(f"--ray {address}: give a Ray cluster's address as HOST:PORT (ray start --head prints it), or --ray alone for a local Ray")
-    hint = "start one with: ray start --head (it prints the address)"
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout) as s:
-            if os.environ.get('RAY_USE_TLS', '0').lower() in ('1', 'true'): return
-            s.sendall(H2_PREFACE)
-            reply = s.recv(9)
-    except socket.timeout: reply = b''
-    except OSError as e: raise UserError(f"--ray {address}: no Ray cluster answers there ({e.strerror or e}); {hint}") from None
-    if len(reply) < 4 or reply[3] != 4:   # a frame header's 4th byte is its type: 4, SETTINGS
-        raise UserError(f"--ray {address}: something listens there, but not a Ray cluster (no gRPC answer within {timeout:.0f} s); {hint}")
 
 # %% ../nbs/17_study.ipynb #7e2972d8
 def probe_folder(study_dir:str, nonce:str) -> str|None:
@@ -458,15 +520,6 @@ def run_stage_task(st, stages, s, study_dir, settings_file, device, threads, ove
         finally: os.environ.pop(STOP_ENV, None)
     return st.name
 
-def wait_unlocked(folder:Path, timeout:float=LOCK_WAIT):
-    "Wait while another process holds the stage's run folder: a worker of a Ray whose driver was killed goes on for a few seconds"
-    t = time.monotonic()
-    while folder.is_dir():
-        try: RunLock(folder).acquire().release(); return
-        except UserError:
-            if time.monotonic() - t > timeout: raise
-            time.sleep(1.)
-
 def stage_error(name:str, e:BaseException) -> BaseException:
     "A stage's exception as the driver raises it: a user's error (bad data, divergence) naming the stage, its exit status kept; any other as it is"
     if not isinstance(e, UserError): return e
@@ -474,17 +527,7 @@ def stage_error(name:str, e:BaseException) -> BaseException:
     err.exit_code = e.exit_code
     return err
 
-def task_options(ray, device:str|None, threads:int|None) -> tuple:
-    "(resources a stage asks Ray for, its device, its threads): a GPU each where the cluster has GPUs, else `threads` cores (1 by default)"
-    gpu = ray.cluster_resources().get('GPU', 0) >= 1 and device != 'cpu'
-    if gpu: return dict(num_gpus=1, num_cpus=1), device or 'cuda', threads
-    if device not in (None, 'cpu'): raise UsageError(f"--device {device}: the Ray cluster has no GPU; leave --device out to run the stages on its CPUs")
-    return dict(num_cpus=threads or 1), 'cpu', threads or 1
 
-def parallel_slots(ray, res:dict) -> int:
-    "How many stages the cluster runs at once, each asking for the resources `res`"
-    have = ray.cluster_resources()
-    return max(1, min(int(have.get(k, 0) // v) for k, v in (('GPU', res.get('num_gpus', 0)), ('CPU', res.get('num_cpus', 0))) if v))
 
 # %% ../nbs/17_study.ipynb #78af0280
 def submit_stages(ray, todo:list, stages:list, s:dict, study_dir:Path, settings_file, opts:tuple, override, pending:list) -> dict:
@@ -500,16 +543,16 @@ def submit_stages(ray, todo:list, stages:list, s:dict, study_dir:Path, settings_
         pending.append(refs[st.name])
     return of
 
-def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, work:dict):
-    "Run the study's stages that are not done as Ray tasks; a line as each ends, with the time left. Ctrl-C, or a stage that fails, stops the others at a checkpoint"
+def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, work:dict, part:list|None=None):
+    "Run the study's stages (of `part`, default all) that are not done as Ray tasks; a line as each ends, with the time left. Ctrl-C, or a stage that fails, stops the others at a checkpoint"
     from rnn_darts import runs
     ray, pending, stopped, before = import_ray(), [], {}, signal.getsignal(signal.SIGTERM)
     try:
         start_ray(address)
         take_sigterm(stopped)
         check_workers_see(ray, study_dir)
-        todo = [st for st in stages if not stage_finished(st, stages, s, study_dir, settings_file)]
-        for st in (x for x in stages if x not in todo): print(f"study {st.name}: done before, skipped", flush=True)
+        todo = [st for st in part or stages if not stage_finished(st, stages, s, study_dir, settings_file)]
+        for st in (x for x in part or stages if x not in todo): print(f"study {st.name}: done before, skipped", flush=True)
         (study_dir/STOP).unlink(missing_ok=True)   # an earlier Ctrl-C's: this run goes on
         opts = task_options(ray, device, threads)
         t0, of = time.time(), submit_stages(ray, todo, stages, s, study_dir, settings_file, opts, override, pending)
@@ -549,7 +592,6 @@ def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, devi
         ray.shutdown()   # ends what still runs: a local Ray with its workers; on a cluster, Ray ends a job's tasks as its driver leaves
         if stopped.get('took') and before is not None: signal.signal(signal.SIGTERM, before)
 
-PROGRESS_EVERY, POLL = 60., 5.   # seconds between the progress lines of a study on Ray, and between its looks at the stages
 
 def began_since(study_dir:Path, st:Stage, t0:float) -> bool:
     "Whether stage `st` began on a worker since `t0`: its log in ray-logs/ was written since"
@@ -561,7 +603,10 @@ def start_text(epochs_before:int) -> str:
     return f"resumes after epoch {epochs_before}" if epochs_before else "starts"
 
 def stage_figure(study_dir:Path, st:Stage) -> str:
-    "'; best validation perplexity P' of a stage that recorded one, else ''"
+    "'; best validation perplexity P' of a stage that recorded one (ASHA's: its choice), else ''"
+    if st.kind == 'asha':
+        from rnn_darts.asha import asha_record
+        return f"; chose {(asha_record(Path(study_dir)/ASHA_STAGE) or {}).get('chosen')}"
     loss = (stage_record(Path(study_dir)/st.name) or {}).get('best_valid_loss')
     return f"; best validation perplexity {math.exp(loss):,.1f}" if isinstance(loss, (int, float)) and math.isfinite(loss) else ''
 
@@ -578,15 +623,6 @@ def running_text(left:list, study_dir:Path, started:dict) -> str:
         n, at = epochs_logged(study_dir/st.name), started.get(st.name, 0)
         going.append(f"{st.name} epoch {n}/{rec['settings'].get('epochs', '?')}{f' (resumed after {at})' if at else ''}")
     return ', '.join(going + ([f"{waiting} waiting"] if waiting else [])) or 'starting'
-
-def take_sigterm(stopped:dict):
-    "SIGTERM to the driver stops the study as Ctrl-C does, noted in `stopped` (`ray.init`'s own handler exits at once, with a stack dump); in the main thread only"
-    if threading.current_thread() is not threading.main_thread(): return
-    def on_sigterm(signum, frame):
-        stopped['signal'] = signal.Signals(signum)
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, on_sigterm)
-    stopped['took'] = True
 
 def stop_stages(ray, study_dir:Path, refs:list, wait:float=STOP_WAIT):
     """Stop the running stages as Ctrl-C stops a run (a mid-epoch checkpoint after the batch) and keep the others from

@@ -238,6 +238,16 @@ def test_bad_study_settings_get_one_line(tmp_path, capsys):
     with pytest.MonkeyPatch.context() as mp:                          # Ray is an optional extra
         mp.setitem(sys.modules, 'ray', None)
         fails(capsys, study_args(tmp_path, tmp_path/'a', '--ray'), "--ray needs Ray", "pip install 'rnn-darts[ray]'", code=1)
+        fails(capsys, study_args(tmp_path, tmp_path/'a', '--select', 'asha'), "--select asha runs the trials on Ray Tune", "pip install 'rnn-darts[ray]'", code=1)
+    fails(capsys, study_args(tmp_path, tmp_path/'a', '--select', 'best'), '--select', "'best'")
+    fails(capsys, study_args(tmp_path, tmp_path/'a', '--random-cells', '4'), "--random-cells is a setting of ASHA's selection: give --select asha too")
+    fails(capsys, study_args(tmp_path, tmp_path/'a', '--at-once', '1'), "--at-once is a setting of ASHA's selection")
+    fails(capsys, study_args(tmp_path, tmp_path/'a', '--random-cells', '-1', '--select', 'asha'), '--random-cells')
+    if importlib.util.find_spec('ray') is not None and importlib.util.find_spec('pyarrow') is not None:
+        fails(capsys, study_args(tmp_path, tmp_path/'a', '--select', 'asha', '--rungs', '1,3,8'), '--rungs: each rung is the one before times the same integer')
+        save_genotype(DARTS_V2, tmp_path/'random-2.json')
+        fails(capsys, study_args(tmp_path, tmp_path/'a', '--select', 'asha', '--random-cells', '2', '--references', str(tmp_path/'random-2.json')),
+              '--references', "ASHA's trial folder random-2, which another cell has")
     assert not (tmp_path/'a').exists() and not (run/'study.json').exists()   # nothing was written
 
 def test_an_address_where_no_ray_answers_is_one_line_at_once():
@@ -469,3 +479,98 @@ def test_a_tiny_pool_under_asha_chooses_the_best_cell_of_the_last_rung(tmp_path)
         run = tmp_path/'asha'/r.cell
         assert len((run/'log.csv').read_text().splitlines()) == 1 + r.epochs   # the epochs it reached, no more
         assert json.loads((run/'run.json').read_text())['genotype']['recurrent'] == [list(x) for x in pool[r.cell].recurrent]
+
+ASHA = ['--select', 'asha', '--random-cells', '2', '--rungs', '1,2', '--at-once', '1']   # one trial at a time: the same choice on every run
+POOL = ['search-first-1', 'search-random-1', 'random-1', 'random-2', 'DARTS_V2']           # the trials in the order Tune starts them
+
+def run_cli(argv, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, '-m', 'rnn_darts.cli', *argv], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, 'PYTHONPATH': str(ROOT)}, timeout=timeout)
+
+@pytest.fixture(scope='module')
+def asha_done(tmp_path_factory):
+    "An uninterrupted tiny study that chooses by ASHA, run as a user runs it: (folder of its settings, study folder, stdout)"
+    d = tmp_path_factory.mktemp('asha'); ini(d)
+    r = run_cli(study_args(d, d/'s', *ASHA))
+    assert r.returncode == 0, r.stderr
+    return d, d/'s', r.stdout
+
+def logged_ppl(run) -> list:
+    return [math.exp(float(r['valid_loss'])) for r in pd.read_csv(Path(run)/'log.csv', dtype=str).to_dict('records')]
+
+def asha_promoted(values:list, eta:int) -> list:
+    "A plain ASHA rung (Li et al., algorithm 2, as Tune cuts it): in order of arrival, a trial goes on unless its perplexity is worse than the (1 - 1/η) quantile of those before it"
+    import numpy as np
+    seen, out = [], []
+    for v in values:
+        out.append(bool(not seen or -v >= np.nanpercentile(seen, (1 - 1 / eta) * 100)))
+        seen.append(-v)
+    return out
+
+@pytest.mark.slow
+@needs_tune
+def test_a_study_chooses_by_asha_among_searched_random_and_reference_cells(asha_done, capsys):
+    """--select asha with 2 random cells, rungs 1,2 (η 2): every cell of the pool is a trial; those a plain ASHA rung
+    promotes, and only those, train to epoch 2; the chosen cell is the best there (the reference never chosen), the final
+    training trains it, study.csv and the report say so, and the same command again runs nothing"""
+    d, s, said = asha_done
+    df = pd.read_csv(s/'study.csv')
+    assert df.stage.tolist() == [f'asha/{n}' for n in df.stage.str[5:]] and sorted(df.stage.str[5:]) == sorted(POOL)
+    first = {n: logged_ppl(s/'asha'/n) for n in POOL}
+    went_on = asha_promoted([first[n][0] for n in POOL], eta=2)
+    assert [len(first[n]) for n in POOL] == [2 if w else 1 for w in went_on]   # Tune's decisions are the rule's
+    for _, r in df.iterrows():
+        assert r.asha_epochs == len(first[r.stage[5:]]) and r.asha_valid_ppl == pytest.approx(first[r.stage[5:]][-1], rel=1e-12)
+    assert df.set_index('stage').method.to_dict() == {'asha/search-first-1': 'first', 'asha/search-random-1': 'random', 'asha/random-1': 'sampled',
+                                                       'asha/random-2': 'sampled', 'asha/DARTS_V2': 'reference'}
+    top = df[(df.method != 'reference') & (df.asha_epochs == 2)]
+    assert df.selected.sum() == 1 and df[df.selected].stage.item() == top.stage[top.asha_valid_ppl.idxmin()]
+    final = json.loads((s/'final'/'run.json').read_text())
+    assert load_genotype(final['settings']['genotype']) == load_genotype(df[df.selected].genotype.item()) and final['finished']
+    assert df[df.selected].final_test_ppl.notna().all() and df[~df.selected].final_test_ppl.isna().all()
+    assert f"ASHA rung 1/2 (epoch 1) filled: 5 trials, {sum(went_on)} promoted, {5 - sum(went_on)} stopped; best " in said
+    assert f"ASHA rung 2/2 (epoch 2) filled: {sum(went_on)} trial{'s' * (sum(went_on) > 1)} trained to the last rung" in said
+    cli.run_command(['report', str(s)])
+    assert (s/'report'/'rungs.png').is_file() and '## The rungs' in (s/'report'/'report.md').read_text()
+    again = run_cli(study_args(d, s, *ASHA))
+    assert again.returncode == 0 and again.stdout.count('done before, skipped') == 4, again.stdout + again.stderr
+
+ASHA_STOPPED = "the running trials stopped, each at a checkpoint it can resume from; resume the study with: rnn-darts"
+
+@pytest.mark.slow
+@needs_tune
+@pytest.mark.parametrize('sig, to', [(signal.SIGINT, 'group'), (signal.SIGTERM, None)], ids=['ctrl-c', 'sigterm'])
+def test_asha_ctrl_c_stops_the_trials_at_a_checkpoint_and_the_same_command_finishes(asha_done, tmp_path, sig, to):
+    """Ctrl-C in the terminal (SIGINT to the whole group, Ray's workers included), or SIGTERM to the driver, while the
+    trial of random-1 is held after its third batch: it stops there at a mid-epoch checkpoint, one line says to run the
+    same command again, exit 130 (143); after Ctrl-C that command ends with the uninterrupted study's table, and every
+    trial's log is the uninterrupted one's, bit for bit"""
+    d, s, _ = asha_done
+    out = tmp_path/'s'
+    job = Job(study_args(d, out, *ASHA), hold='random-1 batch 3', tmp=tmp_path, group=True)
+    job.held()
+    job.signal(sig, to=to)
+    code, _, err = job.finish(300)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert code == 128 + sig and lines == [f"rnn-darts: {'interrupted' if sig == signal.SIGINT else 'SIGTERM'}: {ASHA_STOPPED} {shlex.join(study_args(d, out, *ASHA))}"], err
+    assert load_checkpoint(out/'asha'/'random-1'/'checkpoints'/'mid_epoch.pth')['mid']['batches'] == 3
+    if sig == signal.SIGTERM: return
+    again = run_cli(study_args(d, out, *ASHA))
+    assert again.returncode == 0, again.stderr
+    pd.testing.assert_frame_equal(table(out), table(s))
+    assert all((out/'asha'/n/'log.csv').read_text() == (s/'asha'/n/'log.csv').read_text() for n in POOL)
+
+@pytest.mark.slow
+@needs_tune
+def test_asha_a_killed_trial_is_retried_from_its_checkpoint(asha_done, tmp_path):
+    """The first trial (always promoted: it trains 2 epochs) is SIGKILLed in its second epoch: Tune starts it again, it
+    resumes from its first epoch's checkpoint, and the study ends with the uninterrupted one's table"""
+    d, s, _ = asha_done
+    out = tmp_path/'s'
+    job = Job(study_args(d, out, *ASHA), hold='search-first-1 batch 25', tmp=tmp_path, group=True)   # an epoch is 18 batches
+    job.signal(signal.SIGKILL, to=job.held())
+    code, _, err = job.finish(300)
+    assert code == 0, err
+    said = (out/'asha'/'search-first-1.log').read_text()
+    assert said.count('\n== ') + said.startswith('== ') == 2 and 'resumed from ' in said and 'epoch_0000.pth' in said, said
+    pd.testing.assert_frame_equal(table(out), table(s))
