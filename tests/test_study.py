@@ -562,15 +562,17 @@ def test_asha_ctrl_c_stops_the_trials_at_a_checkpoint_and_the_same_command_finis
 
 @pytest.mark.slow
 @needs_tune
-def test_asha_a_killed_trial_is_retried_from_its_checkpoint(asha_done, tmp_path):
-    """The first trial (always promoted: it trains 2 epochs) is SIGKILLed in its second epoch: Tune starts it again, it
-    resumes from its first epoch's checkpoint, and the study ends with the uninterrupted one's table"""
+def test_asha_on_ray_a_killed_trial_is_retried_from_its_checkpoint(asha_done, tmp_path):
+    """With --ray (the searches and the final training Ray tasks, ASHA's trials from the driver): the first trial (always
+    promoted: it trains 2 epochs) is SIGKILLed in its second epoch; Tune starts it again, it resumes from its first
+    epoch's checkpoint, and the study ends with the uninterrupted one's table"""
     d, s, _ = asha_done
     out = tmp_path/'s'
-    job = Job(study_args(d, out, *ASHA), hold='search-first-1 batch 25', tmp=tmp_path, group=True)   # an epoch is 18 batches
+    job = Job(study_args(d, out, *ASHA, '--ray'), hold='search-first-1 batch 25', tmp=tmp_path, group=True)   # a trial's epoch is 18 batches, the search's 1 epoch too
     job.signal(signal.SIGKILL, to=job.held())
-    code, _, err = job.finish(300)
+    code, said, err = job.finish(300)
     assert code == 0, err
+    assert 'study: 2 stages on Ray' in said and 'study: 1 stage on Ray' in said, said   # the searches, then the final training
     said = (out/'asha'/'search-first-1.log').read_text()
     assert said.count('\n== ') + said.startswith('== ') == 2 and 'resumed from ' in said and 'epoch_0000.pth' in said, said
     pd.testing.assert_frame_equal(table(out), table(s))
