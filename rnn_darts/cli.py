@@ -26,7 +26,7 @@ def study(
     preset:str=None,      # study preset in settings.ini: study-quick, study-paper (default: none, the code's defaults: the paper's protocol)
     settings:str=None,    # settings.ini to read the study's preset and its stages' presets from (default: ./settings.ini or a parent's if it has the preset, else the packaged one)
     out:str=None,         # study folder, a run folder per stage inside (default: runs/study)
-    stage:str=None,       # run only this stage (search-second-1, short-search-second-1, short-DARTS_V2, final, ...): one job of a scheduler; rnn-darts study then collects
+    stage:str=None,       # run only this stage (search-second-1, short-search-second-1, short-DARTS_V2, asha, final, ...): one job of a scheduler; rnn-darts study then collects
     device:str=None,
     override:bool_arg=False, # continue although the study's settings differ from its study.json (recorded there)
     resume:bool=False,    # continue the study in --out, as running the same command again does: finished stages are kept, a stage cut short resumes from its checkpoint
@@ -211,9 +211,16 @@ def _default_text(k, dflt, defaults, help:str):
 
 VALUE_NAMES = dict(settings='FILE', genotype='FILE', out='DIR', tensorboard='DIR')   # the value's name in -h, where not the flag's own
 
-def _metavar(k, anno) -> str:
+def _choices(cmd:str, k:str) -> tuple|None:
+    "The values flag `k` of `rnn-darts CMD` takes: its config field's choices (the study's `select` is not the search's), or a flag's own"
+    f = next((f for f in fields(CONFIGS[cmd]) if f.name == k), None) if cmd in CONFIGS else None
+    c = f.metadata.get('check') if f is not None else CHOICES.get(k)
+    return c if isinstance(c, tuple) else None
+
+def _metavar(cmd:str, k, anno) -> str:
     "The value's name in -h: its choices if they are short, N (an integer), X (a number), else the flag's name"
-    if k in CHOICES and len('|'.join(CHOICES[k])) <= 24: return '|'.join(CHOICES[k])
+    c = _choices(cmd, k)
+    if c and len('|'.join(c)) <= 24: return '|'.join(c)
     return 'N' if anno is int else 'X' if anno is float else VALUE_NAMES.get(k, k.upper())
 
 def _arguments(cmd:str):
@@ -252,7 +259,7 @@ def command_parser(cmd:str, brief:bool=False) -> argparse.ArgumentParser:
         kw = dict(dest=k, default=default)
         if anno is bool: kw['action'] = 'store_true'
         elif anno is bool_arg: kw.update(type=bool_arg, metavar='true|false')
-        else: kw.update(type=anno if anno in (int, float) else str, metavar=_metavar(k, anno))
+        else: kw.update(type=anno if anno in (int, float) else str, metavar=_metavar(cmd, k, anno))
         if k in OPTIONAL_VALUE:
             kw.pop('action', None)
             kw.update(nargs='?', const=OPTIONAL_VALUE[k][0], metavar=OPTIONAL_VALUE[k][1], type=str)

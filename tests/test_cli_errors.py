@@ -469,3 +469,8 @@ def test_what_resume_refuses_at_either_door(capsys, run_dir, tmp_path):
     (moved/'run'/'run.json').write_text(json.dumps(info))
     (moved/'corpus'/'train.txt').write_text((moved/'corpus'/'train.txt').read_text() + 'a new line\n')
     with pytest.raises(UsageError, match=r"the data changed since the run started \(the data train was .*, it is "): resume_learner(moved/'run')
+
+def test_a_flag_two_commands_share_shows_each_its_own_choices():
+    "`--select` is DARTS-PT's argmax|pt on a search and the cell's selection, short|asha, on a study: each -h names its own"
+    metavar = lambda cmd: next(a.metavar for a in cli.command_parser(cmd)._actions if a.dest == 'select')
+    assert (metavar('search'), metavar('study')) == ('argmax|pt', 'short|asha')
