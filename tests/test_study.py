@@ -544,7 +544,7 @@ def test_asha_ctrl_c_stops_the_trials_at_a_checkpoint_and_the_same_command_finis
     """Ctrl-C in the terminal (SIGINT to the whole group, Ray's workers included), or SIGTERM to the driver, while the
     trial of random-1 is held after its third batch: it stops there at a mid-epoch checkpoint, one line says to run the
     same command again, exit 130 (143); after Ctrl-C that command ends with the uninterrupted study's table, and every
-    trial's log is the uninterrupted one's, bit for bit"""
+    trial's log is the uninterrupted one's, bit for bit but for its epochs' wall times"""
     d, s, _ = asha_done
     out = tmp_path/'s'
     job = Job(study_args(d, out, *ASHA), hold='random-1 batch 3', tmp=tmp_path, group=True)
