@@ -176,7 +176,7 @@ def select_asha(pool:dict, settings:dict, rungs=StudyConfig.rungs, out='runs/ash
     take_sigterm(stopped)   # after Ray's start: `ray.init` takes SIGTERM with a handler that exits at once
     try:
         res, dev, threads = task_options(ray_, device, settings.get('threads'))
-        _trials(pool, {**settings, 'threads': threads}, r, out, dict(cpu=res['num_cpus'], gpu=res.get('num_gpus', 0)), dev, at_once, say)
+        _trials(pool, {**settings, 'threads': threads, 'data': _absolute(settings.get('data'))}, r, out, dict(cpu=res['num_cpus'], gpu=res.get('num_gpus', 0)), dev, at_once, say)
     except KeyboardInterrupt: raise KeyboardInterrupt(stopped.get('signal', signal.SIGINT).name) from None   # the trials stopped; which signal did it
     finally:
         if stopped.get('took') and before is not None: signal.signal(signal.SIGTERM, before)
@@ -184,6 +184,10 @@ def select_asha(pool:dict, settings:dict, rungs=StudyConfig.rungs, out='runs/ash
     chosen, table = asha_table(out, pool, yardsticks)
     write_text_atomic(json.dumps(dict(want=asha_want(pool, settings, rungs), yardsticks=list(yardsticks), finished=True, chosen=chosen), indent=1) + '\n', out/ASHA_RECORD)
     return chosen, table
+
+def _absolute(data:str|None) -> str|None:
+    "The corpus `data` as a trial finds it: a folder by its absolute path (Tune runs each trial in a folder of its own), a name (numbers, ptb) as it is"
+    return str(Path(data).absolute()) if data and Path(data).exists() else data
 
 def _trials(pool:dict, settings:dict, r:dict, out:Path, resources:dict, device:str, at_once:int, say):
     "`select_asha`'s trials on the running Ray, `r` the scheduler's rungs (`rungs_of`); a line as each rung fills, and every minute"
@@ -225,7 +229,10 @@ def _trials(pool:dict, settings:dict, r:dict, out:Path, resources:dict, device:s
             with contextlib.suppress(UserError): wait_unlocked(out/name, STOP_WAIT)
         raise
     bad = next((t for t in res if t.error is not None), None)
-    if bad is not None: raise UserError(f"ASHA: the trial of {bad.config['name']} failed {RETRIES + 1} times; its output: {out/bad.config['name']}.log")
+    if bad is not None:
+        said = str(bad.error).strip().splitlines()
+        raise UserError(f"ASHA: the trial of {bad.config['name']} failed {RETRIES + 1} times ({said[-1] if said else type(bad.error).__name__}); "
+                        f"its output: {out/bad.config['name']}.log")
 
 @contextlib.contextmanager
 def _quiet_logger(name:str):

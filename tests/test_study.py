@@ -463,11 +463,17 @@ needs_tune = pytest.mark.skipif(importlib.util.find_spec('ray') is None or impor
 
 @pytest.mark.slow
 @needs_tune
-def test_a_tiny_pool_under_asha_chooses_the_best_cell_of_the_last_rung(tmp_path):
-    "DARTS_V2 and 3 random cells, rungs 1,2: each trial's run folder logs the epochs it reached; the chosen cell reached 2 and is the best there"
+def test_a_tiny_pool_under_asha_chooses_the_best_cell_of_the_last_rung(tmp_path, monkeypatch):
+    """DARTS_V2 and 3 random cells, rungs 1,2, on a corpus folder named relative to the current folder (Tune runs each
+    trial in a folder of its own): each trial's run folder logs the epochs it reached; the chosen cell reached 2 and is the best there"""
     from rnn_darts.asha import asha_pool, select_asha
     from rnn_darts.options import code_defaults
-    s = {**code_defaults('train'), **dict(data='numbers', n_train=1500, n_eval=600, bs=8, bptt=10, eval_bs=4, emsize=16, nhid=16, seed=3, threads=1)}
+    words = 'zero one two three four five six seven eight nine'.split()
+    (tmp_path/'corpus').mkdir()
+    for split, n in (('train', 200), ('valid', 60), ('test', 60)):
+        (tmp_path/'corpus'/f'{split}.txt').write_text(''.join(' '.join(words[(i * j + n) % 10] for j in range(1, 8)) + '\n' for i in range(n)))
+    monkeypatch.chdir(tmp_path)
+    s = {**code_defaults('train'), **dict(data='corpus', bs=8, bptt=10, eval_bs=4, emsize=16, nhid=16, seed=3, threads=1)}
     pool = asha_pool(dict(DARTS_V2='DARTS_V2'), n_random=3, seed=1)
     chosen, table = select_asha(pool, s, rungs='1,2', out=tmp_path/'asha')
     import ray
