@@ -85,9 +85,11 @@ def check_study(s:dict, src:dict|None=None) -> dict:
         rungs_of(s['rungs'], n('rungs'))
         try: import ray.tune, pyarrow   # Tune and what it stores results with
         except ImportError: raise UserError(f"{n('select')} asha runs the trials on Ray Tune, an optional extra of rnn-darts: {INSTALL}") from None
-    else:
-        for k in ('random_cells', 'at_once'):
-            if s[k]: raise UsageError(f"{n(k)} is a setting of ASHA's selection: give --select asha too (or the preset key select = asha)")
+        if (src or {}).get('short_epochs') == 'flag': raise UsageError("--short-epochs is the short trainings' length: under --select asha each trial trains to the last of --rungs")
+    else:   # ASHA's settings given to the short trainings' selection: refused, not ignored
+        for k in ('random_cells', 'at_once', 'rungs'):
+            if (s[k] if k != 'rungs' else (src or {}).get(k, 'default') != 'default'):
+                raise UsageError(f"{n(k)} is a setting of ASHA's selection: give --select asha too (or the preset key select = asha)")
     lists, taken = dict(methods=methods, seeds=seeds, references=refs, select=s['select']), set()
     names = [f"search-{m}-{x}" for m in methods for x in seeds] + [f"random-{i + 1}" for i in range(s['random_cells'])]
     for r in (refs if s['select'] == 'asha' else ()):                # ASHA's trials: a folder each, by name

@@ -242,9 +242,11 @@ def test_bad_study_settings_get_one_line(tmp_path, capsys):
     fails(capsys, study_args(tmp_path, tmp_path/'a', '--select', 'best'), '--select', "'best'")
     fails(capsys, study_args(tmp_path, tmp_path/'a', '--random-cells', '4'), "--random-cells is a setting of ASHA's selection: give --select asha too")
     fails(capsys, study_args(tmp_path, tmp_path/'a', '--at-once', '1'), "--at-once is a setting of ASHA's selection")
+    fails(capsys, study_args(tmp_path, tmp_path/'a', '--rungs', '1,3'), "--rungs is a setting of ASHA's selection")
     fails(capsys, study_args(tmp_path, tmp_path/'a', '--random-cells', '-1', '--select', 'asha'), '--random-cells')
     if importlib.util.find_spec('ray') is not None and importlib.util.find_spec('pyarrow') is not None:
         fails(capsys, study_args(tmp_path, tmp_path/'a', '--select', 'asha', '--rungs', '1,3,8'), '--rungs: each rung is the one before times the same integer')
+        fails(capsys, study_args(tmp_path, tmp_path/'a', '--select', 'asha', '--short-epochs', '5'), "--short-epochs is the short trainings' length")
         save_genotype(DARTS_V2, tmp_path/'random-2.json')
         fails(capsys, study_args(tmp_path, tmp_path/'a', '--select', 'asha', '--random-cells', '2', '--references', str(tmp_path/'random-2.json')),
               '--references', "ASHA's trial folder random-2, which another cell has")
