@@ -14,7 +14,7 @@ from rnn_darts.learner import SeqCrossEntropy, load_preset, flat_splitter
 from rnn_darts.callbacks.arch import ArchParamUpdate
 from rnn_darts.callbacks.training import FlatGradClip, FusedDecoderLoss
 from tests._devices import ON_DEVICES
-from tests._learners import twin_learner
+from tests._learners import twin_learner, tiny_learner
 
 TINY = dict(emsize=16, nhid=16)
 
@@ -304,3 +304,25 @@ def test_top_level_api_is_lazy_and_complete():
     for name in rnn_darts.__all__: assert getattr(rnn_darts, name) is not None, name   # every listed name resolves
     assert rnn_darts.search_learner is rnn_darts.learner.search_learner and rnn_darts.DARTS_V2 is rnn_darts.genotypes.DARTS_V2
     with pytest.raises(AttributeError): rnn_darts.no_such_name
+
+def test_ar_penalises_the_output_after_its_dropout():
+    """AR (`alpha`) adds alpha·mean(out²) of the cell's output *after* its output dropout (`dropout`), as AWD-LSTM and the
+    original do: with the dropout on (p = 0.5) the learner's loss gains exactly that, which differs from the same term on
+    the output before dropout; the dropped output is the raw one times a locked mask (one per sequence, 0 or 1/(1 − p))"""
+    from rnn_darts.callbacks.training import RNNRegularizer
+    seen = {}
+    class Spy(Callback):
+        order = RNNRegularizer.order + 1
+        def after_loss(self):
+            if self.training and not seen:
+                seen.update(loss=self.loss.detach().clone(), grad=self.loss_grad.detach().clone(),
+                            raw=self.rnn.raw_out.detach().clone(), out=self.rnn.out.detach().clone())
+    learn = tiny_learner('train', n_train=200, dropout=0.5, alpha=2., beta=0., cbs=[Spy()])
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    raw, out = seen['raw'].float(), seen['out'].float()   # (bs, T, nhid)
+    kept = out != 0
+    assert kept.any() and (~kept).any() and (kept == kept[:, :1]).all()   # a locked mask: the same at every time step
+    torch.testing.assert_close(out, raw * kept / 0.5)
+    ar = 2. * out.pow(2).mean()
+    torch.testing.assert_close(seen['grad'] - seen['loss'], ar, rtol=1e-5, atol=1e-7)
+    assert abs(float(ar - 2. * raw.pow(2).mean())) > 1e-3 * float(ar)   # before dropout: another number
