@@ -62,7 +62,7 @@ def bench(
     compile:bool=False,   # time the steps with the torch.compile'd recurrent step
     precision:str=CONFIGS['search'].precision,   # fp32 | tf32 | bf16: time our steps with TF32 products or in bf16 autocast, and measure its effect on the hypergradient
     graphs:bool=False,    # time the steps replayed as captured CUDA graphs (needs a GPU)
-    fuse:bool=False,      # time each time step as Triton kernels (rnn_darts.fused: the derived cell's, the search cell's in training; needs a GPU)
+    fuse:bool=False,      # time each time step as Triton kernels (rnn_darts.engine.fused: the derived cell's, the search cell's in training; needs a GPU)
     threads:int=None,
     modes:str=None,       # search steps to time, comma-separated: second, first, exact, random (default: all; none: none)
     methods:str=None,     # methods of the DARTS family to time beside first-order DARTS, comma-separated (default: all; none: none)
@@ -74,10 +74,10 @@ def bench(
     for k, p in (('--json-path', json_path), ('--profile', profile)):
         if p is not None and Path(p).is_dir(): raise UsageError(f"{k} {p} is a folder; give a file name")
     dev = get_device(device)
-    from rnn_darts.plan import plan_of
+    from rnn_darts.engine.plan import plan_of
     plan_of(dict(compile=compile, graphs=graphs, fuse=fuse, precision=precision), dev, lambda k: '--' + k)   # refused: one line, before the imports
     set_threads(threads, dev)
-    from rnn_darts.bench import run_bench, print_table, profile_text, FAMILY
+    from rnn_darts.engine.bench import run_bench, print_table, profile_text, FAMILY
     def listed(flag, text, choices):
         items = choices if text is None else () if text.strip() == 'none' else tuple(x.strip() for x in text.split(',') if x.strip())
         for x in items: check_choice(flag, x, choices)
@@ -101,11 +101,11 @@ def check(
     "Prove every execution path (CUDA graphs, compiled, fused, TF32, bf16) equal to the eager step on this machine; exit 1 if one differs"
     if threads is not None: check_number('--threads', threads, 1, integer=True)
     if json_path is not None and Path(json_path).is_dir(): raise UsageError(f"--json-path {json_path} is a folder; give a file name")
-    from rnn_darts.plan import PATH_NAMES   # no torch yet: a wrong name is refused at once
+    from rnn_darts.engine.plan import PATH_NAMES   # no torch yet: a wrong name is refused at once
     chosen = list(PATH_NAMES) if paths is None else [x.strip() for x in paths.split(',') if x.strip()]
     if not chosen: raise UsageError(f"--paths names no path; paths are {', '.join(PATH_NAMES)}")
     for x in chosen: check_choice('--paths', x, PATH_NAMES)
-    from rnn_darts.check import PATHS, run_check, cases, header
+    from rnn_darts.engine.check import PATHS, run_check, cases, header
     dev = get_device(device)
     set_threads(threads, dev)
     print(header(dev, len(cases()), bench), flush=True)

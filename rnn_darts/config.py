@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, asdict
 from functools import partial, wraps
 from rnn_darts.core import UsageError, check_number, check_choice, PAPER_OPS, PAPER_NODES
-from rnn_darts.plan import PRECISIONS, check_plan_rules   # the execution plan's: its table's rules that need no device are a config's too
+from rnn_darts.engine.plan import PRECISIONS, check_plan_rules   # the execution plan's: its table's rules that need no device are a config's too
 
 RELAXATIONS = ('softmax', 'sigmoid', 'gdas', 'snas', 'drnas')   # `rnn_darts.relax`
 MODES = ('second', 'first', 'exact', 'mixed', 'single', 'random')   # α's step (`rnn_darts.callbacks.arch`), then random search's
@@ -97,7 +97,7 @@ class RunConfig:
     precision: str = setting('fp32', 'of the matrix products: fp32 | tf32 (TF32 tensor cores on Ampere and newer GPUs) | bf16 (bf16 autocast, '
                              'fp32 weights)', PRECISIONS)
     fused_loss: bool = setting(True)
-    fuse: bool = setting(False, 'each training time step as Triton kernels, forward and backward (rnn_darts.fused; CUDA only; not yet '
+    fuse: bool = setting(False, 'each training time step as Triton kernels, forward and backward (rnn_darts.engine.fused; CUDA only; not yet '
                          'timed on a GPU, so off by default)')
     checkpoint_every: float|None = setting(None, 'minutes between mid-epoch checkpoints, for long epochs (default: off; Ctrl-C and SIGTERM always write one)', 'pos_float')
     tensorboard: str = setting('', "a folder for TensorBoard's event files, written as each epoch ends: its numbers, the learning rate, α "
@@ -322,7 +322,7 @@ def check_rules(s:dict, name=str):
         raise UsageError(f"{name('emsize')} ({s['emsize']}) must equal {name('nhid')} ({s['nhid']}): the decoder is tied to the embedding")
     if has('top', 'candidates') and s['top'] > s['candidates']:
         raise UsageError(f"{name('top')} ({s['top']}) cannot exceed {name('candidates')} ({s['candidates']})")
-    check_plan_rules(s, name)   # fuse with bf16, graphs with bf16, compile or graphs with random search: `rnn_darts.plan.RULES`
+    check_plan_rules(s, name)   # fuse with bf16, graphs with bf16, compile or graphs with random search: `rnn_darts.engine.plan.RULES`
     if s.get('early_stop') and s.get('curvature') is False:
         raise UsageError(f"{name('early_stop')} true needs {name('curvature')} true: DARTS-ES stops on λ_max")
     _check_family(s, name)   # `s` as `resolve` made it: a method's settings are in it

@@ -24,8 +24,8 @@ import fastai.callback.schedule  # adds Learner.lr_find and fit_one_cycle
 from fastai.callback.progress import CSVLogger
 from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name, naming
 from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, check_random, TEMPERED
-from rnn_darts.plan import plan_of, compile_key
-from rnn_darts.runners import runner_of
+from rnn_darts.engine.plan import plan_of, compile_key
+from rnn_darts.engine.runners import runner_of
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict, check_in_space, save_genotype, cell_ops
 from rnn_darts.data import fingerprint
@@ -41,12 +41,12 @@ from rnn_darts.callbacks.asgd import ASGDSwitch
 from rnn_darts.callbacks.logs import GenotypeLogger, TableColumns, RunLogger
 from rnn_darts.folder import RunFolder, write_json_atomic
 from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker, collaborator, valid_loss_of
-from rnn_darts.callbacks.speed import BF16Autocast, AutoCompile, CompileNotice, PlanNotes, precision_callbacks
+from rnn_darts.engine.speed import BF16Autocast, AutoCompile, CompileNotice, PlanNotes, precision_callbacks
 from rnn_darts.callbacks.checkpoint import Checkpoint
 from rnn_darts.callbacks.preemption import Preemption
 from rnn_darts.callbacks.tensorboard import TensorBoardLog
 from rnn_darts.callbacks.divergence import DivergenceGuard, FiniteValidation, finite_validation
-from rnn_darts.callbacks.graphs import CudaGraphs, EMULATIONS
+from rnn_darts.engine.graphs import CudaGraphs, EMULATIONS
 
 # %% auto #0
 __all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'space_ops', 'run_genotype', 'RunInfo', 'resident_mark', 'PeakMemory',
@@ -237,7 +237,7 @@ def _common_cbs(c:RunConfig, resume=None, graphs:CudaGraphs|None=None):
     return cbs
 
 def _learner(dls, model, c:RunConfig, path, device, command:str, plan=None):
-    """A `DartsLearner` that runs the execution plan of `c` on `device` (`rnn_darts.plan.plan_of`, the one place it is
+    """A `DartsLearner` that runs the execution plan of `c` on `device` (`rnn_darts.engine.plan.plan_of`, the one place it is
     decided): compiled, as CUDA graphs (or their emulation without a GPU: `graphs='emulate'|'trace'`), fused, in its
     precision; its fallbacks said as the fit starts (`plan`: one made already, as the command line's, naming its flags).
     Returns it and its `CudaGraphs`, for the parts that run steps as graphs"""

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import math
 import torch, torch.nn.functional as F
-from rnn_darts.kernels import mm_t, fastest
+from rnn_darts.engine.kernels import mm_t, fastest
 
 # %% auto #0
 __all__ = ['LOG2E', 'ce_chunk_rows', 'LinearCrossEntropy', 'linear_cross_entropy']
@@ -64,7 +64,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, g):
         if torch.is_grad_enabled(): raise RuntimeError(   # create_graph=True: the saved gradients carry no graph
             "linear_cross_entropy cannot be differentiated twice; run the loss inside "
-            "rnn_darts.runners.twice_differentiable(model)")
+            "rnn_darts.engine.runners.twice_differentiable(model)")
         s = g / ctx.n
         return tuple(None if t is None else t * s for t in ctx.saved_tensors) + (None, None)
 

@@ -10,12 +10,12 @@ import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import STEPS, Genotype, cell_ops, check_genotype, derive_genotype, edge_slices, n_edges
 from rnn_darts.ops import PAPER_OPS, op_fn, ops_of, mix_order, mixed_op
-from rnn_darts.kernels import mm_t, fastest, linear, tanh, Deferred
+from rnn_darts.engine.kernels import mm_t, fastest, linear, tanh, Deferred
 from rnn_darts.config import SearchConfig, TrainConfig, check_rules
 from rnn_darts.flat import FlatModule
 from rnn_darts.loss import linear_cross_entropy
 from rnn_darts.relax import RELAXATION_CLASSES, EdgeNorm, gumbel_
-from rnn_darts.runners import EAGER
+from rnn_darts.engine.runners import EAGER
 
 # %% auto #0
 __all__ = ['MaskBank', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm', 'DartsCellSearch', 'LanguageModel', 'DartsRnn',
@@ -40,21 +40,21 @@ class MaskBank:
 
 # %% ../nbs/03_model.ipynb #b5c901dc
 class PackedCell(nn.Module):
-    "Shared machinery: the packed weight `block`, its views, masks and the time loop; how its time steps run is a runner's (`rnn_darts.runners`)"
-    kind = 'derived'   # what the fused kernels run it as (`rnn_darts.fused.RUNNERS`)
+    "Shared machinery: the packed weight `block`, its views, masks and the time loop; how its time steps run is a runner's (`rnn_darts.engine.runners`)"
+    kind = 'derived'   # what the fused kernels run it as (`rnn_darts.engine.fused.RUNNERS`)
     def __init__(self, ninp, nhid, n_nodes, dropoutx, dropouth, order=None):
         super().__init__()
         self.ninp, self.nhid, self.n_nodes, self.dropoutx, self.dropouth = ninp, nhid, n_nodes, dropoutx, dropouth
         self.block = nn.Parameter(torch.empty((ninp + nhid) * 2 * nhid + nhid * n_nodes * 2 * nhid).uniform_(-0.04, 0.04))
         # row-block position of each node's W_i inside WhT (derived cells order nodes by predecessor)
         self.col = list(order) if order is not None else list(range(n_nodes))
-        self.runner = EAGER   # how its time steps run (`rnn_darts.runners`): the execution plan's runner, set by the learners
+        self.runner = EAGER   # how its time steps run (`rnn_darts.engine.runners`): the execution plan's runner, set by the learners
 
     def __getstate__(self):   # a copy (a pickle, a deepcopy) runs what its runner can carry: compiled steps are this cell's own
         return {**self.__dict__, 'runner': self.runner.portable()}
 
     def compile_step(self, **kwargs):
-        "Run the time steps compiled (`rnn_darts.runners.Compiled`, `kwargs` to `torch.compile`): for scripts and the peer harness; the learners run the plan's runner"
+        "Run the time steps compiled (`rnn_darts.engine.runners.Compiled`, `kwargs` to `torch.compile`): for scripts and the peer harness; the learners run the plan's runner"
         self.runner = self.runner.compiled(self, **kwargs)
         return self
 
@@ -251,7 +251,7 @@ class LanguageModel(FlatModule):
 
     @property
     def runner(self):
-        "How the model's steps run (`rnn_darts.runners`): its cell's time steps and its decoder loss; the execution plan's, set by the learners"
+        "How the model's steps run (`rnn_darts.engine.runners`): its cell's time steps and its decoder loss; the execution plan's, set by the learners"
         return self.cell.runner
     @runner.setter
     def runner(self, r): self.cell.runner = r

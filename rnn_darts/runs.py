@@ -8,7 +8,7 @@ import os, sys, time
 from pathlib import Path
 from rnn_darts.core import UsageError, get_device, set_seed, check_number, check_choice, idle_cores, cpu_sample, usable_cores
 from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, with_taus
-from rnn_darts.plan import plan_of, with_fit, compile_key
+from rnn_darts.engine.plan import plan_of, with_fit, compile_key
 from rnn_darts.folder import RunFolder, RunLock, write_json_atomic
 from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources, code_defaults,
                                check_settings, check_fits, check_memory, command_flags, flag_default, flags_signature, setting_name)
@@ -232,7 +232,7 @@ def _prepare(command, flags:dict) -> _Run:
     follow = (c['threads'] is None and env_threads() is None and r.dev.type == 'cpu' and world == 1   # ranks keep their threads: alike numbers
               and cpu_sample() is not None)
     r.threads = set_threads(c['threads'], r.dev, follow)
-    from rnn_darts.callbacks.speed import FollowIdleCores
+    from rnn_darts.engine.speed import FollowIdleCores
     r.fit_cbs = [FollowIdleCores()] if follow else []   # torch's threads follow the idle cores
     set_seed(r.s['seed'])
     r.corpus = load_corpus(r.s, c['url'])

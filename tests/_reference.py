@@ -12,7 +12,7 @@ import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.genotypes import PRIMITIVES, STEPS
 from rnn_darts.ops import PAPER_OPS
 from rnn_darts.model import DartsRnnSearch, NodeNorm
-from rnn_darts.bench import STEP
+from rnn_darts.engine.bench import STEP
 
 ACT = dict(tanh=torch.tanh, relu=torch.relu, sigmoid=torch.sigmoid, identity=lambda x: x,   # the paper's, then others by their formulas
            gelu=lambda x: 0.5 * x * (1 + torch.erf(x / math.sqrt(2))), silu=lambda x: x / (1 + torch.exp(-x)))

@@ -192,7 +192,7 @@ def bf16_autocast(): return torch.autocast('cpu', dtype=torch.bfloat16)
 @pytest.mark.parametrize('mode', ['first', 'second', 'exact'])
 def test_arch_passes_stay_fp32_under_bf16_autocast_unless_asked(mode):
     "Under a bf16 autocast, ArchParamUpdate's passes give the fp32 hypergradient bit for bit; arch_bf16=True does not"
-    from rnn_darts.bench import arch_updater, arch_hypergrad
+    from rnn_darts.engine.bench import arch_updater, arch_hypergrad
     m, trn, val = tiny(3, dropout=0.2, dropouth=0.1)
     def hyper(cb=None):
         m.reset(); torch.manual_seed(0)
@@ -206,7 +206,7 @@ def test_arch_passes_stay_fp32_under_bf16_autocast_unless_asked(mode):
 @pytest.mark.slow
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_learners_with_bf16_train_fp32_weights(kind):
-    from rnn_darts.callbacks.speed import BF16Autocast
+    from rnn_darts.engine.speed import BF16Autocast
     learn = tiny_learner(kind, precision='bf16', **({'mode': 'second'} if kind == 'search' else {}), **SMALL)
     assert any(isinstance(cb, BF16Autocast) for cb in learn.cbs)
     w0 = learn.model.flat.data.clone()

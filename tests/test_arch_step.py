@@ -3,7 +3,7 @@ import pytest, torch, torch.nn.functional as F
 from fastai.callback.core import Callback, CancelFitException
 from rnn_darts.genotypes import PRIMITIVES
 from rnn_darts.callbacks.arch import ArchParamUpdate, op_decay_grad
-from rnn_darts.bench import arch_updater
+from rnn_darts.engine.bench import arch_updater
 from tests._learners import tiny_learner
 
 NHID = 8

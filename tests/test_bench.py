@@ -2,8 +2,8 @@
 import json, math
 import pytest, torch
 from rnn_darts.model import DartsRnnSearch
-from rnn_darts.runners import Compiled
-from rnn_darts.bench import run_bench, print_table, search_step, arch_updater, _batches, STEP_NAMES, FAMILY
+from rnn_darts.engine.runners import Compiled
+from rnn_darts.engine.bench import run_bench, print_table, search_step, arch_updater, _batches, STEP_NAMES, FAMILY
 from tests._reference import PlainSearchStep, plain_from, plain_hypergrad_first, plain_hypergrad_second
 from rnn_darts.callbacks.arch import hypergrad_first, hypergrad_second, fd_hvp, exact_hvp
 from tests._devices import ON_DEVICES
@@ -84,7 +84,7 @@ def test_run_bench_tiny(tmp_path, capsys):
     print_table(res)
     out = capsys.readouterr().out
     assert 'baseline / ours' in out and 'ms/batch' in out and 'sdarts-adv / first-order DARTS, a search step: ' in out
-    from rnn_darts import kernels
+    from rnn_darts.engine import kernels
     if kernels.ONEDNN:   # the kernels each product shape ran in, measured here; the decoder's (40 words, nhid 6) among them
         cs = res['kernels']['choices']
         assert any('40x6' in c['product'] for c in cs), cs
@@ -97,7 +97,7 @@ def test_run_bench_options():
     res = run_bench(small=True, iters=1, warmup=0, shape=tiny, modes=('first',), methods=(), train=False, evaluate=False)
     assert [r['impl'] for r in res['rows']] == ['ours'] and res['ratios'] == {} and res['method_ratios'] == {}
     res = run_bench(small=True, iters=1, warmup=1, shape=tiny, modes=('first',), methods=(), train=False, evaluate=True, profile=True)
-    from rnn_darts.bench import profile_text
+    from rnn_darts.engine.bench import profile_text
     assert all(r['profile']['kernels'] > 0 and r['profile']['top'] for r in res['rows'])   # each row: one more call, profiled
     text = profile_text(res)
     assert all(f"{r['name']} (ours): {r['profile']['kernels']} kernels, busy " in text for r in res['rows']), text
@@ -123,7 +123,7 @@ def test_run_bench_bf16_times_and_measures_agreement(capsys, device):
     assert 'bf16 vs fp32 hypergradient' in capsys.readouterr().out
 
 def test_op_count_counts_what_reaches_the_device():
-    from rnn_darts.bench import op_count
+    from rnn_darts.engine.bench import op_count
     x = torch.randn(4, 3, requires_grad=True)
     assert op_count(lambda: x.view(12).t().detach()) == 0                     # views launch nothing
     assert op_count(lambda: torch.sigmoid(x.view(3, 4) * 2).sum()) == 3       # mul, sigmoid, sum
@@ -131,7 +131,7 @@ def test_op_count_counts_what_reaches_the_device():
 
 def test_bf16_agreement_is_one_when_both_sides_are_fp32(monkeypatch):
     "With the bf16 autocast switched off both sides are the same fp32 computation: cosine 1, difference 0 (same masks, same streams)"
-    from rnn_darts import bench
+    from rnn_darts.engine import bench
     from rnn_darts.model import DartsRnnSearch
     torch.manual_seed(0)
     m = DartsRnnSearch(40, 6, 6, **bench.SEARCH_DROPOUTS).train()
@@ -144,8 +144,8 @@ def test_bf16_agreement_is_one_when_both_sides_are_fp32(monkeypatch):
 @pytest.mark.gpu
 def test_tf32_changes_the_products_on_a_gpu_and_says_by_how_much(capsys):
     "On an Ampere or newer GPU, TF32 products move the hypergradient a little from fp32's (on a CPU it is the same computation: 10_bench)"
-    from rnn_darts import bench
-    from rnn_darts.plan import tf32_missing
+    from rnn_darts.engine import bench
+    from rnn_darts.engine.plan import tf32_missing
     from rnn_darts.model import DartsRnnSearch
     if not torch.cuda.is_available() or tf32_missing('cuda'): pytest.skip(tf32_missing('cuda') or 'no GPU here')
     torch.manual_seed(0)
@@ -156,7 +156,7 @@ def test_tf32_changes_the_products_on_a_gpu_and_says_by_how_much(capsys):
 
 def test_launch_count_agrees_with_op_count_on_eager_code():
     "The profiler-based counter (the one that can see into compiled graphs) counts an eager step as op_count does"
-    from rnn_darts.bench import op_count, launch_count, weight_step, SEARCH_DROPOUTS
+    from rnn_darts.engine.bench import op_count, launch_count, weight_step, SEARCH_DROPOUTS
     x = torch.randn(4, 3, requires_grad=True)
     assert launch_count(lambda: x.view(12).t().detach()) == dict(generated=0, library=0, total=0)
     assert launch_count(lambda: torch.sigmoid(x.view(3, 4) * 2).sum())['total'] == 3      # nested calls count once
@@ -171,7 +171,7 @@ def test_launch_count_agrees_with_op_count_on_eager_code():
 def test_launch_count_keeps_the_profiler_log_off_stderr(capfd):
     "kineto's own lines (`USDT: ... profiler_start`, `ERROR: ... gpuGetDeviceCount`) stay off stderr; what the counted code writes there passes"
     import sys
-    from rnn_darts.bench import launch_count
+    from rnn_darts.engine.bench import launch_count
     def f():
         print('planted line from the counted code', file=sys.stderr)
         return torch.ones(3).sum()
@@ -184,7 +184,7 @@ def test_launch_count_of_a_compiled_step():
     """Compiled under kernel_profile(), a weight step launches generated kernels plus library calls (matmuls), far fewer than
     eager. A 3-node derived cell's step: the counter is the point, and kernel_profile compiles without Inductor's caches (the
     search cell's step took 137 s of a cold compile on 2 cores, DARTS_V2's 46 s, this one's about 25 s)"""
-    from rnn_darts.bench import op_count, launch_count, kernel_profile, weight_step
+    from rnn_darts.engine.bench import op_count, launch_count, kernel_profile, weight_step
     from rnn_darts.model import DartsRnn
     from rnn_darts.genotypes import Genotype
     torch.manual_seed(0)
@@ -203,7 +203,7 @@ def test_launch_count_of_a_compiled_step():
 def test_time_fn_and_time_pair_report_the_first_call_apart():
     "The warm-up's first call (where a compiled step compiles) is reported as `first_ms`, and kept out of the timed mean"
     import time
-    from rnn_darts.bench import time_fn, time_pair
+    from rnn_darts.engine.bench import time_fn, time_pair
     def slow_once():
         calls = []
         def f():

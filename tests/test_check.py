@@ -1,12 +1,12 @@
-"""`rnn-darts check` (`rnn_darts.check`): the matrix of execution paths × cases (α-step kinds × relaxations, SDARTS's
+"""`rnn-darts check` (`rnn_darts.engine.check`): the matrix of execution paths × cases (α-step kinds × relaxations, SDARTS's
 perturbations, random search, a derived cell), each path against its reference on this device; the command's table,
 its JSON and its exit status"""
 import json, pytest
-from rnn_darts import check, plan
-from rnn_darts.check import PATHS, StepPath, cases, check_path, tiny_corpus, row_line, run_check, path_named
+from rnn_darts.engine import check, plan
+from rnn_darts.engine.check import PATHS, StepPath, cases, check_path, tiny_corpus, row_line, run_check, path_named
 from rnn_darts.cli import run_command
-from rnn_darts import kernels
-from rnn_darts.kernels import WeightGroup
+from rnn_darts.engine import kernels
+from rnn_darts.engine.kernels import WeightGroup
 
 @pytest.fixture(autouse=True)
 def one_compile_process():

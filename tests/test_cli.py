@@ -2,7 +2,7 @@
 import json
 import pytest, torch
 from rnn_darts import cli
-from rnn_darts.callbacks.speed import BF16Autocast
+from rnn_darts.engine.speed import BF16Autocast
 from rnn_darts.callbacks.training import FusedDecoderLoss
 
 TINY = ['--data', 'numbers', '--n-train', '1000', '--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4',
@@ -94,7 +94,7 @@ def test_an_eager_run_follows_the_idle_cores(tmp_path, monkeypatch, capsys):
     during the fit, it runs on the core left, and its first and last lines say so"""
     import os, time
     from rnn_darts import core
-    from rnn_darts.callbacks import speed
+    from rnn_darts.engine import speed
     from tests._cli_probes import TINY
     calls = []
     def sample(cpus=None):   # nothing else runs while the run starts (2 idle cores); then another process keeps a core busy

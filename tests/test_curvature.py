@@ -7,7 +7,7 @@ import pytest, torch
 from fastai.callback.core import Callback
 from rnn_darts import cli
 from rnn_darts.model import DartsRnnSearch
-from rnn_darts.runners import twice_differentiable
+from rnn_darts.engine.runners import twice_differentiable
 from rnn_darts.callbacks.logs import RunLogger
 from rnn_darts.callbacks.curvature import Curvature, CurvatureStop, curvature_batches, hessian_extremes
 from tests._learners import tiny_learner

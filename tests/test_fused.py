@@ -1,11 +1,11 @@
-"The fused time steps (`rnn_darts.fused`): Triton's kernels, run by its interpreter on a CPU, equal the eager step; a model trains through them as through the eager one"
+"The fused time steps (`rnn_darts.engine.fused`): Triton's kernels, run by its interpreter on a CPU, equal the eager step; a model trains through them as through the eager one"
 import copy, pytest, torch
 triton = pytest.importorskip("triton", reason="the fused step is Triton kernels; Triton comes with torch's CUDA wheels")
 from rnn_darts.genotypes import DARTS_V1, DARTS_V2, ENAS
 from rnn_darts.model import DartsCell, DartsCellSearch, DartsRnn, DartsRnnSearch, DartsRnnShared
-from rnn_darts import fused
-from rnn_darts.runners import Fused
-from rnn_darts.fused import FusedDerivedStep, FusedPlan, FusedSearchStep
+from rnn_darts.engine import fused
+from rnn_darts.engine.runners import Fused
+from rnn_darts.engine.fused import FusedDerivedStep, FusedPlan, FusedSearchStep
 
 
 def fused_and_eager(n, bs, dtype, genotype):
@@ -154,7 +154,7 @@ def test_a_fused_time_step_is_few_kernels(kind, per_step):
     node and direction (search, 2 nodes: s0 and 2 forward; 2, s0 and h backward), and a few more per time step (the
     tap's zero, the state's gradient, their sums): counted as `launch_count` counts, the interpreter's launches being
     profiled ranges, from 3 to 6 time steps. 12 s: the profiler records every operation of the interpreted kernels"""
-    from rnn_darts.bench import launch_count, weight_step
+    from rnn_darts.engine.bench import launch_count, weight_step
     torch.manual_seed(0)
     m = (DartsRnn(30, DARTS_V2, 8, 8) if kind == 'derived' else DartsRnnSearch(30, 8, 8, steps=2)).train()
     m.runner = Fused(m.cell)

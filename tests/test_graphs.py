@@ -8,7 +8,7 @@ from rnn_darts.learner import search_learner
 from rnn_darts.data import lm_dls, search_stream, numbers_corpus
 from rnn_darts.model import DartsRnn
 from rnn_darts.genotypes import DARTS_V2
-from rnn_darts.callbacks.graphs import StepGraphs, Captured
+from rnn_darts.engine.graphs import StepGraphs, Captured
 from rnn_darts.config import FAMILY, METHODS
 from tests.test_learner import state, assert_same
 from tests._learners import twin_learner
@@ -223,7 +223,7 @@ def test_graphs_of_a_hand_built_learner_follow_the_plans_rules():
     from types import SimpleNamespace
     from rnn_darts.model import DartsRnnShared, DartsRnnSearch
     from rnn_darts.learner import SeqCrossEntropy
-    from rnn_darts.callbacks.graphs import CudaGraphs
+    from rnn_darts.engine.graphs import CudaGraphs
     cb = CudaGraphs(True, emulate='emulate')
     cb.learn = SimpleNamespace(model=DartsRnnShared(20, 8, 8), loss_func=SeqCrossEntropy(), cbs=[])
     assert cb.refusal() == "random search runs another cell every batch, and each would need its own CUDA graphs"
@@ -290,7 +290,7 @@ def test_a_failed_capture_gives_the_cuda_generator_its_state_back():
 
 def test_the_benchs_graphed_steps_equal_its_eager_steps():
     "`rnn-darts bench --graphs` times `search_step` and `weight_step` through `StepGraphs`: here emulated, three steps equal the eager ones bit for bit"
-    from rnn_darts.bench import arch_updater, search_step, weight_step, _batches
+    from rnn_darts.engine.bench import arch_updater, search_step, weight_step, _batches
     from rnn_darts.model import DartsRnnSearch
     runs = []
     for graphed in (False, True):

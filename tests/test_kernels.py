@@ -1,10 +1,10 @@
 "The CPU's products run in the kernel measured faster on this machine, per shape and layout (issue 30)"
 import json, subprocess, sys, warnings
 import pytest, torch, torch.nn.functional as F
-from rnn_darts import kernels
-from rnn_darts.kernels import linear, mm_t, machine_key, product_key, kernel_choices, fastest
+from rnn_darts.engine import kernels
+from rnn_darts.engine.kernels import linear, mm_t, machine_key, product_key, kernel_choices, fastest
 from rnn_darts.model import DartsRnnSearch
-from rnn_darts.runners import Compiled
+from rnn_darts.engine.runners import Compiled
 from rnn_darts.loss import linear_cross_entropy
 from tests.test_model import ops_seen
 
@@ -63,7 +63,7 @@ def test_the_table_is_kept_per_machine_and_read_by_a_new_process(table, monkeypa
     code = f"""
 import torch, json
 torch.set_num_threads({torch.get_num_threads()})
-from rnn_darts import kernels
+from rnn_darts.engine import kernels
 def no(*a, **k): raise AssertionError('measured ' + repr(a))
 real, kernels.time_kernels = kernels.time_kernels, no
 W = torch.randn(3, 7)
@@ -81,7 +81,7 @@ kernels.onednn_faster(torch.randn(5, 7), W)
 RACER = """
 import json, sys, time, torch
 from pathlib import Path
-from rnn_darts import kernels
+from rnn_darts.engine import kernels
 me, folder = int(sys.argv[1]), Path(sys.argv[2])
 torch.set_num_threads(int(sys.argv[3]))   # the test's machine key
 kernels.time_kernels = lambda *a, **k: dict(onednn=1.0, aten=2.0) if me == 0 else dict(onednn=2.0, aten=1.0)
@@ -128,7 +128,7 @@ def test_kernel_can_be_set_for_every_product(table, monkeypatch):
     monkeypatch.setattr(kernels, 'KERNEL', 'onednn')
     assert 'mkldnn._linear_pointwise' in ops_seen(lambda: mm_t(a, W)) and not calls
     monkeypatch.setattr(kernels, 'KERNEL', 'mkl')
-    with pytest.raises(ValueError, match="rnn_darts.kernels.KERNEL = 'mkl': use 'measured', 'onednn' or 'aten'"): mm_t(a, W)
+    with pytest.raises(ValueError, match="rnn_darts.engine.kernels.KERNEL = 'mkl': use 'measured', 'onednn' or 'aten'"): mm_t(a, W)
 
 def onednn_rows(fn):
     "Row counts of the `a` of every `rnn_darts::mm_t` call (a product routed to oneDNN with autograd) while `fn` runs, compiled graphs included"

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ('rnn_darts', 'rnn_darts.callbacks')
+PACKAGES = ('rnn_darts', 'rnn_darts.callbacks', 'rnn_darts.engine')
 
 def modules() -> dict:
     "module name -> file, for every module of the packages (their `__init__` files excepted: they import lazily, by name)"
@@ -63,7 +63,7 @@ def test_nothing_imports_a_top_level_callbacks_package():
 
 @pytest.mark.slow
 def test_the_wheel_holds_only_rnn_darts(tmp_path):
-    "A wheel built from the checkout installs one top-level package, `rnn_darts` (with `rnn_darts/callbacks`), its presets, and no `callbacks`"
+    "A wheel built from the checkout installs one top-level package, `rnn_darts` (with `rnn_darts/callbacks` and `rnn_darts/engine`), its presets, and no `callbacks`"
     import shutil, subprocess, sys, zipfile
     pytest.importorskip('setuptools', minversion='77', reason='building the wheel offline needs the setuptools pyproject.toml asks for (>= 77)')
     src = tmp_path/'src'
@@ -76,7 +76,7 @@ def test_the_wheel_holds_only_rnn_darts(tmp_path):
     names = zipfile.ZipFile(next((tmp_path/'dist').glob('*.whl'))).namelist()
     tops = {n.split('/')[0] for n in names if not n.split('/')[0].endswith('.dist-info')}
     assert tops == {'rnn_darts'}, tops
-    assert 'rnn_darts/callbacks/graphs.py' in names and 'rnn_darts/settings.ini' in names
+    assert {'rnn_darts/callbacks/arch.py', 'rnn_darts/engine/graphs.py', 'rnn_darts/settings.ini'} <= set(names)
 
 def _code_strings(path) -> list:
     "(line, text) of the string constants in `path` that are not docstrings"

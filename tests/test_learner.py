@@ -9,7 +9,7 @@ from fastai.callback.rnn import ModelResetter, RNNCallback
 from rnn_darts.core import set_seed
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream, test_dl as split_dl   # not collected as a test
 from rnn_darts.model import DartsRnnSearch
-from rnn_darts.runners import Fused
+from rnn_darts.engine.runners import Fused
 from rnn_darts.learner import SeqCrossEntropy, load_preset, flat_splitter
 from rnn_darts.callbacks.arch import ArchParamUpdate
 from rnn_darts.callbacks.training import FlatGradClip, FusedDecoderLoss
@@ -32,7 +32,7 @@ def assert_same(a, b):
 @pytest.mark.gpu
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_fused_steps_fit_like_the_unfused_ones(kind, corpus, tmp_path):
-    """`fuse=True` on CUDA: the training time steps run as Triton kernels (`rnn_darts.fused`), inside the captured graphs,
+    """`fuse=True` on CUDA: the training time steps run as Triton kernels (`rnn_darts.engine.fused`), inside the captured graphs,
     and an epoch's batch losses are the unfused epoch's (float32, cuBLAS against `tl.dot`: within 1e-3)"""
     pytest.importorskip('triton')
     losses = []

@@ -6,8 +6,8 @@ from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V1, DARTS_V2, ENAS, Gen
 from rnn_darts.ops import PAPER_OPS
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsCell, DartsCellSearch
 from rnn_darts.flat import FlatParams, FlatModule
-from rnn_darts.runners import Eager, Compiled, plain_step, tapped_step, twice_differentiable
-import rnn_darts.kernels as kernels
+from rnn_darts.engine.runners import Eager, Compiled, plain_step, tapped_step, twice_differentiable
+import rnn_darts.engine.kernels as kernels
 from tests._reference import plain_search_step, plain_derived_step, run_plain
 from tests._devices import ON_DEVICES
 
@@ -404,7 +404,7 @@ def ops_seen(fn):
 @pytest.mark.parametrize('mode', ['first', 'second', 'exact'])
 def test_onednn_products_give_aten_hypergradients(mode, monkeypatch):
     "Every hypergradient and the weight gradient with oneDNN's products equal aten's (float32 rounding); the products did go to oneDNN"
-    from rnn_darts.bench import arch_hypergrad
+    from rnn_darts.engine.bench import arch_hypergrad
     m, trn, val = onednn_search()
     monkeypatch.setattr(kernels, 'KERNEL', 'onednn')   # every product, whatever was measured faster here
     def run():

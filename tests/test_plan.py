@@ -1,11 +1,11 @@
-"""One execution plan (issue 67): every rule of `rnn_darts.plan.RULES` answers the same through what users run, the
+"""One execution plan (issue 67): every rule of `rnn_darts.engine.plan.RULES` answers the same through what users run, the
 command line, the learners and bench: a refused combination is one line (exit 2, or a `UsageError` naming the
 keyword), a fallback is one line said once, and `run.json` records what ran, not what was asked."""
 import json
 import pytest
 from rnn_darts import cli
 from rnn_darts.core import UsageError
-from rnn_darts.plan import RULES, plan_of
+from rnn_darts.engine.plan import RULES, plan_of
 from rnn_darts.learner import search_learner
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from tests.test_cli_errors import NUM, fails

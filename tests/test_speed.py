@@ -3,9 +3,9 @@ import pytest, torch
 from rnn_darts.data import numbers_corpus, lm_dls, search_stream
 from rnn_darts.genotypes import DARTS_V2
 from rnn_darts.learner import search_learner, train_learner
-from rnn_darts.callbacks.speed import AutoCompile, COMPILE_MIN_STEPS
-from rnn_darts import runners
-from rnn_darts.runners import Compiled, plain_step, tapped_step
+from rnn_darts.engine.speed import AutoCompile, COMPILE_MIN_STEPS
+from rnn_darts.engine import runners
+from rnn_darts.engine.runners import Compiled, plain_step, tapped_step
 
 TINY = dict(emsize=8, nhid=8, checkpoint=False)
 
@@ -66,7 +66,7 @@ def test_the_plan_decides_compiling_for_the_fit_and_says_why(tmp_path):
     one epoch (62 batches) run eager, saying why; 4 epochs compile, saying it is a first compile; once the plan's ledger
     holds the step (Inductor's cache does), one epoch compiles too, 'cached'"""
     from rnn_darts import runs
-    from rnn_darts.plan import compile_key, record_compile
+    from rnn_darts.engine.plan import compile_key, record_compile
     flags = dict(data='numbers', n_train=40_000, n_eval=1_500, emsize=64, nhid=64, bs=32, bptt=20, epochs=1, device='cpu', curvature=False)
     def plan(out, **kw):
         r = runs._prepare('search', dict(flags, out=str(tmp_path/out), **kw)); r.close()
@@ -86,8 +86,8 @@ def test_auto_compile_of_a_python_fit_reads_the_ledger_that_a_compile_writes(mon
     from contextlib import redirect_stdout
     from types import SimpleNamespace
     from rnn_darts.model import DartsRnnSearch
-    from rnn_darts.plan import compiled_here
-    from rnn_darts.callbacks.speed import CompileNotice
+    from rnn_darts.engine.plan import compiled_here
+    from rnn_darts.engine.speed import CompileNotice
     def auto(key):
         cb = AutoCompile(key)
         cb.learn = SimpleNamespace(model=DartsRnnSearch(20, 8, 8), n_epoch=4, epoch=0, dls=SimpleNamespace(train=range(12)))

@@ -10,8 +10,8 @@ import torch, torch.nn.functional as F
 from fastai.callback.core import Callback
 from rnn_darts.config import SearchConfig, check_rules, ARCH_MODES
 from rnn_darts.relax import dirichlet_kl, linear_schedule
-from rnn_darts.runners import twice_differentiable
-from rnn_darts.plan import arch_step_graphed
+from rnn_darts.engine.runners import twice_differentiable
+from rnn_darts.engine.plan import arch_step_graphed
 from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, check_flat_opt
 from rnn_darts.callbacks.epochs import collaborator, in_lr_find
 

@@ -15,7 +15,7 @@ from rnn_darts.callbacks.checkpoint import Checkpoint, save_atomic, load_checkpo
 from rnn_darts.callbacks.divergence import DivergenceGuard
 from rnn_darts.config import SearchConfig
 from rnn_darts.folder import RunFolder
-from rnn_darts.runners import twice_differentiable
+from rnn_darts.engine.runners import twice_differentiable
 
 # %% auto #0
 __all__ = ['curvature_batches', 'alpha_hvp', 'lanczos_eigs', 'hessian_extremes', 'Curvature', 'local_average', 'es_decision',

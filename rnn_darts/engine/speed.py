@@ -12,7 +12,7 @@ from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastai.torch_core import rank_distrib
 from rnn_darts.core import cpu_sample, others_busy, spare_cores, usable_cores
 from rnn_darts.callbacks.epochs import in_lr_find
-from rnn_darts.plan import (PRECISIONS, COMPILE_MIN_STEPS, COMPILE_MIN_STEPS_CACHED, tf32_missing, rule, compiled_here, record_compile,
+from rnn_darts.engine.plan import (PRECISIONS, COMPILE_MIN_STEPS, COMPILE_MIN_STEPS_CACHED, tf32_missing, rule, compiled_here, record_compile,
                             first_compile_s)
 
 # %% auto #0
@@ -57,7 +57,7 @@ def precision_callbacks(precision:str) -> list:
     return dict(fp32=[TF32(False)], tf32=[TF32()], bf16=[BF16Autocast()])[precision]
 
 class PlanNotes(Callback):
-    "Say the execution plan's fallbacks (`rnn_darts.plan`), a line each, as the learner's first fit starts"
+    "Say the execution plan's fallbacks (`rnn_darts.engine.plan`), a line each, as the learner's first fit starts"
     def __init__(self, plan): self.plan, self.said = plan, False
     def before_fit(self):
         if self.said or rank_distrib() or in_lr_find(self.learn): return
@@ -67,7 +67,7 @@ class PlanNotes(Callback):
 # %% ../../nbs/05b_speed.ipynb #2a2a5bc5
 class AutoCompile(Callback):
     """The plan's 'auto' for a fit the plan could not count (a learner of Python's): compile the model's recurrent step (its
-    runner's `compiled`, `rnn_darts.runners`) where it pays (`rnn_darts.plan.compile_pays`): the fit has `min_steps`
+    runner's `compiled`, `rnn_darts.engine.runners`) where it pays (`rnn_darts.engine.plan.compile_pays`): the fit has `min_steps`
     training batches left, or `min_cached` once Inductor's cache holds the step `key` (the plan's ledger)"""
     def __init__(self, key:str|None=None, min_steps=COMPILE_MIN_STEPS, min_cached=COMPILE_MIN_STEPS_CACHED):
         self.key, self.min_steps, self.min_cached = key, min_steps, min_cached

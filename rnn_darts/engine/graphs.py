@@ -15,7 +15,7 @@ from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.rnn import RNNRegularizer
 from fastai.torch_core import num_distrib, rank_distrib
 from rnn_darts.callbacks.training import ar_tar
-from rnn_darts.plan import facts, verdicts
+from rnn_darts.engine.plan import facts, verdicts
 from rnn_darts.model import DartsRnnShared
 
 # %% auto #0
@@ -191,7 +191,7 @@ class CudaGraphs(Callback):
         self.regularizer = regularizer   # the learner's `RNNRegularizer`, whose AR/TAR the training graph adds (handed by the learner's maker)
 
     def refusal(self) -> str|None:
-        """Why the graphs cannot run this fit, or None: the execution plan's rules (`rnn_darts.plan.RULES`) on the learner
+        """Why the graphs cannot run this fit, or None: the execution plan's rules (`rnn_darts.engine.plan.RULES`) on the learner
         as it is (a learner built by hand has no plan; random search's model draws a cell per batch)"""
         m, learn = self.model, self.learn
         f = facts(dict(graphs=True, fused_loss=m.runner.fused_loss and getattr(learn.loss_func, 'takes_fused_loss', False),
