@@ -57,6 +57,7 @@ __all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'space_ops', 'run_gen
 class DartsLearner(Learner):
     "A `Learner` whose epoch loop starts at `first_epoch` (set by `fit(start_epoch=)` or by a resuming `Checkpoint`), and whose batches may run as CUDA graphs (`CudaGraphs`)"
     first_epoch, backward_done = 0, False
+    graphed = None   # the `CudaGraphs` that runs this fit's batches as graphs (it says so as the fit starts), or None
     def fit(self, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, start_epoch=0):
         self.first_epoch = start_epoch
         try: super().fit(n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt)
@@ -72,8 +73,7 @@ class DartsLearner(Learner):
 
     def _do_one_batch(self):
         "fastai's batch, with the prediction from a CUDA graph where `CudaGraphs` runs one (a training batch's graph does its backward too)"
-        cg = getattr(self, 'cuda_graphs', None)
-        self.pred = None if cg is None else cg.forward(self.xb)
+        self.pred = None if self.graphed is None else self.graphed.forward(self.xb)
         self.backward_done = self.pred is not None and self.training
         if self.pred is None: return super()._do_one_batch()
         self('after_pred')

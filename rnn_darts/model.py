@@ -372,6 +372,7 @@ class DartsRnnSearch(LanguageModel):
 
 class DartsRnnShared(LanguageModel):
     "The search space with weight sharing (random search, Li & Talwalkar 2019): the search cell's matrices, one per node, running one discrete cell of the op set `ops` at a time (`use`)"
+    draws_cells = True   # another cell every batch: the execution plan runs it eager
     def __init__(self, ntoken, emsize=_S.emsize, nhid=_S.nhid, dropout=_S.dropout, dropouth=_S.dropouth, dropoutx=_S.dropoutx,
                  dropouti=_S.dropouti, dropoute=_S.dropoute, steps=STEPS, ops=PAPER_OPS):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)

@@ -218,19 +218,29 @@ def test_graphs_say_why_they_are_off(small, tmp_path, capsys):
     with pytest.raises(ValueError, match="graphs true: random search runs another cell every batch, and each would need its own CUDA graphs"):
         search_learner(dls, search_stream(small, 8, device='cpu'), mode='random', graphs=True, emsize=8, nhid=8)
 
-def test_graphs_of_a_hand_built_learner_follow_the_plans_rules():
-    "A learner built by hand has no plan: its `CudaGraphs` asks the plan's table, random search's rule included (a model that draws a cell per batch), with the rule's own reason"
+def test_graphs_of_a_hand_built_learner_follow_the_plans_rules(capsys):
+    """A learner built by hand gets its plan from what it asks (`learner_plan`): its `CudaGraphs` runs graphs where that
+    plan does, random search's model (another cell per batch) is refused by the plan's rule, a loss that cannot take the
+    fused one turns them off in the rule's own line; the plan is built once and kept on the learner"""
     from types import SimpleNamespace
+    from rnn_darts.core import UsageError
     from rnn_darts.model import DartsRnnShared, DartsRnnSearch
     from rnn_darts.learner import SeqCrossEntropy
     from rnn_darts.engine.graphs import CudaGraphs
-    cb = CudaGraphs(True, emulate='emulate')
-    cb.learn = SimpleNamespace(model=DartsRnnShared(20, 8, 8), loss_func=SeqCrossEntropy(), cbs=[])
-    assert cb.refusal() == "random search runs another cell every batch, and each would need its own CUDA graphs"
-    cb.learn.model = DartsRnnSearch(20, 8, 8)
-    assert cb.refusal() is None
-    cb.learn.loss_func = torch.nn.CrossEntropyLoss()   # a loss that cannot take the model's fused one
-    assert cb.refusal() == "they need the fused decoder loss (fused_loss=True)"
+    def fit_start(model, loss_func):
+        cb = CudaGraphs(True, emulate='emulate')
+        cb.learn = SimpleNamespace(model=model, loss_func=loss_func, cbs=[cb])
+        cb.before_fit()
+        return cb
+    with pytest.raises(UsageError, match="graphs true: random search runs another cell every batch, and each would need its own CUDA graphs"):
+        fit_start(DartsRnnShared(20, 8, 8), SeqCrossEntropy())
+    cb = fit_start(DartsRnnSearch(20, 8, 8), SeqCrossEntropy())
+    assert cb.graphs is not None and cb.learn.plan.graphs == 'emulate' and capsys.readouterr().out == ''
+    cb = fit_start(DartsRnnSearch(20, 8, 8), torch.nn.CrossEntropyLoss())   # a loss that cannot take the model's fused one
+    assert cb.graphs is None and capsys.readouterr().out == "CUDA graphs off: they need the fused decoder loss (fused_loss=True); the steps run eager\n"
+    plan = cb.learn.plan
+    cb.before_fit()
+    assert cb.learn.plan is plan and capsys.readouterr().out == ''   # built once, said once
 
 @pytest.mark.gpu
 def test_cuda_graphs_fit_like_eager_on_a_gpu(corpus, tmp_path):

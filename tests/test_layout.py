@@ -98,13 +98,15 @@ def test_a_run_folders_files_are_named_in_one_module():
     assert {m: v for m, v in spelled.items() if v} == {}
     assert names - {f'{F.PAGE}.md', f'{F.PAGE}.html'} <= {s for _, s in _code_strings(mods['rnn_darts.folder'])}   # the finder sees them where they are
 
-BATCH_EVENTS = {'before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step', 'after_batch'}
+BATCH_EVENTS = {'before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step', 'after_step', 'after_batch',
+                '_do_one_batch'}   # a callback's batch events, and a learner's batch
 
 def batch_path_lookups(tree, names) -> list:
     "(class, method, name) of each look-up of a learner's attribute `names` (a callback's, by name) in what a class runs per batch"
     res = []
     for c in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         meths = {f.name: f for f in c.body if isinstance(f, ast.FunctionDef)}
+        own = {ast.unparse(n) for n in ast.walk(c) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}   # `self.x = ...`: its own
         todo, seen = [m for m in BATCH_EVENTS if m in meths], set()
         while todo:   # the batch events and the methods of the class they call
             m = todo.pop()
@@ -113,17 +115,21 @@ def batch_path_lookups(tree, names) -> list:
             for n in ast.walk(meths[m]):
                 if isinstance(n, ast.Attribute) and ast.unparse(n.value) == 'self' and n.attr in meths: todo.append(n.attr)
                 named = (n.args[1].value if isinstance(n, ast.Call) and getattr(n.func, 'id', None) in ('getattr', 'hasattr') and len(n.args) > 1
-                         and isinstance(n.args[1], ast.Constant) and 'learn' in ast.unparse(n.args[0]) else
+                         and isinstance(n.args[1], ast.Constant) and ast.unparse(n.args[0]) in ('self', 'self.learn') else
                          'lr_finder' if isinstance(n, ast.Call) and getattr(n.func, 'id', None) == 'in_lr_find' else
-                         n.attr if isinstance(n, ast.Attribute) and ast.unparse(n.value) == 'self.learn' else None)
+                         n.attr if isinstance(n, ast.Attribute) and (ast.unparse(n.value) == 'self.learn' or   # a callback reads the learner's
+                                                                     ast.unparse(n.value) == 'self' and ast.unparse(n) not in own) else None)
                 if named in names: res.append((c.name, m, named))
     return res
 
 def test_no_callback_is_looked_up_by_name_in_a_batchs_path():
     "What depends on the fit (lr_find, the weights' clip) is decided in `before_fit`: no batch looks a callback up on the learner (issue 77)"
     names = {'lr_finder', 'flat_grad_clip', 'checkpoint', 'best_valid_loss', 'asgd_switch', 'recorder', 'cuda_graphs', 'random_arch'}
-    planted = ast.parse("class C:\n def before_batch(self): self.f()\n def f(self): return hasattr(self.learn, 'lr_finder') or self.learn.recorder")
-    assert batch_path_lookups(planted, names) == [('C', 'f', 'lr_finder'), ('C', 'f', 'recorder')]
+    planted = ast.parse("class C:\n def before_batch(self): self.f()\n def f(self): return hasattr(self.learn, 'lr_finder') or self.learn.recorder\n"
+                        "class D:\n def _do_one_batch(self): return getattr(self, 'cuda_graphs', None) or self.recorder.train_metrics or self.checkpoint\n"
+                        " def before_fit(self): self.checkpoint = 1")   # its own attribute: not a look-up
+    assert batch_path_lookups(planted, names) == [('C', 'f', 'lr_finder'), ('C', 'f', 'recorder'), ('D', '_do_one_batch', 'cuda_graphs'),
+                                                  ('D', '_do_one_batch', 'recorder')]
     assert {m: found for m, f in modules().items() if (found := batch_path_lookups(ast.parse(f.read_text()), names))} == {}
 
 def test_a_methods_settings_are_applied_in_one_place():

@@ -234,6 +234,8 @@ class ArchParamUpdate(Callback):
         "The α step `config` describes (its `SETTINGS`), any argument replaced by `overrides`"
         return cls(search_dl, **{**{k: getattr(config, k) for k in cls.SETTINGS}, **overrides})
 
+    def plan_asks(self): return dict(mode=self.mode, arch_bf16=self.arch_bf16)   # a learner built by hand: its plan says how α's step runs
+
     @property
     def spec(self) -> tuple:
         "What the step computes, as its settings now: a captured step is reused only for the same spec"

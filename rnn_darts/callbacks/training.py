@@ -48,8 +48,9 @@ class FusedDecoderLoss(Callback):
             raise ValueError(f"FusedDecoderLoss: the learner's loss_func ({type(self.learn.loss_func).__name__}) cannot take the "
                              "model's ready loss; pass loss_func=SeqCrossEntropy() (from rnn_darts.learner import SeqCrossEntropy), "
                              "or leave FusedDecoderLoss out")
+        self.fuses = not getattr(self.learn.recorder, 'train_metrics', False)   # metrics of training batches need their logits
     def before_batch(self):
-        if self.training and not getattr(self.recorder, 'train_metrics', False): self.learn.xb = (*self.xb, *self.yb)
+        if self.training and self.fuses: self.learn.xb = (*self.xb, *self.yb)
 
 # %% ../../nbs/05_training.ipynb #de03d7fd
 def check_flat_opt(learn):

@@ -407,7 +407,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     if bad: raise ValueError(f"unknown methods {sorted(bad)}; methods are {list(FAMILY)}")
     dev = _device(device)
     plan = plan_of(dict(compile=compile, graphs=graphs, fuse=fuse, precision=precision), dev, lambda k: '--' + k)   # the learners' rules: what runs is timed
-    for line in plan.notes if verbose else (): print(line, flush=True)
+    for line in plan.lines if verbose else (): print(line, flush=True)
     base = SMALL_SHAPES if small else FULL_SHAPES
     S = {**base['search'], **(shape or {})}
     TS = {**base['train'], **(train_shape or {})}
@@ -499,7 +499,7 @@ def print_table(results: dict, file=None):
            f"{r['warmup']} warm-up + {r['iters']} timed iterations per row",
            *([f"CPU kernels: {r['kernels']['rule']}"] if r.get('kernels') else []),
            f"memory: {r['mem_kind']}; ops: {r.get('ops_kind', 'operators per step (op_count)')}",
-           *([f"what ran: {r['plan']['path']} (rnn_darts.engine.plan){''.join('; ' + x for x in r['plan']['notes'])}"] if r.get('plan') else []),
+           *([f"what ran: {r['plan']['path']} (rnn_darts.engine.plan){''.join('; ' + x for x in r['plan']['notes'] + r['plan'].get('parts', []))}"] if r.get('plan') else []),
            "each row: one batch of the learner a run builds (search_learner, train_learner: the α step, AR/TAR, the clip, the optimizer), as its fit runs it",
            "first ms: the first (warm-up) call; with --compile it includes compiling that row's graphs not compiled before",
            *(["graphs: each row's batches replayed as captured CUDA graphs (CudaGraphs; exact mode's architecture step eager); "

@@ -11,12 +11,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
 from fastai.callback.core import Callback
-from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.rnn import RNNRegularizer
-from fastai.torch_core import num_distrib, rank_distrib
 from rnn_darts.callbacks.training import ar_tar
-from rnn_darts.engine.plan import facts, verdicts
-from rnn_darts.model import DartsRnnShared
+from rnn_darts.engine.plan import learner_plan
 
 # %% auto #0
 __all__ = ['EMULATIONS', 'Captured', 'StepGraphs', 'CudaGraphs']
@@ -185,35 +182,22 @@ class StepGraphs:
 
 # %% ../../nbs/05e_graphs.ipynb #aa41a9a2
 class CudaGraphs(Callback):
-    "Run training batches (forward, AR/TAR, backward), DARTS architecture steps and evaluation batches as CUDA graphs (`StepGraphs`); `enabled=None`: on a GPU where they apply"
+    """Run training batches (forward, AR/TAR, backward), DARTS architecture steps and evaluation batches as CUDA graphs
+    (`StepGraphs`) where the learner's plan runs them (`learner_plan`); `enabled=None`: the plan's default (on a GPU)"""
     def __init__(self, enabled:bool|None=None, emulate:bool=False, max_graphs:int=64, regularizer=None):
         self.enabled, self.emulate, self.max_graphs, self.graphs = enabled, emulate, max_graphs, None
         self.regularizer = regularizer   # the learner's `RNNRegularizer`, whose AR/TAR the training graph adds (handed by the learner's maker)
 
-    def refusal(self) -> str|None:
-        """Why the graphs cannot run this fit, or None: the execution plan's rules (`rnn_darts.engine.plan.RULES`) on the learner
-        as it is (a learner built by hand has no plan; random search's model draws a cell per batch)"""
-        m, learn = self.model, self.learn
-        f = facts(dict(graphs=True, fused_loss=m.runner.fused_loss and getattr(learn.loss_func, 'takes_fused_loss', False),
-                       precision='bf16' if any(isinstance(cb, MixedPrecision) for cb in learn.cbs) else 'fp32',
-                       mode='random' if isinstance(m, DartsRnnShared) else None),
-                  m.flat.data.device, world=num_distrib() or 1, emulate=self.emulate)
-        why = next((line for r, line in verdicts(f) if 'graphs' in r.name), None)
-        if why is None: return None
-        return why.split(': ', 1)[1].removesuffix('; the steps run eager').removesuffix('; it runs eager')
+    def plan_asks(self): return dict(graphs=True if self.emulate else self.enabled, emulate=self.emulate)
 
     def before_fit(self):
         if self.regularizer is None:   # a learner built by hand: its AR/TAR, which the training graph must add as the eager step does
             self.regularizer = next((cb for cb in self.learn.cbs if isinstance(cb, RNNRegularizer)), None)
         for cb in self.learn.cbs:      # and its α step, which runs as graphs of these
             if hasattr(cb, 'graphed_step') and getattr(cb, 'graphs', False) is None: cb.graphs = self
-        why = 'off' if self.enabled is False else self.refusal()
-        if why is None:
-            if self.graphs is None or self.graphs.model is not self.model: self.graphs = StepGraphs(self.model, self.emulate, self.max_graphs)
-            return
-        self.graphs = None
-        if why != 'off' and (self.enabled or self.emulate or self.model.flat.data.is_cuda) and not rank_distrib():
-            print(f"CUDA graphs off: {why}; the steps run eager", flush=True)
+        if self.enabled is False or not learner_plan(self.learn).graphs: self.graphs = None
+        elif self.graphs is None or self.graphs.model is not self.model: self.graphs = StepGraphs(self.model, self.emulate, self.max_graphs)
+        self.learn.graphed = None if self.graphs is None else self   # the learner's batches ask it (`DartsLearner._do_one_batch`)
 
     def forward(self, xb):
         "The batch's prediction from its graph (for a training batch, its backward is done too), or None: the learner runs it eager"

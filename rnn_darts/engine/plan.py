@@ -14,9 +14,9 @@ PATH_NAMES = ('graphs', 'tf32', 'bf16', 'fused', 'fused+graphs', 'compiled', 'co
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'PATH_NAMES', 'RULES', 'COMPILE_MIN_STEPS', 'COMPILE_MIN_STEPS_CACHED', 'FIRST_COMPILE_S', 'LEDGER',
-           'tf32_missing', 'fused_lacks', 'Rule', 'rule', 'facts', 'verdicts', 'compile_pays', 'compile_key',
-           'ledger_path', 'compiled_here', 'record_compile', 'first_compile_s', 'with_fit', 'ExecutionPlan', 'plan_of',
-           'arch_step_graphed', 'check_plan_rules']
+           'PARTS', 'tf32_missing', 'fused_lacks', 'Rule', 'rule', 'facts', 'verdicts', 'compile_pays', 'compile_key',
+           'ledger_path', 'compiled_here', 'record_compile', 'first_compile_s', 'with_fit', 'ExecutionPlan',
+           'arch_step_graphed', 'plan_of', 'check_plan_rules', 'asked_of', 'learner_plan']
 
 # %% ../../nbs/00b_plan.ipynb #8b570841
 def tf32_missing(device) -> str|None:
@@ -121,9 +121,9 @@ COMPILE_MIN_STEPS, COMPILE_MIN_STEPS_CACHED = 150, 45
 FIRST_COMPILE_S = {64: 60, 128: 180, 300: 210}   # a first compile's seconds by nhid, measured (the quick preset; study-ptb's search; rnn-darts check): the notice's guess where this machine has none
 LEDGER = 'rnn_darts_compiled.json'   # in Inductor's cache folder: the steps compiled here, so cached (wiping the folder wipes it too)
 
-def compile_pays(batches:int, cached:bool) -> bool:
-    "Whether compiling a CPU fit of `batches` training batches pays back its warm-up: a first compile's, or (`cached`) the tracing left once Inductor holds the step"
-    return batches >= (COMPILE_MIN_STEPS_CACHED if cached else COMPILE_MIN_STEPS)
+def compile_pays(batches:int, cached:bool, min_steps:int=COMPILE_MIN_STEPS, min_cached:int=COMPILE_MIN_STEPS_CACHED) -> bool:
+    "Whether compiling a CPU fit of `batches` training batches pays back its warm-up: a first compile's (`min_steps`), or (`cached`) the tracing left once Inductor holds the step (`min_cached`)"
+    return batches >= (min_cached if cached else min_steps)
 
 def compile_key(s:dict, command:str, device) -> str:
     "What names a run's compiled steps in Inductor's cache: the versions, the device kind and the settings that shape the step's graphs"
@@ -183,7 +183,8 @@ class ExecutionPlan:
     """What runs: `compile` (True, False, or 'auto': compiled once a CPU fit has `COMPILE_MIN_STEPS` training batches
     left), `graphs` (captured CUDA graphs, or an emulation on a CPU: 'emulate', 'trace'), `fuse` (Triton kernels),
     `precision` of the products (fp32, tf32, bf16), `arch_bf16`, `fused_loss` (the decoder loss through
-    `linear_cross_entropy`), on `device`; `notes`: a line per fallback. `rnn_darts.engine.runners.runner_of` builds what runs it"""
+    `linear_cross_entropy`), on `device`; `notes`: a line per fallback; `parts`: a line per kind of pass that runs
+    another path (`PARTS`). `rnn_darts.engine.runners.runner_of` builds what runs it"""
     device: str
     compile: bool|str = False
     graphs: bool|str = False
@@ -192,6 +193,7 @@ class ExecutionPlan:
     arch_bf16: bool = False
     fused_loss: bool = True
     notes: tuple = ()
+    parts: tuple = ()
     compile_note: str = ''   # why it compiles or not, where the plan decided it for a fit (`with_fit`)
 
     @property
@@ -202,7 +204,24 @@ class ExecutionPlan:
         parts += [f"CUDA graphs{'' if self.graphs is True else f' ({self.graphs})'}"] if self.graphs else []
         return f"{' + '.join(parts) or f'eager{why}'}, {self.precision}" + (' (α passes too)' if self.arch_bf16 and self.precision == 'bf16' else '')
 
-    def asdict(self) -> dict: return {**asdict(self), 'notes': list(self.notes), 'path': self.path}
+    def asdict(self) -> dict: return {**asdict(self), 'notes': list(self.notes), 'parts': list(self.parts), 'path': self.path}
+
+    @property
+    def lines(self) -> tuple:
+        "What a run says of its plan as it starts: its fallbacks, then its passes on another path"
+        return self.notes + self.parts
+
+def arch_step_graphed(mode:str, averaged:bool=False) -> bool:
+    "Whether a fit run as CUDA graphs captures its α step too: not the exact hypergradient's (a double backward, eager: `twice_differentiable`), nor one averaged across processes"
+    return mode != 'exact' and not averaged
+
+PARTS = (   # the passes that take another path than the plan's, on the facts as the plan resolved them: a note each
+    Rule('fused search trains', 'in part', lambda f: f['fuse'] and f['kind'] == 'search',
+         lambda f: "the fused kernels run the search cell's training passes; its evaluation passes (the nodes' running statistics) "
+                   "and any pass differentiated twice (the exact hypergradient) run without them"),
+    Rule('graphs, exact α eager', 'in part', lambda f: f['graphs'] and not arch_step_graphed(f['mode']),
+         lambda f: "CUDA graphs capture the weight steps and evaluation; the exact hypergradient's α step (a double backward) runs eager"),
+)
 
 def plan_of(s:dict, device, name=str, world:int|None=None, command:str='search', emulate=False) -> ExecutionPlan:
     """The execution plan of the settings `s` (a config's or the command line's) on `device`: the one place that decides
@@ -219,14 +238,34 @@ def plan_of(s:dict, device, name=str, world:int|None=None, command:str='search',
     compile = f['compile'] if f['compile'] is not None else (False if rnd else True if cuda else 'auto' if command == 'search' else False)
     graphs = f['graphs'] if f['graphs'] is not None else (cuda and not rnd and f['precision'] != 'bf16' and f['world'] == 1 and f['fused_loss'])
     if graphs and emulate: graphs = emulate
+    f.update(compile=compile, graphs=graphs)
     return ExecutionPlan(str(f['device']), compile, graphs, f['fuse'], f['precision'], bool(s.get('arch_bf16')) and f['precision'] == 'bf16',
-                         bool(f['fused_loss']), tuple(notes))
-
-def arch_step_graphed(mode:str, averaged:bool=False) -> bool:
-    "Whether a fit run as CUDA graphs captures its α step too: not the exact hypergradient's (a double backward, eager: `twice_differentiable`), nor one averaged across processes"
-    return mode != 'exact' and not averaged
+                         bool(f['fused_loss']), tuple(notes), tuple(r.why(f) for r in PARTS if r.when(f)))
 
 def check_plan_rules(s:dict, name=str):
     "The table's refusals that need no device, on the settings `s` (a config checks them as it is made, before a device is known): a `UsageError`"
     for r, line in verdicts(facts(s, None, name, world=1)):
         if r.verdict == 'refused': raise UsageError(line)
+
+# %% ../../nbs/00b_plan.ipynb #45d6e87b
+def asked_of(learn) -> dict:
+    """What the learner `learn` asks of the plan, read off it as it is: its model's runner (compiled, fused, the fused
+    decoder loss where the loss function takes it), each callback's `plan_asks()` (CUDA graphs, precision, α's mode), and
+    random search's mode where the model draws a cell per batch (`draws_cells`)"""
+    m = learn.model
+    s = dict(compile=m.runner.compiles, fuse=m.runner.fuses, graphs=False, precision=PRECISIONS[0], ops=m.ops,
+             fused_loss=m.runner.fused_loss and getattr(getattr(learn, 'loss_func', None), 'takes_fused_loss', False))
+    for cb in getattr(learn, 'cbs', ()): s.update(getattr(cb, 'plan_asks', dict)())
+    if getattr(m, 'draws_cells', False): s['mode'] = 'random'
+    return s
+
+def learner_plan(learn) -> ExecutionPlan:
+    """The execution plan `learn` runs: its maker's (`learn.plan`), else the plan of what it asks (`asked_of`), built once
+    and kept there, its fallbacks said (one process of several: the first). A refused combination raises a `UsageError`"""
+    p = getattr(learn, 'plan', None)
+    if p is not None: return p
+    s, m = asked_of(learn), learn.model
+    learn.plan = p = plan_of(s, m.flat.data.device, command='train' if m.cell.kind == 'derived' else 'search', emulate=s.pop('emulate', False))
+    if os.environ.get('RANK', '0') == '0':
+        for line in p.lines: print(line, flush=True)
+    return p

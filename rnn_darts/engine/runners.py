@@ -21,6 +21,7 @@ class Eager:
     decoder loss through `linear_cross_entropy` (`fused_loss`). `Eager(defer=False, fused_loss=False)` is autograd's own
     throughout: what a double backward needs"""
     compiles = False   # whether a fit's first batch waits for Inductor (`CompileNotice`)
+    fuses = False      # whether its training steps run the fused Triton kernels
     def __init__(self, defer:bool=True, fused_loss:bool=True): self.defer, self.fused_loss = defer, fused_loss
     def __repr__(self): return f"{type(self).__name__}(defer={self.defer}, fused_loss={self.fused_loss})"
 
@@ -148,7 +149,8 @@ class _Packing:
 
 # %% ../../nbs/03f_runners.ipynb #7e66bb6b
 class Fused(Eager):
-    "Training time steps of `cell` as Triton kernels (`rnn_darts.engine.fused`); `inner`'s where they cannot run; `tf32`: their products in TF32 on a GPU"
+    "Training time steps of `cell` as Triton kernels (`rnn_darts.engine.fused`); `inner`'s where they cannot run (the plan's `PARTS` say which); `tf32`: their products in TF32 on a GPU"
+    fuses = True
     def __init__(self, cell, inner:Eager=EAGER, tf32:bool=False):
         import importlib.util
         if importlib.util.find_spec('triton') is None:

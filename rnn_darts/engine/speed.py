@@ -12,8 +12,8 @@ from fastai.callback.fp16 import MixedPrecision, AMPMode
 from fastai.torch_core import rank_distrib
 from rnn_darts.core import cpu_sample, others_busy, spare_cores, usable_cores
 from rnn_darts.callbacks.epochs import in_lr_find
-from rnn_darts.engine.plan import (PRECISIONS, COMPILE_MIN_STEPS, COMPILE_MIN_STEPS_CACHED, tf32_missing, rule, compiled_here, record_compile,
-                            first_compile_s)
+from rnn_darts.engine.plan import (PRECISIONS, COMPILE_MIN_STEPS, COMPILE_MIN_STEPS_CACHED, compile_pays, compiled_here, record_compile,
+                                   first_compile_s, learner_plan)
 
 # %% auto #0
 __all__ = ['BF16Autocast', 'tf32_products', 'TF32', 'precision_callbacks', 'PlanNotes', 'AutoCompile', 'CompileNotice',
@@ -23,10 +23,10 @@ __all__ = ['BF16Autocast', 'tf32_products', 'TF32', 'precision_callbacks', 'Plan
 class BF16Autocast(MixedPrecision):
     "fastai's `MixedPrecision(amp_mode='bf16')`, autocasting on the model's device type (fastai's: CUDA only)"
     def __init__(self): super().__init__(amp_mode=AMPMode.BF16)
+    def plan_asks(self): return dict(precision='bf16')
     def before_fit(self):
         dev = self.model.flat.data.device
-        f, bf16 = dict(precision='bf16', device=dev, name=lambda k: '--' + k), rule('bf16 needs bfloat16')   # a learner built by hand: the plan's rule
-        if bf16.when(f): raise ValueError(bf16.why(f))
+        learner_plan(self.learn)   # a learner built by hand: its plan refuses bf16 where the device has none
         self.autocast = torch.autocast(dev.type, dtype=torch.bfloat16)
         self.learn.scaler, self.scales = torch.amp.GradScaler(dev.type, enabled=False), []   # bf16 needs no loss scaling
 
@@ -41,13 +41,12 @@ def tf32_products(enabled:bool=True):
 
 class TF32(Callback):
     """TF32 matrix products during the fit if `enabled` (`precision='tf32'`), else fp32 products, whatever torch's
-    global switch says (`precision='fp32'`, as `bench` times it). After the fit the switch is as it was. Built by hand
-    where there are no TF32 products, one line says so (the plan's rule) and they run in fp32"""
+    global switch says (`precision='fp32'`, as `bench` times it). After the fit the switch is as it was. Where there
+    are no TF32 products the learner's plan runs fp32 (`learner_plan`, which says so for a learner built by hand)"""
     def __init__(self, enabled:bool=True): self.enabled = enabled
+    def plan_asks(self): return dict(precision='tf32' if self.enabled else PRECISIONS[0])
     def before_fit(self):
-        why = self.enabled and tf32_missing(self.model.flat.data.device)
-        if why and not rank_distrib(): print(rule('tf32 needs tensor cores').why(dict(device=self.model.flat.data.device, name=lambda k: '--' + k)), flush=True)
-        self.switch = tf32_products(self.enabled); self.switch.__enter__()
+        self.switch = tf32_products(self.enabled and learner_plan(self.learn).precision == 'tf32'); self.switch.__enter__()
     def after_fit(self):
         if getattr(self, 'switch', None) is not None: self.switch.__exit__(None, None, None); self.switch = None
 
@@ -57,11 +56,11 @@ def precision_callbacks(precision:str) -> list:
     return dict(fp32=[TF32(False)], tf32=[TF32()], bf16=[BF16Autocast()])[precision]
 
 class PlanNotes(Callback):
-    "Say the execution plan's fallbacks (`rnn_darts.engine.plan`), a line each, as the learner's first fit starts"
+    "Say the execution plan's fallbacks and its passes on another path (`rnn_darts.engine.plan`), a line each, as the learner's first fit starts"
     def __init__(self, plan): self.plan, self.said = plan, False
     def before_fit(self):
         if self.said or rank_distrib() or in_lr_find(self.learn): return
-        for line in self.plan.notes: print(line, flush=True)
+        for line in self.plan.lines: print(line, flush=True)
         self.said = True
 
 # %% ../../nbs/05b_speed.ipynb #2a2a5bc5
@@ -74,8 +73,8 @@ class AutoCompile(Callback):
     def before_train(self):
         m = self.learn.model
         if m.runner.compiles or in_lr_find(self.learn): return
-        need = self.min_cached if self.key is not None and compiled_here(self.key) is not None else self.min_steps
-        if (self.n_epoch - self.epoch) * len(self.dls.train) >= need: m.runner = m.runner.compiled(m.cell)
+        cached = self.key is not None and compiled_here(self.key) is not None
+        if compile_pays((self.n_epoch - self.epoch) * len(self.dls.train), cached, self.min_steps, self.min_cached): m.runner = m.runner.compiled(m.cell)
 
 # %% ../../nbs/05b_speed.ipynb #c0mp1e02
 class CompileNotice(Callback):
