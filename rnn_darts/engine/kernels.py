@@ -16,10 +16,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 # %% auto #0
 __all__ = ['ONEDNN', 'KERNEL', 'MEASURE_S', 'KEEP_FREED_MEMORY', 'TAP_MIN_NUMEL', 'kernel_table', 'machine_key', 'product_key',
            'time_kernels', 'onednn_faster', 'kernel_choices', 'fastest', 'mm_t', 'onednn_mm_t', 'product', 'packs',
-           'Packed', 'PackedWeights', 'DeferredWeight', 'Deferred', 'StepWeight', 'tap_pieces', 'WeightGroup', 'linear',
+           'Packed', 'PackedWeights', 'WeightGroup', 'DeferredWeight', 'Deferred', 'StepWeight', 'tap_pieces', 'linear',
            'tanh', 'taps_from']
 
-# %% ../../nbs/03a_kernels.ipynb #68cc1122
+# %% ../../nbs/03a_kernels.ipynb #6b9651dd
 def _onednn_fp32() -> bool:
     "Whether oneDNN's fp32 inner product runs here (and `RNN_DARTS_ONEDNN` is not `0`)"
     if os.environ.get('RNN_DARTS_ONEDNN', '1') == '0' or not torch.backends.mkldnn.is_available(): return False
@@ -79,6 +79,7 @@ def _remember(machine, key, rec):
     _TABLE.setdefault(machine, {}).update(mine)
     return rec
 
+# %% ../../nbs/03a_kernels.ipynb #792ba5ce
 MEASURE_S = 0.02   # seconds of timing per product shape (at least 5 rounds of each kernel, at most 50)
 
 def time_kernels(M, K, N, a_rows=True, b_rows=True, bias=False) -> dict:
@@ -186,6 +187,7 @@ def product(a, b):
     "`a @ b.T` with autograd for 2-d `a`, `b`, through the kernel measured faster here"
     return onednn_mm_t(a, b) if onednn_faster(a, b) else F.linear(a, b)
 
+# %% ../../nbs/03a_kernels.ipynb #76eb7d8a
 def packs(W, bs:int) -> bool:
     "Whether a compiled pass multiplies `bs` rows by the weight `W`, constant in it, through a oneDNN copy of `W` made once (`PackedWeights`): where oneDNN is the product's kernel here"
     return _on_onednn(W, W) and _onednn_chosen((bs, W.shape[1], W.shape[0], True, W.stride(1) == 1, False))
@@ -234,59 +236,9 @@ class _PackedMmT(torch.autograd.Function):
         W, token = ctx.saved_tensors
         return torch.ops.rnn_darts.mm_packed(g, W.t(), token), None, None
 
-class _SummedGrad(torch.autograd.Function):
-    """A token that depends on `W`; its backward (after every step's) returns the gradient summed from the stashed products.
-    It refers to its `DeferredWeight` weakly: the weight holds the token, and a cycle would keep the step's autograd graph
-    (and on CUDA its stream-bound gradient accumulators) alive until Python's garbage collector ran"""
-    @staticmethod
-    def forward(ctx, W, dw):
-        ctx.dw = weakref.ref(dw)
-        return W.new_zeros(())
-    @staticmethod
-    def backward(ctx, _):
-        dw = ctx.dw()                         # alive: the step's products, which reach this node, hold it
-        g, dw.grad = dw.flush(), None         # a second backward (retain_graph) sums afresh
-        return g, None
-
-class _StashedLinear(torch.autograd.Function):
-    "`a @ W.T` whose backward returns ∂/∂a and stashes `(a, g)` for `_SummedGrad` instead of making a per-step ∂/∂W"
-    @staticmethod
-    def forward(ctx, a, W, token, dw):
-        ctx.save_for_backward(a, W); ctx.dw = dw
-        return mm_t(a, W)
-    @staticmethod
-    def backward(ctx, g):
-        a, W = ctx.saved_tensors
-        ctx.dw.add(a, g)
-        ga = mm_t(g, W.t()) if ctx.needs_input_grad[0] else None
-        return ga, None, g.new_zeros(()), None
-
-class DeferredWeight:
-    "A weight every time step multiplies by, whose gradient is a few products over many time steps (once differentiable)"
-    steps_per_product = 8   # time steps stashed per product: inner dimension 8·bs, while the stash stays small
-    def __init__(self, W):
-        self.W, self.stash, self.grad, self.inputs = W.detach(), [], None, []
-        self.token = _SummedGrad.apply(W, self)
-    def __call__(self, a): return _StashedLinear.apply(a, self.W, self.token, self)
-    def add(self, a, g):
-        self.stash.append((a, g))
-        if len(self.stash) == self.steps_per_product: self.flush()
-    def flush(self):
-        "Add Σ g_tᵀ a_t over the stash to the gradient; returns the gradient so far"
-        if self.stash:
-            A, GT = torch.cat([a for a, _ in self.stash]), torch.cat([g.t() for _, g in self.stash], 1)   # Gᵀ contiguous: see `_mm_t_backward`
-            self.stash = []
-            gW = mm_t(GT, A.t())
-            self.grad = gW if self.grad is None else self.grad.add_(gW)
-        return self.grad
-
-class Deferred(NamedTuple):
-    "A weight whose gradient a cell's forward defers: each eager time step through a `DeferredWeight`, compiled or fused ones through one `WeightGroup`; its product takes `rows` row blocks of bs a time step: its own and the blocks of the `rows` − 1 weights before it (a search node's stacked predecessors)"
-    W: torch.Tensor
-    rows: int = 1
-
+# %% ../../nbs/03a_kernels.ipynb #387bb9c6
 class _GroupGrad(torch.autograd.Function):
-    "A token that depends on a `WeightGroup`'s weights; its backward (after every time step's) returns their gradients, summed from the stash (weakly referred to, as `_SummedGrad`)"
+    "A token that depends on a `WeightGroup`'s weights; its backward (after every time step's) returns their gradients, summed from the stash. It refers to the group weakly: the group holds the token, and a cycle would keep the step's autograd graph (and on CUDA its stream-bound gradient accumulators) alive until Python's garbage collector ran"
     @staticmethod
     def forward(ctx, group, *Ws):
         ctx.group = weakref.ref(group)
@@ -318,29 +270,6 @@ def _scratch(shape, like) -> torch.Tensor:
     buf = _SCRATCH.get(key)
     if buf is None: buf = _SCRATCH[key] = like.new_empty(shape)
     return buf
-
-class StepWeight(NamedTuple):
-    "What a compiled time step gets for a weight of a `WeightGroup`: the weight detached, the step's tap, and the tap's columns of this weight's product"
-    W: torch.Tensor
-    tap: torch.Tensor
-    start: int
-    stop: int
-    transposed: bool = False   # the tap is (Σ out × bs): its gradient comes as Gᵀ, the layout the weights' products take
-    dim: int = 0               # of a transposed tap, the one its weights' pieces lie along: 1 where it is (out × Σ rows)
-    rows: int = 1              # row blocks of bs the product takes: the last ones of the step's product inputs (`WeightGroup`)
-
-class _Tapped:
-    "Inside a compiled step: `a Wᵀ + piece` with `W` detached (no per-step ∂W) and `piece` its columns of the step's tap, keeping `a` for the summed gradient"
-    def __init__(self, sw, piece): self.sw, self.piece, self.a = sw, piece, None
-    def __call__(self, a):
-        self.a = a.detach()[a.shape[0] - a.shape[0] // self.sw.rows:]   # the newest row block: the earlier ones are other products'
-        return linear(a, self.sw.W) + (self.piece.t() if self.sw.transposed else self.piece)
-
-def tap_pieces(sws) -> tuple:
-    """The tap the `StepWeight`s `sws` (one time step's, in `WeightGroup.taps`' order) share, split once into their columns.
-    One split's gradient is one concatenation; slices of the tap would make it a sum of zero-padded gradients, which
-    Inductor writes element by element through a mask per weight (5.9 ms a backward at nhid 300, against under 1)"""
-    return sws[0].tap.split([sw.stop - sw.start for sw in sws], sws[0].dim if sws[0].transposed else -1)
 
 class WeightGroup:
     """The weights (out_k × in) a compiled forward's time steps multiply by, their gradients deferred together: each time
@@ -389,7 +318,58 @@ class WeightGroup:
             self.grads = gWs if self.grads is None else [g.add_(d) for g, d in zip(self.grads, gWs)]
         return self.grads
 
+# %% ../../nbs/03a_kernels.ipynb #af24568d
+class _StashedLinear(torch.autograd.Function):
+    "`a @ W.T` whose backward returns ∂/∂a and stashes `(a, g)` in its `DeferredWeight` instead of making a per-step ∂/∂W"
+    @staticmethod
+    def forward(ctx, a, W, token, dw):
+        ctx.save_for_backward(a, W); ctx.dw = dw
+        return mm_t(a, W)
+    @staticmethod
+    def backward(ctx, g):
+        a, W = ctx.saved_tensors
+        ctx.dw.add(a, g)
+        ga = mm_t(g, W.t()) if ctx.needs_input_grad[0] else None
+        return ga, None, g.new_zeros(()), None
 
+class DeferredWeight(WeightGroup):
+    """One weight every eager time step multiplies by (`dw(a)`), its gradient deferred as a `WeightGroup`'s: each product's
+    backward stashes its input and output gradient, and every `steps_per_product` time steps one product sums them"""
+    def __init__(self, W):
+        super().__init__([W])
+        self.W = self.Ws[0]
+    def __call__(self, a): return _StashedLinear.apply(a, self.W, self.token, self)
+
+# %% ../../nbs/03a_kernels.ipynb #52365b2c
+class Deferred(NamedTuple):
+    "A weight whose gradient a cell's forward defers: each eager time step through a `DeferredWeight`, compiled or fused ones through one `WeightGroup`; its product takes `rows` row blocks of bs a time step: its own and the blocks of the `rows` − 1 weights before it (a search node's stacked predecessors)"
+    W: torch.Tensor
+    rows: int = 1
+
+class StepWeight(NamedTuple):
+    "What a compiled time step gets for a weight of a `WeightGroup`: the weight detached, the step's tap, and the tap's columns of this weight's product"
+    W: torch.Tensor
+    tap: torch.Tensor
+    start: int
+    stop: int
+    transposed: bool = False   # the tap is (Σ out × bs): its gradient comes as Gᵀ, the layout the weights' products take
+    dim: int = 0               # of a transposed tap, the one its weights' pieces lie along: 1 where it is (out × Σ rows)
+    rows: int = 1              # row blocks of bs the product takes: the last ones of the step's product inputs (`WeightGroup`)
+
+class _Tapped:
+    "Inside a compiled step: `a Wᵀ + piece` with `W` detached (no per-step ∂W) and `piece` its columns of the step's tap, keeping `a` for the summed gradient"
+    def __init__(self, sw, piece): self.sw, self.piece, self.a = sw, piece, None
+    def __call__(self, a):
+        self.a = a.detach()[a.shape[0] - a.shape[0] // self.sw.rows:]   # the newest row block: the earlier ones are other products'
+        return linear(a, self.sw.W) + (self.piece.t() if self.sw.transposed else self.piece)
+
+def tap_pieces(sws) -> tuple:
+    """The tap the `StepWeight`s `sws` (one time step's, in `WeightGroup.taps`' order) share, split once into their columns.
+    One split's gradient is one concatenation; slices of the tap would make it a sum of zero-padded gradients, which
+    Inductor writes element by element through a mask per weight (5.9 ms a backward at nhid 300, against under 1)"""
+    return sws[0].tap.split([sw.stop - sw.start for sw in sws], sws[0].dim if sws[0].transposed else -1)
+
+# %% ../../nbs/03a_kernels.ipynb #4350cf1d
 def linear(a, W):
     "`a @ W.T` with autograd, `a` of any leading shape; float32 CPU products (forward and backward) through the kernels measured faster here, a `Packed` weight's through its pass's oneDNN copies"
     if isinstance(W, Packed):

@@ -247,7 +247,7 @@ def check_plan_rules(s:dict, name=str):
     for r, line in verdicts(facts(s, None, name, world=1)):
         if r.verdict == 'refused': raise UsageError(line)
 
-# %% ../../nbs/00b_plan.ipynb #45d6e87b
+# %% ../../nbs/00b_plan.ipynb #902c6775
 def asked_of(learn) -> dict:
     """What the learner `learn` asks of the plan, read off it as it is: its model's runner (compiled, fused, the fused
     decoder loss where the loss function takes it), each callback's `plan_asks()` (CUDA graphs, precision, α's mode), and
