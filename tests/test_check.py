@@ -32,7 +32,7 @@ def test_every_path_equals_its_reference_on_every_case(path, device, shared, mon
     untapped, the graph of small cells; the check's (and CUDA's here) tap their weights as the paper's sizes do. ~45 s on a CPU"""
     compiled_on_cpu = device == 'cpu' and path.asked.get('compile')
     cs = [c for c in cases() if c.name == 'derived DARTS_V2'] if compiled_on_cpu else cases()   # one derived cell: Inductor's cold compile of another takes ~30 s
-    if compiled_on_cpu: monkeypatch.setattr(check, 'TAPS_FROM', kernels.TAP_MIN_NUMEL)   # the small cells' untapped graph, which the check (tapped, as at the paper's sizes) does not run
+    if compiled_on_cpu: monkeypatch.setattr(check, 'TAPS_FROM', plan.TAP_MIN_NUMEL)   # the small cells' untapped graph, which the check (tapped, as at the paper's sizes) does not run
     taps = []
     monkeypatch.setattr(WeightGroup, 'taps', lambda self, *a, _taps=WeightGroup.taps: taps.append(1) or _taps(self, *a))
     r = check_path(path, device, cs, shared['corpus'], shared['outcomes'].setdefault(device, {}), shared['folder'])

@@ -428,7 +428,6 @@ def test_deferred_weight_gradients_equal_autograds_per_step_ones(kernel, derived
     from rnn_darts.model import Deferred
     if kernel == 'onednn' and not kernels.ONEDNN: pytest.skip("oneDNN's fp32 inner product is not available here")
     monkeypatch.setattr(kernels, 'KERNEL', kernel)
-    monkeypatch.setattr(kernels, 'TAP_MIN_NUMEL', 0)   # compiled: taps at this size too
     if compiled: torch._dynamo.reset()
     nhid = 16
     torch.manual_seed(0)
@@ -437,7 +436,7 @@ def test_deferred_weight_gradients_equal_autograds_per_step_ones(kernel, derived
     x, y = torch.randint(0, 50, (16, 19)), torch.randint(0, 50, (16, 19))   # 19 steps: two full stashes and a rest
     calls = []
     if compiled:
-        m.runner = Compiled(m.cell, backend=AOT)
+        m.runner = Compiled(m.cell, tap_min_numel=0, backend=AOT)   # taps at this size too
         tapped = m.runner.tapped
         m.runner.tapped = lambda *a: calls.append(1) or tapped(*a)
     def grads():
@@ -481,7 +480,6 @@ def test_a_compiled_time_step_takes_one_tensor_with_a_gradient_per_kind(derived,
     """A compiled step with weight gradients takes, besides its state, one tap for all its weights' products (`WeightGroup`)
     and, in the search cell, one tensor of mixing weights: so each time step's backward adds one gradient into each, not
     one per weight, edge and op (which were about 50 additions per time step). The step runs eager behind the counter"""
-    monkeypatch.setattr(kernels, 'TAP_MIN_NUMEL', 0)   # taps at this size too
     torch.manual_seed(0)
     m = (DartsRnn(50, DARTS_V2, 8, 8) if derived else DartsRnnSearch(50, 8, 8)).train()
     cell, seen = m.cell, []
@@ -489,7 +487,7 @@ def test_a_compiled_time_step_takes_one_tensor_with_a_gradient_per_kind(derived,
         grads = {id(t): t for t in torch.utils._pytree.tree_leaves(ctx) if isinstance(t, torch.Tensor) and t.requires_grad}
         seen.append(grads)   # the tensors too: kept alive, their ids stay theirs
         return tapped_step(cell, xw_t, h, mh, ctx)
-    m.runner = Compiled(cell)   # compiles nothing until called: its functions replaced here
+    m.runner = Compiled(cell, tap_min_numel=0)   # taps at this size too; compiles nothing until called: its functions replaced here
     m.runner.plain, m.runner.tapped = lambda *a: plain_step(cell, *a), tapped
     x, y = torch.randint(0, 50, (4, 6)), torch.randint(0, 50, (4, 6))
     with m.frozen_masks():
@@ -501,18 +499,21 @@ def test_a_compiled_time_step_takes_one_tensor_with_a_gradient_per_kind(derived,
     assert len(seen) == 6
 
 def test_compiled_forwards_tap_their_weights_only_if_the_largest_is_big():
-    "A compiled forward with weight gradients taps its weights (one `WeightGroup`) if the largest product's (elements × row blocks) has TAP_MIN_NUMEL, else keeps per-step gradients; the steps run eager behind the counters"
-    def tapped_steps(nhid):
+    """A compiled forward with weight gradients taps its weights (one `WeightGroup`) if the largest product's (elements × row
+    blocks) has its plan's `tap_min_numel` (by default `TAP_MIN_NUMEL`), else keeps per-step gradients; the steps run eager behind the counters"""
+    from rnn_darts.engine.plan import TAP_MIN_NUMEL, ExecutionPlan
+    from rnn_darts.engine.runners import runner_of
+    def tapped_steps(nhid, **plan):
         m, calls = DartsRnnSearch(50, nhid, nhid).train(), []
         cell = m.cell
-        m.runner = r = Compiled(cell)   # compiles nothing until called: its functions replaced here
+        m.runner = r = runner_of(ExecutionPlan('cpu', compile=True, **plan), m)   # compiles nothing until called: its functions replaced here
         r.plain = lambda *a: calls.append('plain') or plain_step(cell, *a)
         r.tapped = lambda *a: calls.append('tapped') or tapped_step(cell, *a)
         m.loss(torch.randint(0, 50, (2, 3)), torch.randint(0, 50, (2, 3)))
-        return set(calls), 8 * 2 * nhid * nhid >= kernels.TAP_MIN_NUMEL   # node 8: its 8 predecessors by its 2·nhid × nhid matrix
+        return set(calls), 8 * 2 * nhid * nhid >= TAP_MIN_NUMEL   # node 8: its 8 predecessors by its 2·nhid × nhid matrix
     assert tapped_steps(64) == ({'plain'}, False) and tapped_steps(128) == ({'tapped'}, True)
-    with kernels.taps_from(0): assert tapped_steps(8)[0] == {'tapped'}   # rnn-darts check's tiny cells: the paper's graphs
-    assert tapped_steps(8)[0] == {'plain'}   # and the threshold put back
+    assert tapped_steps(8, tap_min_numel=0)[0] == {'tapped'}   # rnn-darts check's tiny cells: the paper's graphs
+    assert tapped_steps(8)[0] == {'plain'}
 
 def test_a_compiled_steps_tap_gradient_is_one_concatenation(monkeypatch):
     """A tapped compiled step's weights share one tap, split once (`tap_pieces`): in its backward graph the tap's gradient
@@ -520,12 +521,11 @@ def test_a_compiled_steps_tap_gradient_is_one_concatenation(monkeypatch):
     (`slice_backward`), which Inductor wrote element by element through a mask per weight: 5.9 ms of each backward at
     nhid 300 (0.41 s of a 5.5 s second-order step), against 0.8 ms for the concatenation"""
     from torch._dynamo.backends.common import aot_autograd
-    monkeypatch.setattr(kernels, 'TAP_MIN_NUMEL', 0)   # taps at this size too
     torch._dynamo.reset()
     backwards = []
     keep = lambda gm, _: backwards.append(gm) or gm
     m, x, y = tiny_search()
-    m.runner = Compiled(m.cell, backend=aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=keep))
+    m.runner = Compiled(m.cell, tap_min_numel=0, backend=aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=keep))   # taps at this size too
     m.loss(x, y, advance=False).backward()
     tap = [2 * 8, 4 * (1 + STEPS * (STEPS + 1) // 2)]   # (out, Σ rows·bs): the state's rows for W0's h part, then each node's stacked predecessors
     made = lambda op: [list(n.meta['val'].shape) for g in backwards for n in g.graph.nodes if n.target == op]
@@ -538,7 +538,7 @@ def test_a_compiled_pass_multiplies_by_its_own_onednn_copies(monkeypatch):
     copies the pass made (`kernels.PackedWeights`), with eager's numbers; the copies live while the pass's graph does, and a
     pass after the weights changed through `.data` (which no version counter sees) makes its own, with an older pass's
     graph still alive"""
-    monkeypatch.setattr(kernels, 'TAP_MIN_NUMEL', 0); monkeypatch.setattr(kernels, 'KERNEL', 'onednn')
+    monkeypatch.setattr(kernels, 'KERNEL', 'onednn')
     torch._dynamo.reset()
     found, real = [], kernels._mm_packed
     def spy(a, b, token):
@@ -557,7 +557,7 @@ def test_a_compiled_pass_multiplies_by_its_own_onednn_copies(monkeypatch):
     tol = dict(rtol=1e-3, atol=1e-5)   # oneDNN's blocked layout against its plain one: another rounding
     with m.frozen_masks():
         eager, _ = passes()
-        m.runner = compiled_runner = Compiled(m.cell, backend=AOT)
+        m.runner = compiled_runner = Compiled(m.cell, tap_min_numel=0, backend=AOT)   # taps at this size too
         compiled, alive = passes()
         for a, b in zip(eager, compiled): torch.testing.assert_close(a, b, **tol)
         gc.collect()   # a first compile's frames, in a cycle, hold the no-gradient pass's step until the collector runs

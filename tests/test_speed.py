@@ -35,8 +35,8 @@ def test_auto_compile_compiles_a_long_search_fit_only(tmp_path, monkeypatch):
     learn = search_learner(dls, search_stream(c, 4), path=tmp_path, mode='first', curvature=False, **TINY)
     cell, calls = learn.model.cell, []
     class Counted(Compiled):
-        def __init__(self, cell, fused_loss=True):
-            super().__init__(cell, fused_loss)   # compiles nothing until called: its functions replaced here
+        def __init__(self, cell, fused_loss=True, tap_min_numel=None):
+            super().__init__(cell, fused_loss, tap_min_numel)   # compiles nothing until called: its functions replaced here
             self.plain = lambda *a: calls.append(1) or plain_step(cell, *a)
             self.tapped = lambda *a: calls.append(1) or tapped_step(cell, *a)
     monkeypatch.setattr(runners, 'Compiled', Counted)
@@ -46,6 +46,7 @@ def test_auto_compile_compiles_a_long_search_fit_only(tmp_path, monkeypatch):
     assert not learn.model.runner.compiles and not calls
     learn.fit(2)
     assert type(learn.model.runner) is Counted and len(calls) >= 2 * n * 6 * 0.9   # every time step of the training batches at least
+    assert learn.model.runner.tap_min_numel == learn.plan.tap_min_numel   # compiled as the plan says
     assert all(torch.isfinite(torch.tensor(v)) for v in learn.recorder.values[-1])
 
 def test_compile_default_is_on_for_cuda(corpus, tmp_path, monkeypatch):

@@ -5,7 +5,7 @@
 # %% ../../nbs/10b_check.ipynb #8a45bb4f
 from __future__ import annotations
 import contextlib, io, math, textwrap, time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import torch
 from fastai.callback.core import Callback, CancelTrainException
 from rnn_darts.core import UsageError, set_seed
@@ -14,7 +14,7 @@ from rnn_darts.genotypes import cell_ops, load_genotype
 from rnn_darts.engine.plan import plan_of, PRECISIONS, PATH_NAMES
 from rnn_darts.engine.speed import tf32_products
 from rnn_darts.data import Corpus, numbers_corpus
-from rnn_darts.engine.kernels import taps_from
+from rnn_darts.engine.runners import runner_of
 
 # %% auto #0
 __all__ = ['EAGER', 'PATHS', 'REGULARISERS', 'SPACE', 'ADDED_OP', 'GELU_CELL', 'TINY', 'TAPS_FROM', 'PAPER', 'BENCH_CASE',
@@ -116,8 +116,10 @@ def outcome(case:Case, asked:dict, device, corpus:Corpus, batches:int|None, path
     set_seed(0)
     learn = _learner(case, asked, device, corpus, TINY, path, [StopAfter(batches)])
     m = learn.model
+    learn.plan = replace(learn.plan, tap_min_numel=TAPS_FROM)   # the graphs of the paper's sizes, at nhid 8
+    m.runner = runner_of(learn.plan, m)
     w0 = m.flat.data.clone()
-    with _precision_restored(device), taps_from(TAPS_FROM), contextlib.redirect_stdout(io.StringIO()): learn.fit(1)   # its table and the plan's lines: the check's own table says it
+    with _precision_restored(device), contextlib.redirect_stdout(io.StringIO()): learn.fit(1)   # its table and the plan's lines: the check's own table says it
     arch, g = getattr(learn, 'arch_param_update', None), learn.cuda_graphs.graphs
     logged = [float(x) for x in learn.recorder.losses] + [float(v) for v in learn.recorder.values[-1] if isinstance(v, (int, float))]
     return dict(weights=(m.flat.data - w0).float().cpu(),

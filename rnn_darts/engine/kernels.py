@@ -14,12 +14,11 @@ import torch, torch.nn.functional as F
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 # %% auto #0
-__all__ = ['ONEDNN', 'KERNEL', 'MEASURE_S', 'KEEP_FREED_MEMORY', 'TAP_MIN_NUMEL', 'kernel_table', 'machine_key', 'product_key',
-           'time_kernels', 'onednn_faster', 'kernel_choices', 'fastest', 'mm_t', 'onednn_mm_t', 'product', 'packs',
-           'Packed', 'PackedWeights', 'WeightGroup', 'DeferredWeight', 'Deferred', 'StepWeight', 'tap_pieces', 'linear',
-           'tanh', 'taps_from']
+__all__ = ['ONEDNN', 'KERNEL', 'MEASURE_S', 'KEEP_FREED_MEMORY', 'kernel_table', 'machine_key', 'product_key', 'time_kernels',
+           'onednn_faster', 'kernel_choices', 'fastest', 'mm_t', 'onednn_mm_t', 'product', 'packs', 'Packed',
+           'PackedWeights', 'WeightGroup', 'DeferredWeight', 'Deferred', 'StepWeight', 'tap_pieces', 'linear', 'tanh']
 
-# %% ../../nbs/03a_kernels.ipynb #6b9651dd
+# %% ../../nbs/03a_kernels.ipynb #b66e7965
 def _onednn_fp32() -> bool:
     "Whether oneDNN's fp32 inner product runs here (and `RNN_DARTS_ONEDNN` is not `0`)"
     if os.environ.get('RNN_DARTS_ONEDNN', '1') == '0' or not torch.backends.mkldnn.is_available(): return False
@@ -79,7 +78,7 @@ def _remember(machine, key, rec):
     _TABLE.setdefault(machine, {}).update(mine)
     return rec
 
-# %% ../../nbs/03a_kernels.ipynb #792ba5ce
+# %% ../../nbs/03a_kernels.ipynb #beec5912
 MEASURE_S = 0.02   # seconds of timing per product shape (at least 5 rounds of each kernel, at most 50)
 
 def time_kernels(M, K, N, a_rows=True, b_rows=True, bias=False) -> dict:
@@ -187,7 +186,7 @@ def product(a, b):
     "`a @ b.T` with autograd for 2-d `a`, `b`, through the kernel measured faster here"
     return onednn_mm_t(a, b) if onednn_faster(a, b) else F.linear(a, b)
 
-# %% ../../nbs/03a_kernels.ipynb #76eb7d8a
+# %% ../../nbs/03a_kernels.ipynb #1472b69b
 def packs(W, bs:int) -> bool:
     "Whether a compiled pass multiplies `bs` rows by the weight `W`, constant in it, through a oneDNN copy of `W` made once (`PackedWeights`): where oneDNN is the product's kernel here"
     return _on_onednn(W, W) and _onednn_chosen((bs, W.shape[1], W.shape[0], True, W.stride(1) == 1, False))
@@ -236,7 +235,7 @@ class _PackedMmT(torch.autograd.Function):
         W, token = ctx.saved_tensors
         return torch.ops.rnn_darts.mm_packed(g, W.t(), token), None, None
 
-# %% ../../nbs/03a_kernels.ipynb #387bb9c6
+# %% ../../nbs/03a_kernels.ipynb #2dbd9df4
 class _GroupGrad(torch.autograd.Function):
     "A token that depends on a `WeightGroup`'s weights; its backward (after every time step's) returns their gradients, summed from the stash. It refers to the group weakly: the group holds the token, and a cycle would keep the step's autograd graph (and on CUDA its stream-bound gradient accumulators) alive until Python's garbage collector ran"
     @staticmethod
@@ -318,7 +317,7 @@ class WeightGroup:
             self.grads = gWs if self.grads is None else [g.add_(d) for g, d in zip(self.grads, gWs)]
         return self.grads
 
-# %% ../../nbs/03a_kernels.ipynb #af24568d
+# %% ../../nbs/03a_kernels.ipynb #56878fc3
 class _StashedLinear(torch.autograd.Function):
     "`a @ W.T` whose backward returns ∂/∂a and stashes `(a, g)` in its `DeferredWeight` instead of making a per-step ∂/∂W"
     @staticmethod
@@ -340,7 +339,7 @@ class DeferredWeight(WeightGroup):
         self.W = self.Ws[0]
     def __call__(self, a): return _StashedLinear.apply(a, self.W, self.token, self)
 
-# %% ../../nbs/03a_kernels.ipynb #52365b2c
+# %% ../../nbs/03a_kernels.ipynb #dedec842
 class Deferred(NamedTuple):
     "A weight whose gradient a cell's forward defers: each eager time step through a `DeferredWeight`, compiled or fused ones through one `WeightGroup`; its product takes `rows` row blocks of bs a time step: its own and the blocks of the `rows` − 1 weights before it (a search node's stacked predecessors)"
     W: torch.Tensor
@@ -369,7 +368,7 @@ def tap_pieces(sws) -> tuple:
     Inductor writes element by element through a mask per weight (5.9 ms a backward at nhid 300, against under 1)"""
     return sws[0].tap.split([sw.stop - sw.start for sw in sws], sws[0].dim if sws[0].transposed else -1)
 
-# %% ../../nbs/03a_kernels.ipynb #4350cf1d
+# %% ../../nbs/03a_kernels.ipynb #a59c12d1
 def linear(a, W):
     "`a @ W.T` with autograd, `a` of any leading shape; float32 CPU products (forward and backward) through the kernels measured faster here, a `Packed` weight's through its pass's oneDNN copies"
     if isinstance(W, Packed):
@@ -420,16 +419,6 @@ class _RationalTanh(torch.autograd.Function):
 def tanh(x):
     "tanh; in a graph compiled for a CPU `_RationalTanh`: forward and backward 3× faster than Inductor's CPU tanh (0.77 vs 2.4 ns per float)"
     return _RationalTanh.apply(x) if torch.compiler.is_compiling() and x.device.type == 'cpu' else torch.tanh(x)
-
-TAP_MIN_NUMEL = 2**17   # compiled steps tap their weights (one `WeightGroup`) if the largest product's (a weight's elements × its row blocks) has this many: at nhid 64 taps cost 5–15% on a CPU
-
-@contextmanager
-def taps_from(numel:int):
-    "Compiled steps tap their weights from `numel` elements on, inside (`rnn-darts check`: its tiny cells run the graphs the paper's sizes compile)"
-    global TAP_MIN_NUMEL
-    saved, TAP_MIN_NUMEL = TAP_MIN_NUMEL, numel
-    try: yield
-    finally: TAP_MIN_NUMEL = saved
 
 
 def _map(ctx, cls, f):

@@ -14,9 +14,9 @@ PATH_NAMES = ('graphs', 'tf32', 'bf16', 'fused', 'fused+graphs', 'compiled', 'co
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'PATH_NAMES', 'RULES', 'COMPILE_MIN_STEPS', 'COMPILE_MIN_STEPS_CACHED', 'FIRST_COMPILE_S', 'LEDGER',
-           'PARTS', 'tf32_missing', 'fused_lacks', 'Rule', 'rule', 'facts', 'verdicts', 'compile_pays', 'compile_key',
-           'ledger_path', 'compiled_here', 'record_compile', 'first_compile_s', 'with_fit', 'ExecutionPlan',
-           'arch_step_graphed', 'plan_of', 'check_plan_rules', 'asked_of', 'learner_plan']
+           'TAP_MIN_NUMEL', 'PARTS', 'tf32_missing', 'fused_lacks', 'Rule', 'rule', 'facts', 'verdicts', 'compile_pays',
+           'compile_key', 'ledger_path', 'compiled_here', 'record_compile', 'first_compile_s', 'with_fit',
+           'ExecutionPlan', 'arch_step_graphed', 'plan_of', 'check_plan_rules', 'asked_of', 'learner_plan']
 
 # %% ../../nbs/00b_plan.ipynb #8b570841
 def tf32_missing(device) -> str|None:
@@ -178,13 +178,17 @@ def with_fit(plan, batches:int, key:str, nhid:int):
     return replace(plan, compile=True, compile_note=note)
 
 # %% ../../nbs/00b_plan.ipynb #01bf1558
+TAP_MIN_NUMEL = 2**17   # compiled steps tap their weights (one `WeightGroup`) if the largest product's (a weight's elements × its row blocks) has this many: at nhid 64 taps cost 5–15% on a CPU
+
 @dataclass(frozen=True)
 class ExecutionPlan:
     """What runs: `compile` (True, False, or 'auto': compiled once a CPU fit has `COMPILE_MIN_STEPS` training batches
     left), `graphs` (captured CUDA graphs, or an emulation on a CPU: 'emulate', 'trace'), `fuse` (Triton kernels),
     `precision` of the products (fp32, tf32, bf16), `arch_bf16`, `fused_loss` (the decoder loss through
     `linear_cross_entropy`), on `device`; `notes`: a line per fallback; `parts`: a line per kind of pass that runs
-    another path (`PARTS`). `rnn_darts.engine.runners.runner_of` builds what runs it"""
+    another path (`PARTS`); `tap_min_numel`: a compiled step taps its weights where its largest product has that many
+    elements (`rnn_darts.engine.kernels.WeightGroup`), else autograd makes their gradients. `rnn_darts.engine.runners.runner_of`
+    builds what runs it"""
     device: str
     compile: bool|str = False
     graphs: bool|str = False
@@ -194,6 +198,7 @@ class ExecutionPlan:
     fused_loss: bool = True
     notes: tuple = ()
     parts: tuple = ()
+    tap_min_numel: int = TAP_MIN_NUMEL
     compile_note: str = ''   # why it compiles or not, where the plan decided it for a fit (`with_fit`)
 
     @property

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 import torch
 from rnn_darts.engine import kernels
+from rnn_darts.engine.plan import TAP_MIN_NUMEL
 from rnn_darts.engine.kernels import Deferred, DeferredWeight, WeightGroup, StepWeight, _Tapped, tap_pieces, _map, _collect
 
 # %% auto #0
@@ -81,12 +82,13 @@ def own_steps(cls) -> tuple:
     return own(plain_step), own(tapped_step)
 
 class Compiled(Eager):
-    "The time step of `cell` compiled by `torch.compile` (fixed shapes; `kwargs` to it, such as a `backend`), with one `WeightGroup`'s taps for large weights"
+    """The time step of `cell` compiled by `torch.compile` (fixed shapes; `kwargs` to it, such as a `backend`), with one
+    `WeightGroup`'s taps for its weights where the largest product has `tap_min_numel` elements (the plan's)"""
     compiles = True
-    def __init__(self, cell, fused_loss:bool=True, **kwargs):
+    def __init__(self, cell, fused_loss:bool=True, tap_min_numel:int=TAP_MIN_NUMEL, **kwargs):
         super().__init__(True, fused_loss)
         plain, tapped = own_steps(type(cell))
-        self.cell, self.kwargs = cell, kwargs
+        self.cell, self.kwargs, self.tap_min_numel = cell, kwargs, tap_min_numel
         self.plain = torch.compile(types.MethodType(plain, cell), dynamic=False, **kwargs)
         self.tapped = torch.compile(types.MethodType(tapped, cell), dynamic=False, **kwargs)
     def __repr__(self): return f"Compiled({type(self.cell).__name__}, fused_loss={self.fused_loss})"
@@ -98,7 +100,7 @@ class Compiled(Eager):
         if cell is not self.cell: raise ValueError(f"this runner compiled the step of another cell ({type(self.cell).__name__} at {id(self.cell):#x})")
         marks = _collect(ctx, Deferred)
         weights = [d.W for d in marks]
-        big = bool(marks) and max(d.W.numel() * d.rows for d in marks) >= kernels.TAP_MIN_NUMEL   # the largest product's
+        big = bool(marks) and max(d.W.numel() * d.rows for d in marks) >= self.tap_min_numel   # the largest product's
         marked, ctx = ctx, self.resolve(ctx)
         deferred = _collect(ctx, Deferred)
         if deferred and not big: ctx, deferred = _map(ctx, Deferred, lambda d: d.W), []
@@ -121,7 +123,7 @@ class Compiled(Eager):
             return h
         return step
 
-    def compiled(self, cell, **kwargs): return Compiled(cell, self.fused_loss, **{**self.kwargs, **kwargs})
+    def compiled(self, cell, **kwargs): return Compiled(cell, self.fused_loss, **{'tap_min_numel': self.tap_min_numel, **self.kwargs, **kwargs})
     def portable(self): return Eager(fused_loss=self.fused_loss)
 
 class _Holding(torch.autograd.Function):
@@ -181,5 +183,5 @@ class Fused(Eager):
 # %% ../../nbs/03f_runners.ipynb #871e3141
 def runner_of(plan, model) -> Eager:
     "The runner of the execution plan `plan` (`rnn_darts.engine.plan.ExecutionPlan`) for `model`: compiled (`plan.compile is True`; 'auto' compiles later), fused, its decoder loss"
-    r = Compiled(model.cell, plan.fused_loss) if plan.compile is True else Eager(fused_loss=plan.fused_loss)
+    r = Compiled(model.cell, plan.fused_loss, plan.tap_min_numel) if plan.compile is True else Eager(fused_loss=plan.fused_loss)
     return Fused(model.cell, r, plan.precision == 'tf32') if plan.fuse else r

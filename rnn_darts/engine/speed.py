@@ -74,7 +74,8 @@ class AutoCompile(Callback):
         m = self.learn.model
         if m.runner.compiles or in_lr_find(self.learn): return
         cached = self.key is not None and compiled_here(self.key) is not None
-        if compile_pays((self.n_epoch - self.epoch) * len(self.dls.train), cached, self.min_steps, self.min_cached): m.runner = m.runner.compiled(m.cell)
+        if compile_pays((self.n_epoch - self.epoch) * len(self.dls.train), cached, self.min_steps, self.min_cached):
+            m.runner = m.runner.compiled(m.cell, tap_min_numel=learner_plan(self.learn).tap_min_numel)
 
 # %% ../../nbs/05b_speed.ipynb #c0mp1e02
 class CompileNotice(Callback):
