@@ -5,7 +5,6 @@
 # %% ../nbs/07_learner.ipynb #3b6c7827
 from __future__ import annotations
 import time, json, inspect
-from dataclasses import replace
 from contextlib import contextmanager, nullcontext, ExitStack
 from pathlib import Path
 import torch
@@ -24,8 +23,7 @@ import fastai.callback.schedule  # adds Learner.lr_find and fit_one_cycle
 from fastai.callback.progress import CSVLogger
 from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name, naming
 from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, check_random, TEMPERED
-from rnn_darts.engine.plan import plan_of, compile_key
-from rnn_darts.engine.runners import runner_of
+from rnn_darts.engine.attach import attach
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict, check_in_space, save_genotype, cell_ops
 from rnn_darts.data import fingerprint
@@ -41,12 +39,11 @@ from rnn_darts.callbacks.asgd import ASGDSwitch
 from rnn_darts.callbacks.logs import GenotypeLogger, TableColumns, RunLogger
 from rnn_darts.folder import RunFolder, write_json_atomic
 from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, best_tracker, collaborator, valid_loss_of
-from rnn_darts.engine.speed import BF16Autocast, AutoCompile, CompileNotice, PlanNotes, precision_callbacks
 from rnn_darts.callbacks.checkpoint import Checkpoint
 from rnn_darts.callbacks.preemption import Preemption
 from rnn_darts.callbacks.tensorboard import TensorBoardLog
 from rnn_darts.callbacks.divergence import DivergenceGuard, FiniteValidation, finite_validation
-from rnn_darts.engine.graphs import CudaGraphs, EMULATIONS
+from rnn_darts.engine.graphs import CudaGraphs
 
 # %% auto #0
 __all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'space_ops', 'run_genotype', 'RunInfo', 'resident_mark', 'PeakMemory',
@@ -149,7 +146,7 @@ class RunInfo(TrainEpochEnd):
         "The execution plan that ran this epoch (`learn.plan`: what ran, not what was asked), 'auto' compiling resolved to whether it did"
         p = getattr(self.learn, 'plan', None)
         if p is None: return None
-        return (replace(p, compile=self.model.runner.compiles) if p.compile == 'auto' else p).asdict()
+        return p.as_ran(self.model.runner).asdict()
     def ckpt_state(self): return dict(info=self.info, epoch_seconds=time.time() - self.t0 if getattr(self, 't0', None) else 0.)
     def load_ckpt_state(self, d): self.info, self.carried = dict(d['info']), d.get('epoch_seconds', 0.)
 
@@ -237,20 +234,14 @@ def _common_cbs(c:RunConfig, resume=None, graphs:CudaGraphs|None=None):
     return cbs
 
 def _learner(dls, model, c:RunConfig, path, device, command:str, plan=None):
-    """A `DartsLearner` that runs the execution plan of `c` on `device` (`rnn_darts.engine.plan.plan_of`, the one place it is
-    decided): compiled, as CUDA graphs (or their emulation without a GPU: `graphs='emulate'|'trace'`), fused, in its
-    precision; its fallbacks said as the fit starts (`plan`: one made already, as the command line's, naming its flags).
-    Returns it and its `CudaGraphs`, for the parts that run steps as graphs"""
+    """A `DartsLearner` of `model` on `device` that runs the execution plan of `c` there, as the engine attaches it
+    (`rnn_darts.engine.attach`: the plan, the model's runner, the callbacks of its path; `plan`: one made already, as the
+    command line's, naming its flags). Returns it and its `CudaGraphs`, for the parts that run steps as graphs"""
     dev = torch.device(device) if device is not None else getattr(dls, 'device', None) or torch.device('cpu')
     model.to(dev)
-    emulate = c.graphs if c.graphs in EMULATIONS else False
-    plan = plan or plan_of({**c.asdict(), 'graphs': True if emulate else c.graphs, 'ops': model.ops}, dev, command=command, emulate=emulate)
-    model.runner = runner_of(plan, model)
-    cg = CudaGraphs(bool(plan.graphs), emulate=emulate)
-    key = compile_key(c.asdict(), command, dev)   # the plan's ledger names the compiled step by it
-    cbs = ([AutoCompile(key)] if plan.compile == 'auto' else []) + [CompileNotice(key=key), PlanNotes(plan), cg, TableColumns()]
+    plan, engine, cg = attach(model, c.asdict(), dev, command, plan)
     learn = DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=c.lr, splitter=flat_splitter, wd=c.wd,
-                         wd_bn_bias=True, metrics=[Perplexity()], path=path, cbs=cbs + precision_callbacks(plan.precision))
+                         wd_bn_bias=True, metrics=[Perplexity()], path=path, cbs=engine + [TableColumns()])
     learn.config, learn.plan = c, plan
     return learn, cg
 

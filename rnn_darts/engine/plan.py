@@ -211,6 +211,10 @@ class ExecutionPlan:
 
     def asdict(self) -> dict: return {**asdict(self), 'notes': list(self.notes), 'parts': list(self.parts), 'path': self.path}
 
+    def as_ran(self, runner) -> ExecutionPlan:
+        "This plan as it ran with `runner`: compiling 'auto' resolved to whether it did"
+        return replace(self, compile=runner.compiles) if self.compile == 'auto' else self
+
     @property
     def lines(self) -> tuple:
         "What a run says of its plan as it starts: its fallbacks, then its passes on another path"
