@@ -42,6 +42,7 @@ class MaskBank:
 class PackedCell(nn.Module):
     "Shared machinery: the packed weight `block`, its views, masks and the time loop; how its time steps run is a runner's (`rnn_darts.engine.runners`)"
     kind = 'derived'   # what the fused kernels run it as (`rnn_darts.engine.fused.RUNNERS`)
+    init_op = 'tanh'   # s0's op (`init_state`), by name for the fused kernels
     def __init__(self, ninp, nhid, n_nodes, dropoutx, dropouth, order=None):
         super().__init__()
         self.ninp, self.nhid, self.n_nodes, self.dropoutx, self.dropouth = ninp, nhid, n_nodes, dropoutx, dropouth

@@ -12,23 +12,39 @@ from rnn_darts.core import UserError, UsageError, PAPER_OPS
 from rnn_darts.engine.kernels import tanh
 
 # %% auto #0
-__all__ = ['OPS', 'IMPORT_ENV', 'IMPORTED', 'ENTRY_POINTS', 'Op', 'identity', 'register_op', 'ops_of', 'op_fn', 'mix_order',
-           'mixed_op', 'import_ops', 'import_recorded', 'load_entry_points']
+__all__ = ['TRITON_OPS', 'OPS', 'IMPORT_ENV', 'IMPORTED', 'ENTRY_POINTS', 'Op', 'identity', 'register_op', 'ops_of', 'op_fn',
+           'mix_order', 'mixed_op', 'import_ops', 'import_recorded', 'load_entry_points']
 
 # %% ../nbs/02a_ops.ipynb #53c7761d
+TRITON_OPS = 'rnn_darts.engine.triton_ops'   # the module of the built-in ops' Triton forms, imported (Triton with it) by a fused step
+
 @dataclass(frozen=True)
 class Op:
-    "A candidate operation: `fn` maps a node's candidate state elementwise; `triton`: its id in the fused kernels (None: they have no form of it)"
+    """A candidate operation: `fn` maps a node's candidate state elementwise; `triton`: its forward and derivative in
+    the fused kernels, each a `@triton.jit` function or its name in `TRITON_OPS` (None: they have no form of it)"""
     name: str
     fn: object
-    triton: int|None = None
+    triton: tuple|None = None
     builtin: bool = True
+
+    def triton_forms(self) -> tuple|None:
+        "The forward `f(x)` and the derivative `f'(x, y)` as `@triton.jit` functions, names resolved (Triton imported), or None"
+        if self.triton is None: return None
+        module = importlib.import_module(TRITON_OPS) if any(isinstance(f, str) for f in self.triton) else None
+        return tuple(getattr(module, f) if isinstance(f, str) else f for f in self.triton)
 
 def identity(x): return x
 
 OPS = {o.name: o for o in (
-    Op('tanh', tanh, 0), Op('relu', torch.relu, 1), Op('sigmoid', torch.sigmoid, 2), Op('identity', identity, 3),
-    Op('gelu', F.gelu), Op('silu', F.silu), Op('elu', F.elu), Op('softplus', F.softplus), Op('leaky_relu', F.leaky_relu))}
+    Op('tanh', tanh, ('tanh', 'd_tanh')),
+    Op('relu', torch.relu, ('relu', 'd_relu')),
+    Op('sigmoid', torch.sigmoid, ('sigmoid', 'd_sigmoid')),
+    Op('identity', identity, ('identity', 'd_identity')),
+    Op('gelu', F.gelu, ('gelu', 'd_gelu')),
+    Op('silu', F.silu, ('silu', 'd_silu')),
+    Op('elu', F.elu, ('elu', 'd_elu')),
+    Op('softplus', F.softplus, ('softplus', 'd_softplus')),
+    Op('leaky_relu', F.leaky_relu, ('leaky_relu', 'd_leaky_relu')))}
 
 # %% ../nbs/02a_ops.ipynb #c9eca0c1
 _NAME = re.compile(r'[A-Za-z_][A-Za-z0-9_]*\Z')
@@ -45,14 +61,30 @@ def _check_elementwise(name:str, fn):
         raise ValueError(f"register_op({name!r}): fn is not elementwise (its values change with the shape of its input); an op maps each entry alone")
     if not y.requires_grad: raise ValueError(f"register_op({name!r}): fn's output has no gradient; α and the weights learn through it")
 
-def register_op(name:str, fn) -> Op:
-    "Add the elementwise operation `fn` as `name`: from now on `--ops`/`ops=` may name it, and genotypes may use it"
+def _check_forms(name:str, fn, triton):
+    "A user's Triton forms against `fn` and its autograd derivative on the probe, run by Triton's interpreter"
+    if not (isinstance(triton, (tuple, list)) and len(triton) == 2 and all(hasattr(f, 'fn') for f in triton)):
+        raise TypeError(f"register_op({name!r}): triton must be (forward, derivative), two @triton.jit functions")
+    from rnn_darts.engine.triton_ops import apply_forms
+    x = torch.linspace(-4., 4., 12, dtype=torch.float64).requires_grad_()
+    want = fn(x)
+    try: y, d = apply_forms(tuple(triton), x.detach())
+    except Exception as e:
+        raise ValueError(f"register_op({name!r}): its Triton forms failed in Triton's interpreter: {type(e).__name__}: {e}") from None
+    for what, got, ref in (('forward', y, want.detach()), ('derivative', d, torch.autograd.grad(want.sum(), x)[0])):
+        if not torch.allclose(got, ref, rtol=1e-9, atol=1e-9):
+            raise ValueError(f"register_op({name!r}): its Triton {what} differs from fn's on [-4, 4] by up to {(got - ref).abs().max().item():.1e}")
+
+def register_op(name:str, fn, triton:tuple|None=None) -> Op:
+    """Add the elementwise operation `fn` as `name`: from now on `--ops`/`ops=` may name it, and genotypes may use it;
+    `triton`: its forward and derivative as two `@triton.jit` functions, so that the fused kernels run it too"""
     if not isinstance(name, str) or not _NAME.match(name): raise ValueError(f"register_op: the name must be a word (letters, digits, _), got {name!r}")
     if name == 'none': raise ValueError("register_op: 'none' is every edge's implicit op (column 0 of α)")
     if name in OPS and OPS[name].builtin: raise ValueError(f"register_op: {name!r} is a built-in op; choose another name")
     if not callable(fn): raise TypeError(f"register_op({name!r}): fn must be callable, got {type(fn).__name__}")
     _check_elementwise(name, fn)
-    OPS[name] = op = Op(name, fn, None, builtin=False)
+    if triton is not None: _check_forms(name, fn, triton)
+    OPS[name] = op = Op(name, fn, None if triton is None else tuple(triton), builtin=False)
     return op
 
 # %% ../nbs/02a_ops.ipynb #da651d28

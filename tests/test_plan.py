@@ -58,7 +58,9 @@ def test_fallbacks_are_said_once_and_run_json_records_what_ran(tmp_path, capsys)
     assert len(info['plan']['notes']) == 2
 
 def test_the_rules_a_cpu_cannot_meet(monkeypatch):
-    "bf16 on a GPU without it, and fuse on one without Triton, are refused; several processes and an unfused loss turn graphs off with one line; the defaults on CUDA"
+    """bf16 on a GPU without it, and fuse on one without Triton, are refused; an op without Triton forms turns fuse off
+    with one line naming it (any set of ops with forms fuses, search and train alike); several processes and an unfused
+    loss turn graphs off with one line; the defaults on CUDA"""
     import torch
     monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: False)
     monkeypatch.setattr(torch.cuda, 'get_device_name', lambda d=None: 'Old GPU')
@@ -68,13 +70,17 @@ def test_the_rules_a_cpu_cannot_meet(monkeypatch):
     monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'triton' else find_spec(name, *a))
     with pytest.raises(UsageError, match="fuse true runs Triton kernels, and Triton is not installed"): plan_of(dict(fuse=True), 'cuda')
     monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: object() if name == 'triton' else find_spec(name, *a))
-    p = plan_of(dict(fuse=True, ops='tanh,relu,sigmoid,identity,gelu'), 'cuda', world=1)   # the search kernels: the paper's set only
-    assert p.fuse is False and p.notes == ("fuse off: the fused search kernels mix the paper's ops in its order (tanh, relu, sigmoid, "
-                                           "identity), not tanh, relu, sigmoid, identity, gelu (ops); the steps run unfused",)
-    assert plan_of(dict(fuse=True, ops='relu,tanh,sigmoid,identity'), 'cuda', world=1).fuse is False   # α's columns in another order
-    assert plan_of(dict(fuse=True, ops=('relu', 'tanh')), 'cuda', world=1, command='train').fuse is True   # a derived cell: any op with a Triton form
-    p = plan_of(dict(fuse=True, ops=('relu', 'gelu', 'silu')), 'cuda', world=1, command='train')
-    assert p.fuse is False and 'the fused kernels have no form of gelu, silu' in p.notes[0]
+    for command in ('search', 'train'):   # the search kernels mix any set of ops with Triton forms, in any order; a derived cell's run any
+        for ops in ('tanh,relu,sigmoid,identity,gelu', 'relu,tanh,sigmoid,identity', ('gelu', 'silu', 'elu', 'softplus', 'leaky_relu', 'identity')):
+            p = plan_of(dict(fuse=True, ops=ops), 'cuda', world=1, command=command)
+            assert p.fuse is True and p.notes == (), (command, ops, p.notes)
+    from rnn_darts.ops import OPS, register_op
+    register_op('cube', lambda x: x * x * x)   # a user's op without Triton forms: the plan falls back, naming it
+    try:
+        for command in ('search', 'train'):
+            p = plan_of(dict(fuse=True, ops=('relu', 'cube', 'gelu')), 'cuda', world=1, command=command)
+            assert p.fuse is False and p.notes == ("fuse off: the fused kernels have no Triton form of cube (ops); the steps run unfused",), p.notes
+    finally: del OPS['cube']
     monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: True)   # a GPU with bf16, for the defaults below
     assert plan_of(dict(graphs=True), 'cuda', world=2).notes == ('CUDA graphs off: not with several processes yet; the steps run eager',)
     p = plan_of(dict(graphs=True, fused_loss=False), 'cuda', world=1)

@@ -74,7 +74,7 @@ GELU_CELL = '{"recurrent": [["gelu", 0], ["relu", 1], ["gelu", 1], ["tanh", 2], 
 def cases() -> list:
     """Every α-step kind × every relaxation (with a regulariser of the family), every α-step kind with each of SDARTS's
     perturbations, random search, a derived cell's training under NT-ASGD, and the user's space (5 nodes and edge
-    normalisation, with the paper's ops, which the fused kernels run, and with gelu; a derived cell with gelu): the
+    normalisation, with the paper's ops and with gelu; a derived cell with gelu; the fused kernels run them all): the
     combinations `check_rules` allows"""
     out = [Case(f"{m}/{r}", 'search', dict(mode=m, relax=r, **REGULARISERS.get(r, {}))) for r in RELAXATIONS for m in ARCH_MODES]
     out += [Case(f"{m}/softmax+{p}", 'search', dict(mode=m, perturb=p)) for p in ('random', 'adversarial') for m in ARCH_MODES]

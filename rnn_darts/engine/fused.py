@@ -6,24 +6,40 @@
 from __future__ import annotations
 import weakref
 from functools import lru_cache
+from typing import NamedTuple
 import torch
 import triton, triton.language as tl
 from rnn_darts.engine.kernels import Deferred, WeightGroup
+from rnn_darts.ops import OPS
+from rnn_darts.engine.triton_ops import interpreted
 
-ACT_IDS = dict(tanh=0, relu=1, sigmoid=2, identity=3)
 BM, BN, BK = 16, 32, 32   # rows of the batch per program; output and inner columns per tile (`tl.dot` takes tiles of 16 and more)
 
 # %% auto #0
-__all__ = ['ACT_IDS', 'BM', 'BN', 'BK', 'RUNNERS', 'FusedPlan', 'FusedDerivedStep', 'FusedSearchStep', 'plan_of',
+__all__ = ['BM', 'BN', 'BK', 'RUNNERS', 'Forms', 'forms_of', 'FusedPlan', 'FusedDerivedStep', 'FusedSearchStep', 'plan_of',
            'derived_runner', 'search_runner']
+
+# %% ../../nbs/03e_fused.ipynb #1d6f2a81
+class Forms(NamedTuple):
+    "Ops as the kernels take them, compile-time constants: each op's Triton forward `f(x)` and derivative `f'(x, f(x))`"
+    forward: tuple
+    derivative: tuple
+
+def forms_of(ops) -> Forms:
+    "The Triton forms of the ops named `ops`, in their order, from their registry entries (`rnn_darts.ops.OPS`)"
+    forms = [OPS[o].triton_forms() for o in ops]
+    lack = [o for o, f in zip(ops, forms) if f is None]
+    if lack: raise ValueError(f"the fused kernels have no Triton form of {', '.join(lack)}")
+    return Forms(tuple(f for f, _ in forms), tuple(d for _, d in forms))
 
 # %% ../../nbs/03e_fused.ipynb #93617ff1
 @triton.jit
-def _fused_derived_forward(XW, H, MH, W, PLAN, CW, S, P, A, OUT, bs, n, rows_n,
+def _fused_derived_forward(XW, H, MH, W, PLAN, CW, S, P, A, OUT, bs, n, rows_n, FORWARD: tl.constexpr,
                      HAS_MH: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """One time step of a derived cell for `BM` rows of the batch, every node in one program. PLAN (rows_n × 5):
-    predecessor's state slot, activation, weight row offset, input slot, whether the row first uses its predecessor.
-    S: states by slot (0: h, t + 1: row t's node); P: row t's σ(c) and act(hh); A: each product's input s·mh"""
+    predecessor's state slot, op (its position in FORWARD, the ops' Triton forwards), weight row offset, input slot, whether
+    the row first uses its predecessor. S: states by slot (0: h, t + 1: row t's node); P: row t's σ(c) and hh; A: each
+    product's input s·mh"""
     r = tl.program_id(0) * BM + tl.arange(0, BM)
     rm = r < bs
     for k0 in range(0, n, BK):   # slot 0: h
@@ -32,7 +48,7 @@ def _fused_derived_forward(XW, H, MH, W, PLAN, CW, S, P, A, OUT, bs, n, rows_n,
         tl.store(S + r[:, None] * n + k[None, :], tl.load(H + r[:, None] * n + k[None, :], mask=m), mask=m)
     tl.debug_barrier()
     for t in range(0, rows_n):
-        pred = tl.load(PLAN + t * 5); act = tl.load(PLAN + t * 5 + 1); off = tl.load(PLAN + t * 5 + 2)
+        pred = tl.load(PLAN + t * 5); op = tl.load(PLAN + t * 5 + 1); off = tl.load(PLAN + t * 5 + 2)
         slot = tl.load(PLAN + t * 5 + 3); first = tl.load(PLAN + t * 5 + 4)
         if first != 0:   # the product's input, once per predecessor
             for k0 in range(0, n, BK):
@@ -62,11 +78,12 @@ def _fused_derived_forward(XW, H, MH, W, PLAN, CW, S, P, A, OUT, bs, n, rows_n,
                 acc_h += tl.load(XW + r[:, None] * 2 * n + n + j[None, :], mask=m, other=0.)
             sp = tl.load(S + pred * bs * n + r[:, None] * n + j[None, :], mask=m, other=0.)
             sc = 1 / (1 + tl.exp(-acc_c))
-            ah = tl.where(act == 0, 2 / (1 + tl.exp(-2 * acc_h)) - 1,   # tanh, relu, sigmoid, identity
-                          tl.where(act == 1, tl.maximum(acc_h, 0.), tl.where(act == 2, 1 / (1 + tl.exp(-acc_h)), acc_h)))
+            ah = acc_h
+            for i in tl.static_range(len(FORWARD)):   # the row's op
+                if op == i: ah = FORWARD[i](acc_h)
             tl.store(S + (t + 1) * bs * n + r[:, None] * n + j[None, :], sp + sc * (ah - sp), mask=m)
             tl.store(P + t * bs * 2 * n + r[:, None] * 2 * n + j[None, :], sc, mask=m)
-            tl.store(P + t * bs * 2 * n + r[:, None] * 2 * n + n + j[None, :], ah, mask=m)
+            tl.store(P + t * bs * 2 * n + r[:, None] * 2 * n + n + j[None, :], acc_h, mask=m)
         tl.debug_barrier()
     for j0 in range(0, n, BN):   # the output: the concatenated nodes' mean
         j = j0 + tl.arange(0, BN)
@@ -79,6 +96,7 @@ def _fused_derived_forward(XW, H, MH, W, PLAN, CW, S, P, A, OUT, bs, n, rows_n,
 # %% ../../nbs/03e_fused.ipynb #3c1084af
 @triton.jit
 def _fused_derived_backward(GOUT, MH, W, PLAN, CW, S, P, GS, G, bs, n, rows_n, width,
+                      FORWARD: tl.constexpr, DERIVATIVE: tl.constexpr,
                       HAS_MH: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """The step's backward for `BM` rows: GS, the gradients of the states by slot (slot 0: ∂/∂h), and G (bs × width), each
     product's output gradient (its columns `off`, `off + 2n` of row t: the weight's tap gradient; row 0's: ∂/∂xw_t)"""
@@ -94,16 +112,20 @@ def _fused_derived_backward(GOUT, MH, W, PLAN, CW, S, P, GS, G, bs, n, rows_n, w
     tl.debug_barrier()
     for tt in range(0, rows_n):
         t = rows_n - 1 - tt   # children before their predecessor
-        pred = tl.load(PLAN + t * 5); act = tl.load(PLAN + t * 5 + 1); off = tl.load(PLAN + t * 5 + 2)
+        pred = tl.load(PLAN + t * 5); op = tl.load(PLAN + t * 5 + 1); off = tl.load(PLAN + t * 5 + 2)
         for j0 in range(0, n, BN):
             j = j0 + tl.arange(0, BN)
             m = rm[:, None] & (j < n)[None, :]
             g = tl.load(GS + (t + 1) * bs * n + r[:, None] * n + j[None, :], mask=m, other=0.)
             sp = tl.load(S + pred * bs * n + r[:, None] * n + j[None, :], mask=m, other=0.)
             sc = tl.load(P + t * bs * 2 * n + r[:, None] * 2 * n + j[None, :], mask=m, other=0.)
-            ah = tl.load(P + t * bs * 2 * n + r[:, None] * 2 * n + n + j[None, :], mask=m, other=0.)
+            hh = tl.load(P + t * bs * 2 * n + r[:, None] * 2 * n + n + j[None, :], mask=m, other=0.)
+            ah = hh; dact = hh
+            for i in tl.static_range(len(FORWARD)):   # the row's op, and its derivative
+                if op == i:
+                    ah = FORWARD[i](hh)
+                    dact = DERIVATIVE[i](hh, ah)
             tl.store(G + r[:, None] * width + off + j[None, :], g * (ah - sp) * sc * (1 - sc), mask=m)
-            dact = tl.where(act == 0, 1 - ah * ah, tl.where(act == 1, (ah > 0).to(ah.dtype), tl.where(act == 2, ah * (1 - ah), 1.)))
             tl.store(G + r[:, None] * width + off + n + j[None, :], g * sc * dact, mask=m)
             gp = tl.load(GS + pred * bs * n + r[:, None] * n + j[None, :], mask=m, other=0.)
             tl.store(GS + pred * bs * n + r[:, None] * n + j[None, :], gp + g * (1 - sc), mask=m)
@@ -127,11 +149,9 @@ def _fused_derived_backward(GOUT, MH, W, PLAN, CW, S, P, GS, G, bs, n, rows_n, w
 # %% ../../nbs/03e_fused.ipynb #d339ed36
 @lru_cache(None)
 def _kernel(name, interpret:bool):
-    "Kernel `name` compiled by Triton for a GPU, or run by Triton's interpreter (on a CPU: numpy, one program after another)"
+    "Kernel `name` compiled by Triton for a GPU, or run by Triton's interpreter, its ops' forms too (`interpreted`)"
     fn = globals()[name]
-    if not interpret: return fn
-    from triton.runtime.interpreter import InterpretedFunction
-    return fn if isinstance(fn, InterpretedFunction) else InterpretedFunction(fn.fn)
+    return interpreted(fn) if interpret else fn
 
 def _precision(x, tf32:bool) -> str:
     "`tl.dot`'s input precision: 'tf32' for CUDA's float32 products if `tf32` (the plan's `--precision tf32`), else exact ('ieee')"
@@ -139,22 +159,31 @@ def _precision(x, tf32:bool) -> str:
 
 # %% ../../nbs/03e_fused.ipynb #9d494ed0
 class FusedPlan:
-    "What the fused step of a derived cell needs of its genotype: the table of its rows (s0, then each node by predecessor) and the output's weights"
+    """What the fused step of a derived cell needs of its genotype: the table of its rows (s0, then each node by
+    predecessor), its ops (each once, s0's first) with their `Forms`, and the output's weights"""
     def __init__(self, cell, device):
         g = cell.genotype
-        rows = [(0, 'tanh')] + [(i, g.recurrent[i - 1][0]) for p, kids in cell.kids.items() for i in kids]   # node 0 is s0
+        rows = [(0, cell.init_op)] + [(i, g.recurrent[i - 1][0]) for p, kids in cell.kids.items() for i in kids]   # node 0 is s0
+        self.ops = tuple(dict.fromkeys(op for _, op in rows))   # the table names a row's op by its position here
+        self.forms = forms_of(self.ops)
         slot_of = {node: t + 1 for t, (node, _) in enumerate(rows)}   # the state slot of each node (0: h)
         parents = [p for p, kids in cell.kids.items() if kids]
         table, seen = [], set()
-        for t, (node, act) in enumerate(rows):
+        for t, (node, op) in enumerate(rows):
             pred = 0 if t == 0 else slot_of[g.recurrent[node - 1][1]]
             slot = 0 if t == 0 else 1 + parents.index(g.recurrent[node - 1][1])
-            table.append((pred, ACT_IDS[act], 2 * cell.nhid * t, slot, int(slot not in seen)))
+            table.append((pred, self.ops.index(op), 2 * cell.nhid * t, slot, int(slot not in seen)))
             seen.add(slot)
         self.table = torch.tensor(table, dtype=torch.int32, device=device).flatten()
         concat = set(g.concat)
-        self.cw = torch.tensor([1 / len(concat) if node in concat and t > 0 else 0. for t, (node, _) in enumerate(rows)], device=device)
-        self.rows, self.n_inputs = len(rows), 1 + len(parents)
+        self.cw = torch.tensor([1 / len(concat) if node in concat and t > 0 else 0. for t, (node, _) in enumerate(rows)],
+                               dtype=torch.float64, device=device)   # float64: a float32 1/6 misses a float64 step's by 1e-8
+        self.rows, self.n_inputs, self._cws = len(rows), 1 + len(parents), {}
+
+    def cw_in(self, dtype) -> torch.Tensor:
+        "The output's weights in `dtype`, made once"
+        if dtype not in self._cws: self._cws[dtype] = self.cw.to(dtype)
+        return self._cws[dtype]
 
 # %% ../../nbs/03e_fused.ipynb #483f2e25
 class FusedDerivedStep(torch.autograd.Function):
@@ -167,11 +196,12 @@ class FusedDerivedStep(torch.autograd.Function):
         h, xw_t = h.contiguous(), xw_t.contiguous()
         S, P = h.new_empty(plan.rows + 1, bs, n), h.new_empty(plan.rows, bs, 2 * n)
         A, out = h.new_empty(plan.n_inputs, bs, n), h.new_empty(bs, n)
-        cw = plan.cw.to(h.dtype)
+        cw = plan.cw_in(h.dtype)
         kernel = _kernel('_fused_derived_forward', not h.is_cuda)
         with torch.profiler.record_function('triton_fused_derived_forward'):
             kernel[(triton.cdiv(bs, BM),)](xw_t, h, h if mh is None else mh, W, plan.table, cw, S, P, A, out, bs, n, plan.rows,
-                                           HAS_MH=mh is not None, PREC=_precision(h, tf32), BM=BM, BN=BN, BK=BK)
+                                           FORWARD=plan.forms.forward, HAS_MH=mh is not None, PREC=_precision(h, tf32),
+                                           BM=BM, BN=BN, BK=BK)
         ctx.save_for_backward(W, S, P, cw, *(() if mh is None else (mh,)))
         ctx.plan, ctx.tf32 = plan, tf32
         ctx.mark_non_differentiable(A)
@@ -186,32 +216,34 @@ class FusedDerivedStep(torch.autograd.Function):
         kernel = _kernel('_fused_derived_backward', not S.is_cuda)
         with torch.profiler.record_function('triton_fused_derived_backward'):
             kernel[(triton.cdiv(bs, BM),)](gout.contiguous(), mh[0] if mh else S, W, plan.table, cw, S, P, GS, G, bs, n, plan.rows, W.shape[0],
-                                           HAS_MH=bool(mh), PREC=_precision(S, ctx.tf32), BM=BM, BN=BN, BK=BK)
+                                           FORWARD=plan.forms.forward, DERIVATIVE=plan.forms.derivative, HAS_MH=bool(mh),
+                                           PREC=_precision(S, ctx.tf32), BM=BM, BN=BN, BK=BK)
         return G[:, :2 * n], GS[0], G if ctx.needs_input_grad[2] else None, None, None, None, None
 
 # %% ../../nbs/03e_fused.ipynb #7516c720
 @triton.jit
 def _fused_search_forward(H, XW, MH, W, LV, R, S, SIG, HH, A, OUT, ISTD, RM, RV, NBT, j, bs, n, steps, momentum, eps,
-                    INIT: tl.constexpr, HAS_MH: tl.constexpr, UPDATE: tl.constexpr, PREC: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    FORWARD: tl.constexpr, INIT: tl.constexpr, HAS_MH: tl.constexpr, UPDATE: tl.constexpr,
+                    PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Node j's products (INIT: h's, towards node 0) for columns tile c: program (c, k) adds the term of the edge towards
-    node d = j + 1 + k to d's sum (R); program k = 0 then normalises node j + 1, complete now, over the whole batch.
+    node d = j + 1 + k to d's sum (R), mixing the ops FORWARD by the edge's row of LV (`none`, then a column per op; INIT:
+    s0's one op, LV its weight 1); program k = 0 then normalises node j + 1, complete now, over the whole batch.
     S: states by slot (0: h, 1 + d: node d); SIG, HH: each edge's σ(c) and hh (0: h → node 0, 1 + e: edge e, in α's
     leaving order); A: each source's product input s·mh (the weights' stash)"""
     c, k = tl.program_id(0), tl.program_id(1)
     cols = c * BN + tl.arange(0, BN)
     cm = cols < n
     if INIT:
-        d, src, q = k, H, k   # one edge, h → node 0: s0 = h + σ(c)(tanh(hh) − h)
-        p1 = 1.; p2 = 0.; p3 = 0.; p4 = 0.
+        d, src, q = k, H, k   # one edge, h → node 0: s0 = h + σ(c)(f(hh) − h)
+        ws = LV
     else:
         d = j + 1 + k
         src = S + (j + 1) * bs * n
         e_idx = j * steps - j * (j - 1) // 2 + d - j - 1
-        p1 = tl.load(LV + e_idx * 5 + 1); p2 = tl.load(LV + e_idx * 5 + 2)
-        p3 = tl.load(LV + e_idx * 5 + 3); p4 = tl.load(LV + e_idx * 5 + 4)
+        ws = LV + e_idx * (len(FORWARD) + 1) + 1   # the edge's weights of its ops (column 0, `none`, adds nothing)
         q = 1 + e_idx
-    e = p1 + p2 + p3 + p4
+    e = tl.load(ws)
+    for i in tl.static_range(1, len(FORWARD)): e += tl.load(ws + i)
     for r0 in range(0, bs, BM):
         rows = r0 + tl.arange(0, BM)
         rm = rows < bs
@@ -234,8 +266,8 @@ def _fused_search_forward(H, XW, MH, W, LV, R, S, SIG, HH, A, OUT, ISTD, RM, RV,
             acc_h += tl.load(XW + rows[:, None] * 2 * n + n + cols[None, :], mask=m, other=0.)
         s = tl.load(src + rows[:, None] * n + cols[None, :], mask=m, other=0.)
         sc = 1 / (1 + tl.exp(-acc_c))
-        mix = (p1 * (2 / (1 + tl.exp(-2 * acc_h)) - 1) + p2 * tl.maximum(acc_h, 0.)
-               + p3 * (1 / (1 + tl.exp(-acc_h))) + p4 * acc_h)
+        mix = tl.load(ws) * FORWARD[0](acc_h)
+        for i in tl.static_range(1, len(FORWARD)): mix += tl.load(ws + i) * FORWARD[i](acc_h)
         term = e * s + sc * (mix - e * s)
         at = (q * bs + rows[:, None]) * n + cols[None, :]
         tl.store(SIG + at, sc, mask=m)
@@ -292,12 +324,14 @@ def _fused_search_forward(H, XW, MH, W, LV, R, S, SIG, HH, A, OUT, ISTD, RM, RV,
 # %% ../../nbs/03e_fused.ipynb #fff2ef49
 @triton.jit
 def _fused_search_backward(GOUT, MH, W, LV, S, SIG, HH, ISTD, GS, G, PP, u, bs, n, steps, width, n_edges,
+                     FORWARD: tl.constexpr, DERIVATIVE: tl.constexpr, NP: tl.constexpr,
                      IS_H: tl.constexpr, HAS_MH: tl.constexpr, PREC: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Slot u's gradient (u = 0: h, u = 1 + d: node d) for columns tile c: ∂/∂s from its direct terms (GS), the output
     (1/steps) and its products (G Wᵀ·mh); for a node, through its normalisation to its sum; then its incoming edges'
     gradients: the products' output gradients (G, the tap's layout: ∂/∂xw_t in h's columns), the sources' direct terms,
-    and per program the mixing weights' (PP)"""
+    and per program the mixing weights' (PP). FORWARD, DERIVATIVE: the ops' forms (u = 1: s0's one op, LV its weight 1);
+    NP: a power of two of at least as many rows as ops, the block that sums each op's part of the mixing weights'"""
     c = tl.program_id(0)
     cols = c * BN + tl.arange(0, BN)
     cm = cols < n
@@ -350,16 +384,13 @@ def _fused_search_backward(GOUT, MH, W, LV, S, SIG, HH, ISTD, GS, G, PP, u, bs, 
             e_idx = j * steps - j * (j - 1) // 2 + d - j - 1
             q = tl.where(is_h, 0, 1 + e_idx)
             gcol = tl.where(is_h, 0, 2 * n + 2 * n * (j * steps - j * (j - 1) // 2) + (d - v) * 2 * n)
-            p1 = tl.where(is_h, 1., tl.load(LV + e_idx * 5 + 1, mask=v > 0, other=0.))
-            p2 = tl.load(LV + e_idx * 5 + 2, mask=v > 0, other=0.)
-            p3 = tl.load(LV + e_idx * 5 + 3, mask=v > 0, other=0.)
-            p4 = tl.load(LV + e_idx * 5 + 4, mask=v > 0, other=0.)
-            e = p1 + p2 + p3 + p4
+            ws = LV + tl.where(is_h, 0, e_idx * (len(FORWARD) + 1) + 1)   # the edge's weights of its ops (s0's: LV)
+            e = tl.load(ws)
+            for i in tl.static_range(1, len(FORWARD)): e += tl.load(ws + i)
             first = is_h | (d == steps)
-            a1 = tl.full((BN,), 0., G.dtype.element_ty)
-            a2 = tl.full((BN,), 0., G.dtype.element_ty)
-            a3 = tl.full((BN,), 0., G.dtype.element_ty)
-            a4 = tl.full((BN,), 0., G.dtype.element_ty)
+            op_ids = tl.arange(0, NP)
+            op_sums = tl.full((NP, BN), 0., G.dtype.element_ty)   # per op (a row each): Σ over rows of gr·σ·op(hh)
+            keep_sum = tl.full((BN,), 0., G.dtype.element_ty)     # Σ over rows of gr·s·(1 − σ), in every op's
             for r0 in range(0, bs, BM):
                 rows = r0 + tl.arange(0, BM)
                 m = (rows < bs)[:, None] & cm[None, :]
@@ -367,55 +398,65 @@ def _fused_search_backward(GOUT, MH, W, LV, S, SIG, HH, ISTD, GS, G, PP, u, bs, 
                 s = tl.load(S + (v * bs + rows[:, None]) * n + cols[None, :], mask=m, other=0.)
                 sc = tl.load(SIG + (q * bs + rows[:, None]) * n + cols[None, :], mask=m, other=0.)
                 hh = tl.load(HH + (q * bs + rows[:, None]) * n + cols[None, :], mask=m, other=0.)
-                th = 2 / (1 + tl.exp(-2 * hh)) - 1
-                re = tl.maximum(hh, 0.)
-                sg_ = 1 / (1 + tl.exp(-hh))
-                mix = p1 * th + p2 * re + p3 * sg_ + p4 * hh
-                dmix = p1 * (1 - th * th) + p2 * (hh > 0).to(hh.dtype) + p3 * sg_ * (1 - sg_) + p4
+                mix = tl.full((BM, BN), 0., G.dtype.element_ty)
+                dmix = tl.full((BM, BN), 0., G.dtype.element_ty)
+                for i in tl.static_range(len(FORWARD)):
+                    p = tl.load(ws + i)
+                    y = FORWARD[i](hh)
+                    mix += p * y
+                    dmix += p * DERIVATIVE[i](hh, y)
+                    op_sum = tl.reduce(gr * sc * y, 0, tl.standard._sum_combine)
+                    op_sums += tl.where(op_ids[:, None] == i, op_sum[None, :], 0.)
                 tl.store(G + rows[:, None] * width + gcol + cols[None, :], gr * (mix - e * s) * sc * (1 - sc), mask=m)
                 tl.store(G + rows[:, None] * width + gcol + n + cols[None, :], gr * sc * dmix, mask=m)
                 at = (v * bs + rows[:, None]) * n + cols[None, :]
                 direct = gr * e * (1 - sc)
                 if first: tl.store(GS + at, direct, mask=m)
                 else: tl.store(GS + at, tl.load(GS + at, mask=m, other=0.) + direct, mask=m)
-                keep = gr * s * (1 - sc)   # ∂term/∂p_op = s(1 − σ) + σ·op(hh)
-                a1 += tl.reduce(keep + gr * sc * th, 0, tl.standard._sum_combine)
-                a2 += tl.reduce(keep + gr * sc * re, 0, tl.standard._sum_combine)
-                a3 += tl.reduce(keep + gr * sc * sg_, 0, tl.standard._sum_combine)
-                a4 += tl.reduce(keep + gr * sc * hh, 0, tl.standard._sum_combine)
-            if v > 0:
-                at = (c * n_edges + e_idx) * 5
+                keep_sum += tl.reduce(gr * s * (1 - sc), 0, tl.standard._sum_combine)
+            if v > 0:   # ∂term/∂p_op = s(1 − σ) + σ·op(hh), over the rows and this program's columns
+                at = (c * n_edges + e_idx) * (len(FORWARD) + 1)
                 tl.store(PP + at, tl.full((), 0., PP.dtype.element_ty))   # none
-                tl.store(PP + at + 1, tl.reduce(a1, 0, tl.standard._sum_combine))
-                tl.store(PP + at + 2, tl.reduce(a2, 0, tl.standard._sum_combine))
-                tl.store(PP + at + 3, tl.reduce(a3, 0, tl.standard._sum_combine))
-                tl.store(PP + at + 4, tl.reduce(a4, 0, tl.standard._sum_combine))
+                by_op = tl.reduce(op_sums, 1, tl.standard._sum_combine) + tl.reduce(keep_sum, 0, tl.standard._sum_combine)
+                tl.store(PP + at + 1 + op_ids, by_op, mask=op_ids < len(FORWARD))
 
 
 # %% ../../nbs/03e_fused.ipynb #f3cc58d5
+_ONES = {}   # (device, dtype) -> a one-entry tensor 1
+
+def _one(like) -> torch.Tensor:
+    "1 as a one-entry tensor of `like`'s device and type, made once, not every time step: s0's one op's weight"
+    key = (like.device, like.dtype)
+    if key not in _ONES: _ONES[key] = like.new_ones(1)
+    return _ONES[key]
+
 class FusedSearchStep(torch.autograd.Function):
     """The search cell's time step as Triton kernels: forward, one for s0 and one per node (`_fused_search_forward`); backward,
     one per node and one for h (`_fused_search_backward`). Takes the per-step input `xw_t`, the state `h`, the tap (or None),
-    every product's weight stacked (`W`: `[W0[ninp:]ᵀ; WhT]`), the mixing weights by leaving node (`leaving`: edges × ops),
-    the mask `mh`, the cell's `NodeNorm` (batch statistics; its running ones updated if `update`); returns the new state
-    and the products' inputs (for the tap)"""
+    every product's weight stacked (`W`: `[W0[ninp:]ᵀ; WhT]`), the mixing weights by leaving node (`leaving`: edges × (1 +
+    ops), `none` first), the mask `mh`, the cell's `NodeNorm` (batch statistics; its running ones updated if `update`),
+    the `Forms` of the set's ops (`ops`, in α's column order) and of s0's op (`init`); returns the new state and the
+    products' inputs (for the tap)"""
     @staticmethod
-    def forward(ctx, xw_t, h, tap, W, leaving, mh, norm, update, tf32=False):
+    def forward(ctx, xw_t, h, tap, W, leaving, mh, norm, update, ops, init, tf32=False):
         (bs, n), steps, n_edges = h.shape, norm.n - 1, leaving.shape[0]
         if bs < 2: raise ValueError(f"the search cell normalises each node over the batch, which needs 2 rows or more; got a batch of {bs}")
         h, xw_t = h.contiguous(), xw_t.contiguous()
         S, R = h.new_empty(steps + 2, bs, n), h.new_empty(steps + 1, bs, n)
         SIG, HH = h.new_empty(1 + n_edges, bs, n), h.new_empty(1 + n_edges, bs, n)
         A, out, istd = h.new_empty(1 + steps, bs, n), h.new_empty(bs, n), h.new_empty(steps + 1, n)
-        args = (xw_t, h if mh is None else mh, W, leaving, R, S, SIG, HH, A, out, istd,
-                norm.running_mean, norm.running_var, norm.num_batches_tracked)
+        one = _one(h)   # s0's one op's weight
+        stats = (norm.running_mean, norm.running_var, norm.num_batches_tracked)
         kw = dict(HAS_MH=mh is not None, UPDATE=bool(update), PREC=_precision(h, tf32), BM=BM, BN=BN, BK=BK)
         kernel, nc = _kernel('_fused_search_forward', not h.is_cuda), triton.cdiv(n, BN)
         for j in range(-1, steps):   # -1: h → s0
+            s0 = j < 0
             with torch.profiler.record_function('triton_fused_search_forward'):   # a launch, as `launch_count` counts on a CPU
-                kernel[(nc, 1 if j < 0 else steps - j)](h, *args, max(j, 0), bs, n, steps, norm.momentum, norm.eps, INIT=j < 0, **kw)
+                kernel[(nc, 1 if s0 else steps - j)](h, xw_t, h if mh is None else mh, W, one if s0 else leaving, R, S, SIG, HH, A, out,
+                                                     istd, *stats, max(j, 0), bs, n, steps, norm.momentum, norm.eps,
+                                                     FORWARD=(init if s0 else ops).forward, INIT=s0, **kw)
         ctx.save_for_backward(W, leaving, S, SIG, HH, istd, *(() if mh is None else (mh,)))
-        ctx.tf32 = tf32
+        ctx.tf32, ctx.ops, ctx.init = tf32, ops, init
         ctx.mark_non_differentiable(A)
         ctx.set_materialize_grads(False)   # no zeros made for A's gradient, every time step
         return out, A
@@ -425,14 +466,17 @@ class FusedSearchStep(torch.autograd.Function):
         W, leaving, S, SIG, HH, istd, *mh = ctx.saved_tensors
         (bs, n), steps, n_edges = gout.shape, S.shape[0] - 2, leaving.shape[0]
         width, nc = 2 * n * (1 + n_edges), triton.cdiv(n, BN)
-        GS, G, PP = S.new_empty(steps + 2, bs, n), S.new_empty(bs, width), S.new_empty(nc, n_edges, 5)
-        args = (gout.contiguous(), mh[0] if mh else S, W, leaving, S, SIG, HH, istd, GS, G, PP)
+        GS, G = S.new_empty(steps + 2, bs, n), S.new_empty(bs, width)
+        PP = S.new_empty(nc, n_edges, 1 + len(ctx.ops.forward))   # per program, the mixing weights' gradient
+        one, gout = _one(S), gout.contiguous()
         kernel = _kernel('_fused_search_backward', not S.is_cuda)
-        for u in range(steps + 1, -1, -1):   # nodes from the last, then h
+        for u in range(steps + 1, -1, -1):   # nodes from the last, then s0 (its one op), then h
+            forms = ctx.init if u == 1 else ctx.ops
             with torch.profiler.record_function('triton_fused_search_backward'):
-                kernel[(nc,)](*args, u, bs, n, steps, width, n_edges, IS_H=u == 0, HAS_MH=bool(mh), PREC=_precision(S, ctx.tf32), BM=BM, BN=BN, BK=BK)
-        return G[:, :2 * n], GS[0], G if ctx.needs_input_grad[2] else None, None, PP.sum(0), None, None, None, None
-
+                kernel[(nc,)](gout, mh[0] if mh else S, W, one if u == 1 else leaving, S, SIG, HH, istd, GS, G, PP, u, bs, n, steps, width,
+                              n_edges, FORWARD=forms.forward, DERIVATIVE=forms.derivative, NP=triton.next_power_of_2(len(forms.forward)),
+                              IS_H=u == 0, HAS_MH=bool(mh), PREC=_precision(S, ctx.tf32), BM=BM, BN=BN, BK=BK)
+        return G[:, :2 * n], GS[0], G if ctx.needs_input_grad[2] else None, None, PP.sum(0), *(None,) * 6
 
 # %% ../../nbs/03e_fused.ipynb #50c12aa7
 _PLANS = weakref.WeakKeyDictionary()   # cell -> {(genotype, device): its FusedPlan}: kept here, not on the cell, and gone with it
@@ -466,10 +510,11 @@ def _taps(run, group):
 def derived_runner(cell, ctx, tf32:bool=False):
     """`step(t, xw_t, h, mh)` of a derived cell through `FusedDerivedStep`: its weights stacked once per sequence, their
     gradients (in a forward with weight gradients) through one `WeightGroup`'s taps, as a compiled step's; None where
-    the kernels cannot run it (`_runnable`); `tf32`: the products on TF32 tensor cores"""
+    the kernels cannot run it (`_runnable`; an op without Triton forms, in a shared cell's genotype); `tf32`: the
+    products on TF32 tensor cores"""
     W0hT, blocks = ctx
     ws = [W0hT, *blocks]
-    if not _runnable(ws): return None
+    if not _runnable(ws) or any(OPS[o].triton is None for o in cell.ops): return None
     W = torch.cat([_plain(w) for w in ws])
     plan = plan_of(cell, W.device)
     return _taps(lambda xw_t, h, tap, mh: FusedDerivedStep.apply(xw_t, h, tap, W, mh, plan, tf32), _group(ws))
@@ -484,7 +529,9 @@ def search_runner(cell, ctx, tf32:bool=False):
     W, leaving, n2 = torch.cat([_plain(W0hT), WhT.detach()]), probs[cell.leaving].contiguous(), WhT.shape[0] // len(Ws)
     # the kernels multiply each state by the matrices of all the nodes after it: their gradients come by those row suffixes
     by_state = [W0hT, *(Deferred(WhT[j * n2:]) for j in range(len(Ws)))] if isinstance(W0hT, Deferred) else ws
-    return _taps(lambda xw_t, h, tap, mh: FusedSearchStep.apply(xw_t, h, tap, W, leaving, mh, cell.bn, update_stats, tf32), _group(by_state))
+    ops, init = forms_of(cell.ops), forms_of((cell.init_op,))
+    step = lambda xw_t, h, tap, mh: FusedSearchStep.apply(xw_t, h, tap, W, leaving, mh, cell.bn, update_stats, ops, init, tf32)
+    return _taps(step, _group(by_state))
 
 RUNNERS = dict(derived=derived_runner, search=search_runner)   # by the cell's `kind`
 

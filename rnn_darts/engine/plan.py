@@ -37,14 +37,12 @@ def _triton_missing(dev) -> bool:
     import importlib.util
     return dev.type == 'cuda' and importlib.util.find_spec('triton') is None
 
-def fused_lacks(ops, kind:str) -> str|None:
-    "Why the fused kernels (`rnn_darts.engine.fused`) cannot run the ops `ops` of a `kind` cell ('search': mixing them all; 'derived'), or None"
-    from rnn_darts.ops import OPS, PAPER_OPS   # here: `rnn-darts -h` and a config's checks import no torch
-    ops = tuple(ops)
-    if kind == 'search':
-        return None if ops == PAPER_OPS else f"the fused search kernels mix the paper's ops in its order ({', '.join(PAPER_OPS)}), not {', '.join(ops)}"
+def fused_lacks(ops) -> str|None:
+    """Why the fused kernels (`rnn_darts.engine.fused`) cannot run a cell of the ops `ops` (a search cell mixing them, or a
+    derived one): the ops without Triton forms (`rnn_darts.ops.Op.triton`), named; None where every op has them"""
+    from rnn_darts.ops import OPS   # here: `rnn-darts -h` and a config's checks import no torch
     lack = [o for o in ops if OPS[o].triton is None]
-    return f"the fused kernels have no form of {', '.join(lack)}" if lack else None
+    return f"the fused kernels have no Triton form of {', '.join(lack)}" if lack else None
 
 def _ops_of(s:dict) -> tuple|None:
     "The ops a cell of the settings `s` runs (a comma list or a sequence; None where not said: the paper's, or a genotype's)"
@@ -71,8 +69,8 @@ RULES = (
          lambda f: f"{f['name']('fuse')} true runs Triton kernels on a GPU; the device is {f['device']} (a CPU runs them in Triton's interpreter, for tests only)"),
     Rule('fuse needs Triton', 'refused', lambda f: f['fuse'] and _on(f) and _triton_missing(f['device']),
          lambda f: f"{f['name']('fuse')} true runs Triton kernels, and Triton is not installed (it comes with torch's CUDA wheels: pip install triton)"),
-    Rule('fuse runs its ops', 'falls back', lambda f: f['fuse'] and _on(f) and f['ops'] is not None and fused_lacks(f['ops'], f['kind']),
-         lambda f: f"{f['name']('fuse')} off: {fused_lacks(f['ops'], f['kind'])} ({f['name']('ops')}); the steps run unfused", dict(fuse=False)),
+    Rule('fuse runs its ops', 'falls back', lambda f: f['fuse'] and _on(f) and f['ops'] is not None and fused_lacks(f['ops']),
+         lambda f: f"{f['name']('fuse')} off: {fused_lacks(f['ops'])} ({f['name']('ops')}); the steps run unfused", dict(fuse=False)),
     Rule('fuse is fp32 or tf32', 'refused', lambda f: f['fuse'] and f['precision'] == 'bf16',
          lambda f: f"{f['name']('fuse')} true runs its kernels in fp32 or tf32; {f['name']('precision')} bf16 autocasts the products, which they do not"),
     Rule('bf16 needs bfloat16', 'refused', lambda f: f['precision'] == 'bf16' and _on(f) and _bf16_missing(f['device']),

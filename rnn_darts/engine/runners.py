@@ -158,7 +158,7 @@ class Fused(Eager):
         if importlib.util.find_spec('triton') is None:
             raise ModuleNotFoundError("the fused step runs Triton kernels, and Triton is not installed: it comes with torch's CUDA wheels (pip install triton)")
         from rnn_darts.engine.plan import fused_lacks
-        lack = fused_lacks(cell.ops, cell.kind)
+        lack = fused_lacks(cell.ops)
         if lack: raise ValueError(f"the fused step: {lack}")
         super().__init__(True, inner.fused_loss)
         self.inner, self.tf32 = inner, tf32
