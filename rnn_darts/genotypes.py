@@ -13,14 +13,13 @@ from rnn_darts.ops import OPS, PAPER_OPS, ops_of
 from rnn_darts.folder import RunFolder
 
 # %% auto #0
-__all__ = ['Genotype', 'PRIMITIVES', 'STEPS', 'DARTS_V1', 'DARTS_V2', 'ENAS', 'GENOTYPES', 'primitives', 'check_genotype',
-           'cell_text', 'genotype_to_dict', 'save_genotype', 'genotype_from_dict', 'load_genotype', 'edge_slices',
-           'n_edges', 'nodes_of', 'derive_genotype', 'sample_genotype', 'cell_ops', 'check_in_space']
+__all__ = ['Genotype', 'PRIMITIVES', 'DARTS_V1', 'DARTS_V2', 'ENAS', 'GENOTYPES', 'primitives', 'check_genotype', 'cell_text',
+           'genotype_to_dict', 'save_genotype', 'genotype_from_dict', 'load_genotype', 'edge_slices', 'n_edges',
+           'nodes_of', 'derive_genotype', 'sample_genotype', 'cell_ops', 'check_in_space']
 
 # %% ../nbs/02_genotypes.ipynb #7b8c84fd
 Genotype = namedtuple('Genotype', 'recurrent concat')
 PRIMITIVES = ['none', *PAPER_OPS]   # α's columns in the paper's space: `none`, then its ops (`rnn_darts.ops`)
-STEPS = PAPER_NODES  # nodes of the search cell, by default (`--nodes`)
 
 def primitives(ops=PAPER_OPS) -> list:
     "α's columns for the op set `ops`: `none`, then the set in its order"
@@ -102,39 +101,39 @@ def load_genotype(src) -> Genotype:
     return genotype_from_dict(d, where)
 
 # %% ../nbs/02_genotypes.ipynb #5b8827c0
-def edge_slices(steps:int=STEPS):
+def edge_slices(nodes:int=PAPER_NODES):
     "The rows of α that belong to each node's incoming edges"
     res, start = [], 0
-    for i in range(steps): res.append(slice(start, start + i + 1)); start += i + 1
+    for i in range(nodes): res.append(slice(start, start + i + 1)); start += i + 1
     return res
 
-def n_edges(steps:int) -> int: return steps * (steps + 1) // 2
+def n_edges(nodes:int) -> int: return nodes * (nodes + 1) // 2
 
 def nodes_of(n_rows:int) -> int:
     "The nodes of a cell whose α has `n_rows` rows (edges: 1 + 2 + ... + nodes)"
-    steps = int(round((math.sqrt(8 * n_rows + 1) - 1) / 2))
-    if n_edges(steps) != n_rows: raise ValueError(f"{n_rows} weight rows is not 1+2+...+n for any n")
-    return steps
+    nodes = int(round((math.sqrt(8 * n_rows + 1) - 1) / 2))
+    if n_edges(nodes) != n_rows: raise ValueError(f"{n_rows} weight rows is not 1+2+...+n for any n")
+    return nodes
 
-def derive_genotype(weights, steps:int|None=None, concat=None, ops=PAPER_OPS) -> Genotype:
+def derive_genotype(weights, nodes:int|None=None, concat=None, ops=PAPER_OPS) -> Genotype:
     "The DARTS rule on mixing weights `weights` of shape (edges, 1 + ops): per node, the best non-`none` op on its best edge"
     w = torch.as_tensor(weights).detach().float().cpu()
-    steps = nodes_of(len(w)) if steps is None else steps
-    if tuple(w.shape) != (n_edges(steps), 1 + len(ops)):
-        raise ValueError(f"mixing weights of shape {tuple(w.shape)}: a cell of {steps} nodes over the ops {', '.join(ops)} has ({n_edges(steps)}, {1 + len(ops)})")
+    nodes = nodes_of(len(w)) if nodes is None else nodes
+    if tuple(w.shape) != (n_edges(nodes), 1 + len(ops)):
+        raise ValueError(f"mixing weights of shape {tuple(w.shape)}: a cell of {nodes} nodes over the ops {', '.join(ops)} has ({n_edges(nodes)}, {1 + len(ops)})")
     w, rec = w[:, 1:], []   # drop `none`
-    for sl in edge_slices(steps):
+    for sl in edge_slices(nodes):
         best, col = w[sl].max(dim=1)
         pred = int(best.argmax())
         rec.append((ops[int(col[pred])], pred))
-    return Genotype(tuple(rec), tuple(concat or range(1, steps + 1)))
+    return Genotype(tuple(rec), tuple(concat or range(1, nodes + 1)))
 
 # %% ../nbs/02_genotypes.ipynb #1c9775fa
-def sample_genotype(steps:int=STEPS, generator:torch.Generator|None=None, ops=PAPER_OPS) -> Genotype:
+def sample_genotype(nodes:int=PAPER_NODES, generator:torch.Generator|None=None, ops=PAPER_OPS) -> Genotype:
     "A cell drawn uniformly: each node one earlier node and one op of `ops`, independently; the mean of all nodes"
-    cols = torch.randint(1, 1 + len(ops), (steps,), generator=generator).tolist()
-    preds = [int(torch.randint(0, i + 1, (), generator=generator)) for i in range(steps)]
-    return Genotype(tuple((ops[o - 1], p) for o, p in zip(cols, preds)), tuple(range(1, steps + 1)))
+    cols = torch.randint(1, 1 + len(ops), (nodes,), generator=generator).tolist()
+    preds = [int(torch.randint(0, i + 1, (), generator=generator)) for i in range(nodes)]
+    return Genotype(tuple((ops[o - 1], p) for o, p in zip(cols, preds)), tuple(range(1, nodes + 1)))
 
 def cell_ops(g:Genotype) -> tuple:
     "The ops a cell runs, each once, in the order its nodes first use them"

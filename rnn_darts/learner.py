@@ -171,7 +171,7 @@ class PeakMemory(Callback):
         self.command, self.settings, self.rss0, self.since = command, settings, rss0, 'the fit began' if rss0 is None else 'the learner was made'
     def shapes(self) -> dict:
         "The settings the estimate reads, the cell's own node count among them"
-        return {**self.settings, 'nodes': getattr(getattr(self.model, 'cell', None), 'n_nodes', None) or self.settings.get('nodes')}
+        return {**self.settings, 'nodes': getattr(getattr(self.model, 'cell', None), 'nodes', None) or self.settings.get('nodes')}
     def before_fit(self):
         self.dev = self.model.flat.data.device
         try: self.estimate = check_memory(self.shapes(), self.model.ntoken, self.command, self.dev)
@@ -292,7 +292,7 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path=None, res
     rnd = c.mode == 'random'
     check_random(vars(c), given=lambda k: k in c.given and k not in c.read)   # a keyword here or the config's, not a preset's key
     n = _ntoken(dls, ntoken)
-    space = dict(steps=c.nodes, ops=c.ops)
+    space = dict(nodes=c.nodes, ops=c.ops)
     model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c), **space) if rnd else DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax, edge_norm=c.edge_norm, **space)
     learn, cg = _learner(dls, model, c, path or '.', device, 'search', plan)
     own = search_parts(c, search_dl, cg)
@@ -383,7 +383,7 @@ def _part_rows(model):
         if name == 'cell.block':
             c = model.cell
             rows += [('cell.W0 (input and state, all nodes)', tuple(c.W0.shape), c.W0.numel()),
-                     (f'cell.W1..W{c.n_nodes} (one per node)', (c.n_nodes, c.nhid, 2 * c.nhid), c.WhT.numel())]
+                     (f'cell.W1..W{c.nodes} (one per node)', (c.nodes, c.nhid, 2 * c.nhid), c.WhT.numel())]
         else: rows.append((name + (' (tied decoder)' if name == 'encoder.weight' else ''), tuple(p.shape), p.numel()))
     return rows
 

@@ -8,7 +8,7 @@ import math, warnings
 from contextlib import contextmanager
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
-from rnn_darts.genotypes import STEPS, Genotype, cell_ops, check_genotype, derive_genotype, edge_slices, n_edges
+from rnn_darts.genotypes import PAPER_NODES, Genotype, cell_ops, check_genotype, derive_genotype, edge_slices, n_edges
 from rnn_darts.ops import PAPER_OPS, op_fn, ops_of, mix_order, mixed_op
 from rnn_darts.engine.kernels import mm_t, fastest, linear, tanh, Deferred
 from rnn_darts.config import SearchConfig, TrainConfig, check_rules
@@ -43,12 +43,12 @@ class PackedCell(nn.Module):
     "Shared machinery: the packed weight `block`, its views, masks and the time loop; how its time steps run is a runner's (`rnn_darts.engine.runners`)"
     kind = 'derived'   # what the fused kernels run it as (`rnn_darts.engine.fused.RUNNERS`)
     init_op = 'tanh'   # s0's op (`init_state`), by name for the fused kernels
-    def __init__(self, ninp, nhid, n_nodes, dropoutx, dropouth, order=None):
+    def __init__(self, ninp, nhid, nodes, dropoutx, dropouth, order=None):
         super().__init__()
-        self.ninp, self.nhid, self.n_nodes, self.dropoutx, self.dropouth = ninp, nhid, n_nodes, dropoutx, dropouth
-        self.block = nn.Parameter(torch.empty((ninp + nhid) * 2 * nhid + nhid * n_nodes * 2 * nhid).uniform_(-0.04, 0.04))
+        self.ninp, self.nhid, self.nodes, self.dropoutx, self.dropouth = ninp, nhid, nodes, dropoutx, dropouth
+        self.block = nn.Parameter(torch.empty((ninp + nhid) * 2 * nhid + nhid * nodes * 2 * nhid).uniform_(-0.04, 0.04))
         # row-block position of each node's W_i inside WhT (derived cells order nodes by predecessor)
-        self.col = list(order) if order is not None else list(range(n_nodes))
+        self.col = list(order) if order is not None else list(range(nodes))
         self.runner = EAGER   # how its time steps run (`rnn_darts.engine.runners`): the execution plan's runner, set by the learners
 
     def __getstate__(self):   # a copy (a pickle, a deepcopy) runs what its runner can carry: compiled steps are this cell's own
@@ -60,7 +60,7 @@ class PackedCell(nn.Module):
         return self
 
     def W0_of(self, block): return block[:(self.ninp + self.nhid) * 2 * self.nhid].view(self.ninp + self.nhid, 2 * self.nhid)
-    def WhT_of(self, block): return block[(self.ninp + self.nhid) * 2 * self.nhid:].view(self.n_nodes * 2 * self.nhid, self.nhid)
+    def WhT_of(self, block): return block[(self.ninp + self.nhid) * 2 * self.nhid:].view(self.nodes * 2 * self.nhid, self.nhid)
     @property
     def W0(self): return self.W0_of(self.block)
     @property
@@ -121,9 +121,9 @@ class DartsCell(PackedCell):
     def use(self, genotype, ops=None):
         "Run `genotype` (of as many nodes; its ops of the set `ops`, if given) from the next forward on, with the same weights: node `i` multiplies by `W(i)`"
         g = check_genotype(genotype, ops=ops)
-        if len(g.recurrent) != self.n_nodes: raise ValueError(f"this cell has {self.n_nodes} nodes; the genotype has {len(g.recurrent)}")
+        if len(g.recurrent) != self.nodes: raise ValueError(f"this cell has {self.nodes} nodes; the genotype has {len(g.recurrent)}")
         self.genotype, self.acts = g, tuple(op_fn(op) for op, _ in g.recurrent)
-        self.kids = {p: [i for i in _by_predecessor(g) if g.recurrent[i - 1][1] == p] for p in range(self.n_nodes + 1)}
+        self.kids = {p: [i for i in _by_predecessor(g) if g.recurrent[i - 1][1] == p] for p in range(self.nodes + 1)}
         return self
 
     def kid_rows(self, kids, block=None):
@@ -138,7 +138,7 @@ class DartsCell(PackedCell):
 
     def step(self, xw_t, h, mh, ctx):
         W0hT, blocks = ctx
-        states = [self.init_state(xw_t, h, mh, W0hT)] + [None] * self.n_nodes
+        states = [self.init_state(xw_t, h, mh, W0hT)] + [None] * self.nodes
         n2 = 2 * self.nhid
         parents = [(p, kids) for p, kids in self.kids.items() if kids]   # a predecessor comes before its children
         for (p, kids), W in zip(parents, blocks):
@@ -187,16 +187,16 @@ class NodeNorm(nn.Module):
 class DartsCellSearch(PackedCell):
     "The DARTS search cell: every node mixes all earlier nodes through all the ops of its set `ops` (`rnn_darts.ops`)"
     kind = 'search'
-    def __init__(self, ninp, nhid, dropoutx=0., dropouth=0., steps=STEPS, ops=PAPER_OPS):
-        super().__init__(ninp, nhid, steps, dropoutx, dropouth)
+    def __init__(self, ninp, nhid, dropoutx=0., dropouth=0., nodes=PAPER_NODES, ops=PAPER_OPS):
+        super().__init__(ninp, nhid, nodes, dropoutx, dropouth)
         self.ops = ops_of(ops)
         self.order = mix_order(self.ops)   # the order `mixed_op` adds the ops in
         self.fns = tuple(op_fn(self.ops[k]) for k in self.order)
-        self.bn = NodeNorm(steps + 1, nhid)   # s0 and every node: their own running statistics
+        self.bn = NodeNorm(nodes + 1, nhid)   # s0 and every node: their own running statistics
         self.probs = None   # the mixing weights of a forward not given `probs` (a cell run on its own)
-        offs = [s.start for s in edge_slices(steps)]
-        # the rows of α by the node they leave (the fused kernels' order): node 0's edges towards nodes 1..steps, then node 1's, ...
-        self.register_buffer('leaving', torch.tensor([offs[i - 1] + j for j in range(steps) for i in range(j + 1, steps + 1)]), persistent=False)
+        offs = [s.start for s in edge_slices(nodes)]
+        # the rows of α by the node they leave (the fused kernels' order): node 0's edges towards nodes 1..n, then node 1's, ...
+        self.register_buffer('leaving', torch.tensor([offs[i - 1] + j for j in range(nodes) for i in range(j + 1, nodes + 1)]), persistent=False)
 
     def norm(self, s, i, update_stats=True):
         "Normalise node `i` (0 is s0); architecture passes (`update_stats=False`) leave the running statistics alone"
@@ -206,16 +206,16 @@ class DartsCellSearch(PackedCell):
         """Once per sequence: per node i, its matrix (its product takes i row blocks: its stacked predecessors); the mixing
         weights `probs` (edges, ops); and whether the steps update the normalisation's running statistics (not in
         architecture passes)"""
-        n2, steps = 2 * self.nhid, self.n_nodes
+        n2, nodes = 2 * self.nhid, self.nodes
         probs = self.probs if probs is None else probs
         if probs is None: raise ValueError("the search cell mixes its ops by `probs` (edges, ops): pass probs=... (the model passes softmax(α))")
         WhT = self.WhT_of(self.block if block is None else block)
-        return (*super().per_sequence(block), tuple(Deferred(WhT[i * n2:(i + 1) * n2], i + 1) for i in range(steps)), probs, update_stats)
+        return (*super().per_sequence(block), tuple(Deferred(WhT[i * n2:(i + 1) * n2], i + 1) for i in range(nodes)), probs, update_stats)
 
     def prepare(self, ctx):
         "Per node i, the weights of its incoming edges (each op's (i, 1, 1), in `mixed_op`'s order) and their non-`none` sum"
         W0hT, Ws, probs, update_stats = ctx
-        w = [p.t()[1:, :, None, None] for p in probs.split(list(range(1, self.n_nodes + 1)))]
+        w = [p.t()[1:, :, None, None] for p in probs.split(list(range(1, self.nodes + 1)))]
         by_op = [p.unbind(0) for p in w]   # one view per op, in one operator (not one `select` each: ~5% more operators per step)
         return W0hT, Ws, tuple(tuple(p[k] for k in self.order) for p in by_op), tuple(p.sum(0) for p in w), update_stats
 
@@ -232,7 +232,7 @@ class DartsCellSearch(PackedCell):
             s = self.norm(term.sum(0), i, update_stats)
             states.append(s)
             total = total + s
-        return total / self.n_nodes
+        return total / self.nodes
 
 # %% ../nbs/03_model.ipynb #b8e14b6d
 class LanguageModel(FlatModule):
@@ -327,16 +327,16 @@ class DartsRnn(LanguageModel):
 class DartsRnnSearch(LanguageModel):
     "A language model around the DARTS search cell, with architecture parameters α (edges × ops)"
     def __init__(self, ntoken, emsize=_S.emsize, nhid=_S.nhid, dropout=_S.dropout, dropouth=_S.dropouth, dropoutx=_S.dropoutx,
-                 dropouti=_S.dropouti, dropoute=_S.dropoute, steps=STEPS, relax=_S.relax, ops=PAPER_OPS, edge_norm=False):
+                 dropouti=_S.dropouti, dropoute=_S.dropoute, nodes=PAPER_NODES, relax=_S.relax, ops=PAPER_OPS, edge_norm=False):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
-        check_positive('steps', steps)
+        check_positive('nodes', nodes)
         if relax not in RELAXATION_CLASSES: raise ValueError(f"relax must be one of {', '.join(map(repr, RELAXATION_CLASSES))}, got {relax!r}")
-        cell = DartsCellSearch(emsize, nhid, dropoutx, dropouth, steps, ops)
+        cell = DartsCellSearch(emsize, nhid, dropoutx, dropouth, nodes, ops)
         super().__init__(ntoken, emsize, nhid, cell, dropout, dropouti, dropoute)
-        self.steps, self.ops, self.relax, self.relaxation = steps, cell.ops, relax, RELAXATION_CLASSES[relax](steps, 1 + len(cell.ops))
-        self.edge_norm = EdgeNorm(steps) if edge_norm else None
+        self.nodes, self.ops, self.relax, self.relaxation = nodes, cell.ops, relax, RELAXATION_CLASSES[relax](nodes, 1 + len(cell.ops))
+        self.edge_norm = EdgeNorm(nodes) if edge_norm else None
         # edges × (`none`, the ops; with edge normalisation, then β): one tensor, so every α step, its Adam and its graphs move β too
-        self.alpha = nn.Parameter(1e-3 * torch.randn(n_edges(steps), 1 + len(self.ops) + bool(edge_norm)))
+        self.alpha = nn.Parameter(1e-3 * torch.randn(n_edges(nodes), 1 + len(self.ops) + bool(edge_norm)))
         if self.relaxation.tau is not None: self.register_buffer('tau', torch.tensor(1.))   # set each epoch by `Temperature`
         self.mixing_hook = None   # while set, a function of the mixing weights that replaces them (SDARTS's perturbation, DARTS-PT's projection)
         self.flatten_()
@@ -369,26 +369,26 @@ class DartsRnnSearch(LanguageModel):
     def cell_inputs(self, update_stats=True, stream=None): return dict(probs=self.mixing_weights(stream), update_stats=update_stats)
     def genotype(self) -> Genotype:
         "The DARTS rule applied to the current mixing weights (under edge normalisation, PC-DARTS's: each edge ranked by its weight times its op's)"
-        return derive_genotype(self.arch_weights(), self.steps, ops=self.ops)
+        return derive_genotype(self.arch_weights(), self.nodes, ops=self.ops)
 
 class DartsRnnShared(LanguageModel):
     "The search space with weight sharing (random search, Li & Talwalkar 2019): the search cell's matrices, one per node, running one discrete cell of the op set `ops` at a time (`use`)"
     draws_cells = True   # another cell every batch: the execution plan runs it eager
     def __init__(self, ntoken, emsize=_S.emsize, nhid=_S.nhid, dropout=_S.dropout, dropouth=_S.dropouth, dropoutx=_S.dropoutx,
-                 dropouti=_S.dropouti, dropoute=_S.dropoute, steps=STEPS, ops=PAPER_OPS):
+                 dropouti=_S.dropouti, dropoute=_S.dropoute, nodes=PAPER_NODES, ops=PAPER_OPS):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
-        check_positive('steps', steps)
+        check_positive('nodes', nodes)
         ops = ops_of(ops)
-        chain = Genotype(tuple((ops[0], i) for i in range(steps)), tuple(range(1, steps + 1)))   # until the first `use`
+        chain = Genotype(tuple((ops[0], i) for i in range(nodes)), tuple(range(1, nodes + 1)))   # until the first `use`
         super().__init__(ntoken, emsize, nhid, DartsCell(emsize, nhid, chain, dropoutx, dropouth, shared=True), dropout, dropouti, dropoute)
-        self.steps, self.ops = steps, ops
+        self.nodes, self.ops = nodes, ops
         self.flatten_()
 
     def genotype(self) -> Genotype:
         "The cell the next forward runs"
         return self.cell.genotype
     def use(self, genotype):
-        "Run `genotype` (of `steps` nodes, its ops of the set) from the next forward on"
+        "Run `genotype` (its `nodes` nodes, its ops of the set) from the next forward on"
         self.cell.use(genotype, self.ops)
         return self
 

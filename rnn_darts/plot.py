@@ -252,9 +252,9 @@ def alpha_matrix(history, epoch:int=-1) -> np.ndarray:
     "The mixing weights of `epoch` (an epoch number, or a negative index from the end) as an (edges, ops) array"
     return np.asarray(_entry(load_history(history), epoch)['weights'], dtype=float)
 
-def edge_names(steps:int) -> list:
+def edge_names(nodes:int) -> list:
     "Row labels of the weight matrix: 'node←pred'"
-    return [f"{i}←{p}" for i in range(1, steps + 1) for p in range(i)]
+    return [f"{i}←{p}" for i in range(1, nodes + 1) for p in range(i)]
 
 # %% ../nbs/09_plot.ipynb #7dd70bf7
 def plot_alphas(history, epoch:int=-1, path=None):
@@ -263,7 +263,7 @@ def plot_alphas(history, epoch:int=-1, path=None):
     h = _entry(history, epoch)
     w = np.asarray(h['weights'], dtype=float)
     cols = primitives(entry_ops(h))
-    steps = nodes_of(len(w)); ops = cols if w.shape[1] == len(cols) else list(range(w.shape[1]))
+    nodes = nodes_of(len(w)); ops = cols if w.shape[1] == len(cols) else list(range(w.shape[1]))
     gens = [entry_genotype(e) for e in history]
     right = max(2.5, 0.3 * len(history))
     fig = _figure(4.5 + right + 2, max(6, 0.24 * len(w) + 1.5))
@@ -272,11 +272,11 @@ def plot_alphas(history, epoch:int=-1, path=None):
     lo, hi = float(w.min()), float(w.max())
     if hi - lo < 1e-6: lo, hi = lo - 0.005, hi + 0.005   # uniform weights (epoch 0): a visible range around them
     im = ax.imshow(w, aspect='auto', cmap='viridis', vmin=lo, vmax=hi, interpolation='nearest')   # colours span the data, not 0–1
-    ax.set_xticks(range(len(ops)), ops, rotation=30); ax.set_yticks(range(len(w)), edge_names(steps), fontsize=7)
-    for sl in edge_slices(steps)[:-1]: ax.axhline(sl.stop - 0.5, color='white', lw=1.2)
+    ax.set_xticks(range(len(ops)), ops, rotation=30); ax.set_yticks(range(len(w)), edge_names(nodes), fontsize=7)
+    for sl in edge_slices(nodes)[:-1]: ax.axhline(sl.stop - 0.5, color='white', lw=1.2)
     g = entry_genotype(h)
     for i, (op, pred) in enumerate(g.recurrent):
-        if op in ops: ax.add_patch(Rectangle((ops.index(op) - 0.5, edge_slices(steps)[i].start + pred - 0.5), 1, 1,
+        if op in ops: ax.add_patch(Rectangle((ops.index(op) - 0.5, edge_slices(nodes)[i].start + pred - 0.5), 1, 1,
                                              fill=False, ec='red', lw=2))
     if len(w) <= 45:
         for r in range(len(w)):

@@ -19,18 +19,18 @@ from rnn_darts.callbacks.epochs import in_lr_find
 __all__ = ['node_pairs_of', 'project', 'without', 'decided_genotype', 'select_pt', 'PtSelection']
 
 # %% ../nbs/15a_pt_select.ipynb #168efe34
-def node_pairs_of(node:int, steps:int, columns:int=len(PRIMITIVES)) -> list:
+def node_pairs_of(node:int, nodes:int, columns:int=len(PRIMITIVES)) -> list:
     "(edge row of α, op column) of node `node`'s (predecessor, op ≠ none) pairs, α's rows `columns` wide (`none`, then the ops)"
-    sl = edge_slices(steps)[node]
+    sl = edge_slices(nodes)[node]
     return [(e, k) for e in range(sl.start, sl.stop) for k in range(1, columns)]
 
-def project(w, decided:dict, steps:int):
+def project(w, decided:dict, nodes:int):
     "Mixing weights `w` (edges, ops) with each decided node's rows replaced by the one-hot of its pair (`decided`: node -> (edge, op))"
     if not decided: return w
     keep = torch.ones_like(w)
     hot = torch.zeros_like(w)
     for node, (e, k) in decided.items():
-        keep[edge_slices(steps)[node]] = 0
+        keep[edge_slices(nodes)[node]] = 0
         hot[e, k] = 1
     return w * keep + hot
 
@@ -40,9 +40,9 @@ def without(w, e:int, k:int):
     mask[e, k] = 0
     return w * mask
 
-def decided_genotype(decided:dict, steps:int, ops=PAPER_OPS) -> Genotype:
+def decided_genotype(decided:dict, nodes:int, ops=PAPER_OPS) -> Genotype:
     "The cell of fully decided nodes: each node's op and predecessor"
-    return Genotype(tuple((ops[decided[i][1] - 1], decided[i][0] - edge_slices(steps)[i].start) for i in range(steps)), tuple(range(1, steps + 1)))
+    return Genotype(tuple((ops[decided[i][1] - 1], decided[i][0] - edge_slices(nodes)[i].start) for i in range(nodes)), tuple(range(1, nodes + 1)))
 
 # %% ../nbs/15a_pt_select.ipynb #03a87f3e
 def _tune(learn, batches, hook, tune:int):
@@ -65,30 +65,30 @@ def select_pt(learn, tune:int|None=None, seed:int|None=None, show:bool=True) -> 
     (predecessor, op) pair whose removal raises the validation loss most, with `tune` batches of fine-tuning (default:
     one epoch's) after each decision. Returns the cell and the record (decisions, seconds); the supernet runs the cell after"""
     m, vdl, c = learn.model, learn.dls.valid, learn.config
-    steps, cols, t0 = m.steps, primitives(m.ops), time.time()
+    nodes, cols, t0 = m.nodes, primitives(m.ops), time.time()
     tune = len(learn.dls.train) if tune is None else tune
     ids = vdl.data.reshape(-1)
     data = batchify(ids, max(1, min(SCREEN_ROWS, len(ids) // (vdl.bptt + 1))), 'the DARTS-PT pass')
     decided, record, batches = {}, [], _train_batches(learn)
     with torch.random.fork_rng(devices=[m.alpha.device] if m.alpha.is_cuda else []):
         torch.manual_seed(c.seed if seed is None else seed)
-        order = torch.randperm(steps).tolist()
+        order = torch.randperm(nodes).tolist()
         try:
             for node in order:
                 m.eval()
                 losses = {}
-                for e, k in node_pairs_of(node, steps, len(cols)):
-                    m.mixing_hook = lambda w, e=e, k=k: without(project(w, decided, steps), e, k)
+                for e, k in node_pairs_of(node, nodes, len(cols)):
+                    m.mixing_hook = lambda w, e=e, k=k: without(project(w, decided, nodes), e, k)
                     losses[(e, k)] = float(stream_loss(m, data, vdl.bptt))
                 e, k = max(losses, key=lambda p: (losses[p], -p[0], -p[1]))
                 decided[node] = (e, k)
-                record.append(dict(node=node + 1, predecessor=e - edge_slices(steps)[node].start, op=cols[k], loss_without=losses[(e, k)]))
+                record.append(dict(node=node + 1, predecessor=e - edge_slices(nodes)[node].start, op=cols[k], loss_without=losses[(e, k)]))
                 if show and not rank_distrib(): print(f"DARTS-PT: node {node + 1} keeps {cols[k]}({record[-1]['predecessor']}): "
                                                       f"without it the validation loss is {losses[(e, k)]:.4f}", flush=True)
-                if len(decided) < steps and tune: _tune(learn, batches, lambda w: project(w, decided, steps), tune)
-        finally: m.mixing_hook = lambda w: project(w, decided, steps)
+                if len(decided) < nodes and tune: _tune(learn, batches, lambda w: project(w, decided, nodes), tune)
+        finally: m.mixing_hook = lambda w: project(w, decided, nodes)
     m.eval()
-    return decided_genotype(decided, steps, m.ops), dict(decisions=record, tune=tune, seconds=time.time() - t0)
+    return decided_genotype(decided, nodes, m.ops), dict(decisions=record, tune=tune, seconds=time.time() - t0)
 
 # %% ../nbs/15a_pt_select.ipynb #0354c4e4
 class PtSelection(Callback):

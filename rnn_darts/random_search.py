@@ -28,16 +28,16 @@ def default_candidates(n_batches:int) -> int:
     "The reference's number of cells to score after `n_batches` training batches: 1,000 per 10,000, here at least 100"
     return max(100, n_batches // 10)
 
-def space_size(steps:int, ops=PAPER_OPS) -> int:
-    "How many cells of `steps` nodes there are: an op of `ops` and one earlier node for each"
-    return len(ops) ** steps * math.factorial(steps)
+def space_size(nodes:int, ops=PAPER_OPS) -> int:
+    "How many cells of `nodes` nodes there are: an op of `ops` and one earlier node for each"
+    return len(ops) ** nodes * math.factorial(nodes)
 
-def draw_candidates(n:int, steps:int, seed:int, ops=PAPER_OPS) -> list:
+def draw_candidates(n:int, nodes:int, seed:int, ops=PAPER_OPS) -> list:
     "`n` distinct cells of the ops `ops` drawn uniformly (`sample_genotype`) from a generator seeded with `seed`"
-    if n > space_size(steps, ops): raise ValueError(f"candidates ({n}) exceeds the {space_size(steps, ops)} cells of {steps} nodes")
+    if n > space_size(nodes, ops): raise ValueError(f"candidates ({n}) exceeds the {space_size(nodes, ops)} cells of {nodes} nodes")
     gen, seen, res = torch.Generator().manual_seed(seed), set(), []
     while len(res) < n:
-        g = sample_genotype(steps, gen, ops)
+        g = sample_genotype(nodes, gen, ops)
         if g not in seen: seen.add(g); res.append(g)
     return res
 
@@ -108,7 +108,7 @@ def choose_cell(learn, candidates:int|None=None, top:int|None=None, show:bool=Tr
     if st and writer: print(f"{prog}: continuing the scoring ({len(scr)} of {n} cells screened, {len(full)} of {top} in full)")
     def save():
         if writer: write_json_atomic(dict(key=key, screen=scr, full=full), prog); hold_at(f"{folder.path.name} scores saved")   # the kill tests' hold
-    cells, training, t0 = draw_candidates(n, model.steps, rnd.seed + 2, model.ops), model.training, time.time()
+    cells, training, t0 = draw_candidates(n, model.nodes, rnd.seed + 2, model.ops), model.training, time.time()
     show = show and writer
     if show: print(f"scoring {n} cells with the shared weights: all on the valid split in {screen.shape[0]} rows of "
                    f"{screen.shape[1]} tokens, then the best {top} on the full split ({vdl.data.shape[0]} rows)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import torch, torch.nn.functional as F
 from torch.distributions import Dirichlet, kl_divergence
-from rnn_darts.genotypes import PRIMITIVES, STEPS, edge_slices
+from rnn_darts.genotypes import PRIMITIVES, PAPER_NODES, edge_slices
 from rnn_darts.config import TAU
 
 # %% auto #0
@@ -31,16 +31,16 @@ def straight_through(soft, dim=-1):
     return one_hot_argmax(soft.detach(), dim) - soft.detach() + soft
 
 # %% ../nbs/03d_relax.ipynb #c8e1f4f2
-def node_pairs(steps:int=STEPS, columns:int=len(PRIMITIVES)) -> torch.Tensor:
+def node_pairs(nodes:int=PAPER_NODES, columns:int=len(PRIMITIVES)) -> torch.Tensor:
     "(nodes, width) indices into α.flatten() (`columns` a row: `none` and the ops) of each node's (incoming edge, op ≠ none) pairs, padded with −1"
     k = columns
-    rows = [[e * k + o for e in range(sl.start, sl.stop) for o in range(1, k)] for sl in edge_slices(steps)]
+    rows = [[e * k + o for e in range(sl.start, sl.stop) for o in range(1, k)] for sl in edge_slices(nodes)]
     width = max(map(len, rows))
     return torch.tensor([r + [-1] * (width - len(r)) for r in rows])
 
-def node_edges(steps:int=STEPS) -> torch.Tensor:
+def node_edges(nodes:int=PAPER_NODES) -> torch.Tensor:
     "(nodes, nodes) indices of each node's incoming edges (α's rows), padded with −1"
-    return torch.tensor([list(range(sl.start, sl.stop)) + [-1] * (steps - sl.stop + sl.start) for sl in edge_slices(steps)])
+    return torch.tensor([list(range(sl.start, sl.stop)) + [-1] * (nodes - sl.stop + sl.start) for sl in edge_slices(nodes)])
 
 class NodeTable:
     "A (nodes, width) index table into a tensor's flattened entries (`node_pairs`, `node_edges`) and its `pair_slots`, moved to the tensor's device once, at the first forward (eager, before any capture)"
@@ -67,7 +67,7 @@ def from_nodes(w, slots, like):
 class Relaxation:
     "Softmax over each edge's ops (DARTS): the base of all relaxations, deterministic"
     name, tau, stochastic = 'softmax', None, False   # tau: the paper's (first, last) temperature, if it has one
-    def __init__(self, steps:int=STEPS, columns:int=len(PRIMITIVES)): self.steps, self.columns = steps, columns
+    def __init__(self, nodes:int=PAPER_NODES, columns:int=len(PRIMITIVES)): self.nodes, self.columns = nodes, columns
     def probs(self, alpha): return F.softmax(alpha, dim=-1)
     def sample(self, alpha, tau=None, noise=None): return self.probs(alpha)
     def evaluate(self, alpha): return self.probs(alpha)
@@ -83,9 +83,9 @@ class Sigmoid(Relaxation):
 class Gdas(Relaxation):
     "GDAS: per node, a Gumbel-max one-hot over its (predecessor, op ≠ none) pairs, the Gumbel-softmax gradient at τ"
     name, tau, stochastic = 'gdas', TAU['gdas'], True
-    def __init__(self, steps:int=STEPS, columns:int=len(PRIMITIVES)):
-        super().__init__(steps, columns)
-        self.table = NodeTable(node_pairs(steps, columns))
+    def __init__(self, nodes:int=PAPER_NODES, columns:int=len(PRIMITIVES)):
+        super().__init__(nodes, columns)
+        self.table = NodeTable(node_pairs(nodes, columns))
     def _on(self, alpha): return self.table.on(alpha)
     def noise_shape(self, alpha): return tuple(self.table.pairs.shape)
     def probs(self, alpha):
@@ -121,7 +121,7 @@ RELAXATION_CLASSES = {r.name: r for r in (Relaxation, Sigmoid, Gdas, Snas, Drnas
 class EdgeNorm:
     """PC-DARTS's edge normalisation (Xu et al., ICLR 2020, their β): per node, softmax weights over its incoming edges
     from β, one per edge; a node's edges are multiplied by them, whatever mixes the ops on each"""
-    def __init__(self, steps:int=STEPS): self.table = NodeTable(node_edges(steps))
+    def __init__(self, nodes:int=PAPER_NODES): self.table = NodeTable(node_edges(nodes))
     def weights(self, beta):
         "Each edge's weight (edges,): the softmax of β over the edges that enter its node"
         pairs, slots = self.table.on(beta)

@@ -9,7 +9,7 @@ imports it from here; it is not part of the installed package.
 """
 import math
 import torch, torch.nn as nn, torch.nn.functional as F
-from rnn_darts.genotypes import PRIMITIVES, STEPS
+from rnn_darts.genotypes import PRIMITIVES, PAPER_NODES
 from rnn_darts.ops import PAPER_OPS
 from rnn_darts.model import DartsRnnSearch, NodeNorm
 from rnn_darts.engine.bench import STEP
@@ -56,11 +56,12 @@ def run_plain(step, x, h):
 
 class PlainSearchRnn(nn.Module):
     "The DARTS search language model written per edge and per op, with its parameters kept separate"
-    def __init__(self, ntoken, nhid, dropout=0., dropouth=0., dropoutx=0., dropouti=0., dropoute=0., steps=STEPS):
+    def __init__(self, ntoken, nhid, dropout=0., dropouth=0., dropoutx=0., dropouti=0., dropoute=0., nodes=PAPER_NODES):
         super().__init__()
         self.args = dict(ntoken=ntoken, nhid=nhid, dropout=dropout, dropouth=dropouth, dropoutx=dropoutx,
-                         dropouti=dropouti, dropoute=dropoute, steps=steps)
-        self.ntoken, self.nhid, self.steps = ntoken, nhid, steps
+                         dropouti=dropouti, dropoute=dropoute, nodes=nodes)
+        self.ntoken, self.nhid, self.steps = ntoken, nhid, nodes   # the original's name for the nodes
+        steps = nodes
         self.dropout, self.dropouth, self.dropoutx, self.dropouti, self.dropoute = dropout, dropouth, dropoutx, dropouti, dropoute
         self.encoder = nn.Embedding(ntoken, nhid)
         nn.init.uniform_(self.encoder.weight, -0.04, 0.04)
@@ -123,11 +124,11 @@ def plain_from(model: DartsRnnSearch) -> PlainSearchRnn:
     "A `PlainSearchRnn` with `model`'s weights, α, BatchNorm statistics and dropouts"
     c = model.cell
     p = PlainSearchRnn(model.ntoken, model.nhid, model.dropout, c.dropouth, c.dropoutx, model.dropouti, model.dropoute,
-                       model.steps).to(device=model.alpha.device, dtype=model.alpha.dtype).train(model.training)
+                       model.nodes).to(device=model.alpha.device, dtype=model.alpha.dtype).train(model.training)
     with torch.no_grad():
         p.encoder.weight.copy_(model.encoder.weight); p.decoder_bias.copy_(model.decoder_bias)
         p.W0.copy_(c.W0)
-        for i in range(1, model.steps + 1): p.Ws[i - 1].copy_(c.W(i))
+        for i in range(1, model.nodes + 1): p.Ws[i - 1].copy_(c.W(i))
         p.alpha.copy_(model.alpha)
         p.bn.load_state_dict(c.bn.state_dict())
     return p

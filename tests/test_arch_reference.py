@@ -13,7 +13,7 @@ import json, math
 from pathlib import Path
 import pytest, torch
 from fastai.callback.core import Callback, CancelFitException
-from rnn_darts.genotypes import PRIMITIVES, STEPS, edge_slices
+from rnn_darts.genotypes import PRIMITIVES, PAPER_NODES, edge_slices
 from tests._reference import plain_from, plain_hypergrad_first, plain_hypergrad_second
 from tests._learners import tiny_learner, NODROP
 
@@ -112,7 +112,7 @@ def test_adam_sees_gradients_larger_than_the_clip():
 def reference_genotype(weights):
     "The DARTS rule, written out: per node, among its incoming edges the one whose best non-`none` op weighs most, and that op"
     rec = []
-    for i, sl in enumerate(edge_slices(STEPS), 1):
+    for i, sl in enumerate(edge_slices(PAPER_NODES), 1):
         best = max(((w, j, k) for j, row in enumerate(weights[sl]) for k, w in enumerate(row) if PRIMITIVES[k] != 'none'))
         rec.append([PRIMITIVES[best[2]], best[1]])
     return rec

@@ -47,21 +47,21 @@ def test_the_fused_step_equals_the_eager_step(n, bs, dtype, genotype, device):
     for a, b, what in zip(*res, ('output', 'input', 'state', 'weights')):
         torch.testing.assert_close(a, b, **tol, msg=what)
 
-def search_fused_and_eager(n, bs, dtype, steps, update, masked=True, ops=PAPER_OPS, edge_norm=False):
+def search_fused_and_eager(n, bs, dtype, nodes, update, masked=True, ops=PAPER_OPS, edge_norm=False):
     """The search cell's fused step and its eager one (`DartsCellSearch.step`) from the same input, state, mask, weights,
     mixing weights (softmax(α), under edge normalisation times each edge's weight from β, as the model makes them) and
     running statistics: outputs, gradients of a random loss (the weights' from the tap; the mixing weights', α's, β's)
     and the running statistics after"""
     torch.manual_seed(0)
-    c = DartsCellSearch(n, n, steps=steps, ops=ops).to(dtype).train()
+    c = DartsCellSearch(n, n, nodes=nodes, ops=ops).to(dtype).train()
     c.bn.running_mean.normal_(); c.bn.running_var.uniform_(0.5, 2)
     ref_cell = copy.deepcopy(c)
-    alpha = torch.randn(steps * (steps + 1) // 2, 1 + len(ops), dtype=dtype, requires_grad=True)
+    alpha = torch.randn(nodes * (nodes + 1) // 2, 1 + len(ops), dtype=dtype, requires_grad=True)
     beta = torch.randn(alpha.shape[0], dtype=dtype, requires_grad=edge_norm)
-    probs = torch.softmax(alpha, -1) * (EdgeNorm(steps).weights(beta)[:, None] if edge_norm else 1)
+    probs = torch.softmax(alpha, -1) * (EdgeNorm(nodes).weights(beta)[:, None] if edge_norm else 1)
     leaving = probs[c.leaving]   # the fused step's order of the edges: by the node they leave
     W = torch.cat([c.W0[n:].t(), c.WhT]).detach().requires_grad_()
-    starts = [0] + [2 * n * (j + 1) for j in range(steps)]
+    starts = [0] + [2 * n * (j + 1) for j in range(nodes)]
     ws = [W[:2 * n]] + [W[s:] for s in starts[1:]]   # W0hT, then each node's downstream matrices
     xw, h = torch.randn(bs, 2 * n, dtype=dtype, requires_grad=True), torch.randn(bs, n, dtype=dtype, requires_grad=True)
     mh = torch.bernoulli(torch.full((bs, n), 0.75, dtype=dtype)) / 0.75 if masked else None
@@ -73,24 +73,24 @@ def search_fused_and_eager(n, bs, dtype, steps, update, masked=True, ops=PAPER_O
     ends = torch.tensor([0] + [w.shape[0] for w in ws]).cumsum(0).tolist()
     gW = torch.zeros_like(W)
     for k, (s, a, b) in enumerate(zip(starts, ends[:-1], ends[1:])): gW[s:s + b - a] += gtap[:, a:b].t() @ A[k]
-    nodes = tuple(W[2 * n * i:2 * n * (i + 1)] for i in range(1, steps + 1))   # the eager step's weights: each node's matrix
-    ref = ref_cell.step(xw, h, mh, ref_cell.prepare((ws[0], nodes, leaving[torch.argsort(c.leaving)], update)))   # by edge
+    node_ws = tuple(W[2 * n * i:2 * n * (i + 1)] for i in range(1, nodes + 1))   # the eager step's weights: each node's matrix
+    ref = ref_cell.step(xw, h, mh, ref_cell.prepare((ws[0], node_ws, leaving[torch.argsort(c.leaving)], update)))   # by edge
     stats = lambda cell: [cell.bn.running_mean, cell.bn.running_var, cell.bn.num_batches_tracked]
     return (out, gx, gh, gW, *gmix, *stats(c)), (ref, *torch.autograd.grad(ref, [xw, h, W, *mixing], g), *stats(ref_cell))
 
 SPACE = dict(ops=OTHER_OPS, edge_norm=True)   # 6 ops, none of the paper's but identity, with β; 5 nodes below
 
-@pytest.mark.parametrize('n, bs, dtype, steps, update, masked, space, device', [
+@pytest.mark.parametrize('n, bs, dtype, nodes, update, masked, space, device', [
     (8, 5, torch.float64, 4, True, True, {}, 'cpu'), (40, 19, torch.float32, 2, False, False, {}, 'cpu'), (8, 5, torch.float64, 5, True, True, SPACE, 'cpu'),
     pytest.param(40, 19, torch.float32, 3, True, True, {}, 'cuda', marks=pytest.mark.gpu),
     pytest.param(40, 19, torch.float32, 5, True, True, SPACE, 'cuda', marks=pytest.mark.gpu)])
-def test_the_fused_search_step_equals_the_eager_step(n, bs, dtype, steps, update, masked, space, device):
+def test_the_fused_search_step_equals_the_eager_step(n, bs, dtype, nodes, update, masked, space, device):
     """The search cell's output, ∂/∂input, ∂/∂state, the weights' gradient (through the tap), the mixing weights', α's
     (and β's, edge-normalised) and the normalisation's running statistics (updated, or left alone in an architecture
     pass) against the eager step, with a dropout mask and without, for the paper's space and for 6 other ops, 5 nodes
     and β. nhid 40 and bs 19: two tiles of columns with masked edges, and the batch statistics over two blocks of rows"""
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)   # float32: the mixing weights sum bs·nhid terms
-    with torch.device(device): res = search_fused_and_eager(n, bs, dtype, steps, update, masked, **space)
+    with torch.device(device): res = search_fused_and_eager(n, bs, dtype, nodes, update, masked, **space)
     names = ('output', 'input', 'state', 'weights', 'mixing weights', 'α') + ('β',) * bool(space.get('edge_norm'))
     assert len(res[0]) == len(names) + 3
     for a, b, what in zip(*res, names + ('running mean', 'running var', 'batches'), strict=True):
@@ -121,8 +121,8 @@ def test_an_op_without_triton_forms_is_named(cube):
     assert fused_lacks(('tanh', 'cube', 'gelu')) == "the fused kernels have no Triton form of cube"
     assert fused_lacks(OTHER_OPS) is None and fused_lacks(PAPER_OPS) is None
     with pytest.raises(ValueError, match='the fused step: the fused kernels have no Triton form of cube'):
-        Fused(DartsCellSearch(8, 8, steps=2, ops=('relu', 'cube')))
-    m = DartsRnnShared(30, 8, 8, steps=2, ops=('relu', 'cube'))
+        Fused(DartsCellSearch(8, 8, nodes=2, ops=('relu', 'cube')))
+    m = DartsRnnShared(30, 8, 8, nodes=2, ops=('relu', 'cube'))
     m.runner = Fused(m.cell)   # its first cell: relu only
     m.use(Genotype((('cube', 0), ('relu', 1)), (1, 2)))
     assert fused.derived_runner(m.cell, m.cell.per_sequence()) is None
@@ -186,8 +186,8 @@ def test_every_launch_compiles_for_a_gpu(cell, monkeypatch):
         assert 'ptx' in triton.compile(src, target=GPUTarget('cuda', 90, 32)).asm, name
 
 MODELS = dict(derived=lambda **d: DartsRnn(30, DARTS_V2, 8, 8, **d), shared=lambda **d: DartsRnnShared(30, 8, 8, **d).use(DARTS_V1),
-              search=lambda **d: DartsRnnSearch(30, 8, 8, steps=3, **d),
-              search_space=lambda **d: DartsRnnSearch(30, 8, 8, steps=5, ops=OTHER_OPS, edge_norm=True, **d))
+              search=lambda **d: DartsRnnSearch(30, 8, 8, nodes=3, **d),
+              search_space=lambda **d: DartsRnnSearch(30, 8, 8, nodes=5, ops=OTHER_OPS, edge_norm=True, **d))
 
 @pytest.mark.slow
 @pytest.mark.parametrize('kind', list(MODELS))
@@ -231,7 +231,7 @@ def test_a_fused_time_step_is_few_kernels(kind, per_step):
     profiled ranges, from 3 to 6 time steps. 12 s: the profiler records every operation of the interpreted kernels"""
     from rnn_darts.engine.bench import launch_count, weight_step
     torch.manual_seed(0)
-    m = (DartsRnn(30, DARTS_V2, 8, 8) if kind == 'derived' else DartsRnnSearch(30, 8, 8, steps=2)).train()
+    m = (DartsRnn(30, DARTS_V2, 8, 8) if kind == 'derived' else DartsRnnSearch(30, 8, 8, nodes=2)).train()
     m.runner = Fused(m.cell)
     def count(T):
         x, y = torch.randint(0, 30, (4, T)), torch.randint(0, 30, (4, T))

@@ -2,7 +2,7 @@
 import copy, gc, math, tempfile
 from pathlib import Path
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
-from rnn_darts.genotypes import PRIMITIVES, STEPS, DARTS_V1, DARTS_V2, ENAS, Genotype
+from rnn_darts.genotypes import PRIMITIVES, PAPER_NODES, DARTS_V1, DARTS_V2, ENAS, Genotype
 from rnn_darts.ops import PAPER_OPS
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsCell, DartsCellSearch
 from rnn_darts.flat import FlatParams, FlatModule
@@ -21,14 +21,14 @@ COMPILED_STEPS = 3   # the cell of the tests that compile with Inductor (compile
 
 def batch_bn(s): return F.batch_norm(s, None, None, training=True, eps=1e-5)
 
-SPACES = [(PAPER_OPS, STEPS), (('tanh', 'gelu', 'identity', 'silu', 'relu'), 3)]   # the paper's; other ops (identity not first), 3 nodes
+SPACES = [(PAPER_OPS, PAPER_NODES), (('tanh', 'gelu', 'identity', 'silu', 'relu'), 3)]   # the paper's; other ops (identity not first), 3 nodes
 
 @pytest.mark.parametrize('training', [False, True])
 @pytest.mark.parametrize('ops,steps', SPACES)
 def test_search_cell_equals_plain(training, ops, steps):
     torch.manual_seed(0)
     ninp = nhid = 6; bs, T = 5, 4
-    cell = DartsCellSearch(ninp, nhid, dropoutx=0.3, dropouth=0.4, steps=steps, ops=ops).train(training)
+    cell = DartsCellSearch(ninp, nhid, dropoutx=0.3, dropouth=0.4, nodes=steps, ops=ops).train(training)
     probs = F.softmax(torch.randn(steps * (steps + 1) // 2, 1 + len(ops)), -1).requires_grad_()
     x, h0 = torch.randn(T, bs, ninp), torch.randn(bs, nhid)
     from rnn_darts.model import MaskBank
@@ -183,10 +183,10 @@ def test_deepcopy_and_pickle_keep_the_store_packed():
         assert m2.flat.is_packed() and torch.equal(m2.flat.data, m.flat.data)
         assert m2.flat.data.data_ptr() != m.flat.data.data_ptr()
 
-def tiny_search(steps=STEPS, **dropouts):
+def tiny_search(steps=PAPER_NODES, **dropouts):
     "A seeded 20-word search model in training mode, with an input and a target batch"
     torch.manual_seed(0)
-    m = DartsRnnSearch(20, 8, 8, **dropouts, steps=steps).train()
+    m = DartsRnnSearch(20, 8, 8, **dropouts, nodes=steps).train()
     return m, torch.randint(0, 20, (4, 5)), torch.randint(0, 20, (4, 5))
 
 @pytest.mark.slow
@@ -382,10 +382,10 @@ def test_eval_validation_measures_the_supernet():
     assert running < batch, (running, batch)
     assert blended > running + 0.3, (blended, running)
 
-def onednn_search(nhid=128, bs=16, T=6, ntoken=300, steps=STEPS):
+def onednn_search(nhid=128, bs=16, T=6, ntoken=300, steps=PAPER_NODES):
     "A small search model for the tests that send its products through oneDNN (`kernels.KERNEL`)"
     torch.manual_seed(0)
-    m = DartsRnnSearch(ntoken, nhid, nhid, dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1, steps=steps).train()
+    m = DartsRnnSearch(ntoken, nhid, nhid, dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1, nodes=steps).train()
     g = torch.Generator().manual_seed(1)
     batch = lambda: (torch.randint(0, ntoken, (bs, T), generator=g), torch.randint(0, ntoken, (bs, T), generator=g))
     return m, batch(), batch()
@@ -527,7 +527,7 @@ def test_a_compiled_steps_tap_gradient_is_one_concatenation(monkeypatch):
     m, x, y = tiny_search()
     m.runner = Compiled(m.cell, tap_min_numel=0, backend=aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=keep))   # taps at this size too
     m.loss(x, y, advance=False).backward()
-    tap = [2 * 8, 4 * (1 + STEPS * (STEPS + 1) // 2)]   # (out, Σ rows·bs): the state's rows for W0's h part, then each node's stacked predecessors
+    tap = [2 * 8, 4 * (1 + PAPER_NODES * (PAPER_NODES + 1) // 2)]   # (out, Σ rows·bs): the state's rows for W0's h part, then each node's stacked predecessors
     made = lambda op: [list(n.meta['val'].shape) for g in backwards for n in g.graph.nodes if n.target == op]
     assert tap in made(torch.ops.aten.cat.default) and tap not in made(torch.ops.aten.slice_backward.default)
 

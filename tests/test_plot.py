@@ -23,16 +23,16 @@ def check_file(p, kind):
     return data
 
 
-def history(epochs=4, steps=8, seed=0, relax='softmax'):
+def history(epochs=4, nodes=8, seed=0, relax='softmax'):
     "A synthetic history.json list: weights drifting toward a fixed choice, genotypes derived from them"
     rng = np.random.default_rng(seed)
-    n = steps * (steps + 1) // 2
+    n = nodes * (nodes + 1) // 2
     a, drift = rng.normal(size=(n, len(PRIMITIVES))), rng.normal(size=(n, len(PRIMITIVES)))
     res = []
     for e in range(epochs):
         z = a + 0.7 * e * drift
         w = np.exp(z) / np.exp(z).sum(1, keepdims=True) if relax == 'softmax' else 1 / (1 + np.exp(-z))
-        g = derive_genotype(w, steps)
+        g = derive_genotype(w, nodes)
         res.append(dict(epoch=e, genotype=dict(recurrent=[list(x) for x in g.recurrent], concat=list(g.concat)),
                         weights=w.tolist(), relax=relax))
     return res

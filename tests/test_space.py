@@ -96,7 +96,7 @@ def plain_edge_weights(beta, steps):
 def test_edge_normalisation_equals_plain(relax):
     "The cell's output under edge normalisation equals the plain cell mixing by relax(α) times the per-node softmax of β; and so do their gradients in α and β"
     torch.manual_seed(0)
-    m = DartsRnnSearch(30, 6, 6, 0., 0., 0., 0., 0., steps=3, relax=relax, ops=('tanh', 'gelu'), edge_norm=True).eval()
+    m = DartsRnnSearch(30, 6, 6, 0., 0., 0., 0., 0., nodes=3, relax=relax, ops=('tanh', 'gelu'), edge_norm=True).eval()
     assert tuple(m.alpha.shape) == (6, 4)
     with torch.no_grad(): m.alpha.normal_()
     m.alpha.requires_grad_(True)
@@ -114,7 +114,7 @@ def test_edge_normalisation_equals_plain(relax):
 
 def test_edge_normalisation_derives_by_edge_weight_times_op_weight():
     "PC-DARTS's rule: node 2's edge from node 1 has the larger op weight, the edge from node 0 the far larger β: the edge from 0 wins"
-    m = DartsRnnSearch(30, 6, 6, steps=2, ops=('tanh', 'relu'), edge_norm=True)
+    m = DartsRnnSearch(30, 6, 6, nodes=2, ops=('tanh', 'relu'), edge_norm=True)
     with torch.no_grad():
         m.alpha.zero_()
         m.alpha[1, 1] = 1.; m.alpha[2, 2] = 2.   # node 2: tanh on edge 0→2, relu (stronger) on edge 1→2

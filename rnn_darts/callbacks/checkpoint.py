@@ -26,8 +26,8 @@ def model_meta(model) -> dict:
     "What must match for a checkpoint to load into `model`"
     kind = 'search' if hasattr(model, 'alpha') else 'shared' if hasattr(model, 'use') else 'derived'
     d = dict(kind=kind, ntoken=model.ntoken, emsize=model.emsize, nhid=model.nhid)
-    if kind == 'search': d.update(steps=model.steps, relax=model.relax, ops=list(model.ops), edge_norm=model.edge_norm is not None)
-    elif kind == 'shared': d.update(steps=model.steps, ops=list(model.ops))   # any cell of that many nodes, of those ops, runs on its weights
+    if kind == 'search': d.update(nodes=model.nodes, relax=model.relax, ops=list(model.ops), edge_norm=model.edge_norm is not None)
+    elif kind == 'shared': d.update(nodes=model.nodes, ops=list(model.ops))   # any cell of that many nodes, of those ops, runs on its weights
     else: d['genotype'] = genotype_to_dict(model.genotype())
     return d
 
@@ -35,6 +35,7 @@ def check_meta(saved:dict, model, where) -> None:
     "Raise, saying what differs, if a checkpoint saved from `saved` cannot load into `model`"
     cur = model_meta(model)
     if cur['kind'] != 'derived': saved = {'ops': list(PAPER_OPS), **({'edge_norm': False} if cur['kind'] == 'search' else {}), **saved}   # saved before the space was data: the paper's
+    if 'steps' in saved: saved = {**{k: v for k, v in saved.items() if k != 'steps'}, 'nodes': saved['steps']}   # saved before the nodes had one name
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, model {cur.get(k)!r}" for k in sorted(set(saved) | set(cur)) if saved.get(k) != cur.get(k)]
     if diffs: raise ValueError(f"{where} does not fit this model ({'; '.join(diffs)})")
 

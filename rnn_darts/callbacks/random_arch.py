@@ -30,9 +30,9 @@ class RandomArch(Callback):
     def before_validate(self): self.val_gen = torch.Generator().manual_seed(self.seed + 1)
     def before_batch(self):
         m = self.model
-        if self.training: m.use(sample_genotype(m.steps, self.gen, m.ops))
+        if self.training: m.use(sample_genotype(m.nodes, self.gen, m.ops))
         elif self.chosen is not None: m.use(self.chosen)
-        else: m.use(sample_genotype(m.steps, self.val_gen, m.ops))
+        else: m.use(sample_genotype(m.nodes, self.val_gen, m.ops))
 
     def ckpt_state(self): return dict(seed=self.seed, gen=self.gen.get_state())
     def load_ckpt_state(self, d): self.seed = d['seed']; self.gen.set_state(d['gen'])

@@ -189,7 +189,7 @@ class FusedPlan:
 class FusedDerivedStep(torch.autograd.Function):
     """A derived cell's time step as two Triton kernels, forward and backward (`_fused_derived_forward`, `_fused_derived_backward`).
     Takes the per-step input `xw_t`, the state `h`, the mask `mh`, the tap (or None) and every product's weight, stacked
-    (`W`: (1 + n_nodes)·2n × n, rows as the plan's); returns the new state and the products' inputs (for the tap)"""
+    (`W`: (1 + nodes)·2n × n, rows as the plan's); returns the new state and the products' inputs (for the tap)"""
     @staticmethod
     def forward(ctx, xw_t, h, tap, W, mh, plan, tf32=False):
         bs, n = h.shape
