@@ -23,8 +23,8 @@ from fastai.optimizer import SGD
 import fastai.callback.schedule  # adds Learner.lr_find and fit_one_cycle
 from fastai.callback.progress import CSVLogger
 from rnn_darts.core import rng_states, set_rng_states, read_preset, cpu_name, naming
-from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, check_random, TEMPERED
-from rnn_darts.engine.plan import plan_of, compile_key
+from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, configured, check_random, TEMPERED, compile_key
+from rnn_darts.engine.plan import plan_of
 from rnn_darts.engine.runners import runner_of
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict, check_in_space, save_genotype, cell_ops

@@ -14,9 +14,9 @@ PATH_NAMES = ('graphs', 'tf32', 'bf16', 'fused', 'fused+graphs', 'compiled', 'co
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'PATH_NAMES', 'RULES', 'COMPILE_MIN_STEPS', 'COMPILE_MIN_STEPS_CACHED', 'FIRST_COMPILE_S', 'LEDGER',
-           'PARTS', 'tf32_missing', 'fused_lacks', 'Rule', 'rule', 'facts', 'verdicts', 'compile_pays', 'compile_key',
-           'ledger_path', 'compiled_here', 'record_compile', 'first_compile_s', 'with_fit', 'ExecutionPlan',
-           'arch_step_graphed', 'plan_of', 'check_plan_rules', 'asked_of', 'learner_plan']
+           'PARTS', 'tf32_missing', 'fused_lacks', 'Rule', 'rule', 'facts', 'verdicts', 'compile_pays', 'ledger_path',
+           'compiled_here', 'record_compile', 'first_compile_s', 'with_fit', 'ExecutionPlan', 'arch_step_graphed',
+           'plan_of', 'check_plan_rules', 'asked_of', 'learner_plan']
 
 # %% ../../nbs/00b_plan.ipynb #8b570841
 def tf32_missing(device) -> str|None:
@@ -125,16 +125,7 @@ def compile_pays(batches:int, cached:bool, min_steps:int=COMPILE_MIN_STEPS, min_
     "Whether compiling a CPU fit of `batches` training batches pays back its warm-up: a first compile's (`min_steps`), or (`cached`) the tracing left once Inductor holds the step (`min_cached`)"
     return batches >= (min_cached if cached else min_steps)
 
-def compile_key(s:dict, command:str, device) -> str:
-    "What names a run's compiled steps in Inductor's cache: the versions, the device kind and the settings that shape the step's graphs"
-    import torch
-    from importlib.metadata import version, PackageNotFoundError
-    try: pkg = version('rnn_darts')
-    except PackageNotFoundError: pkg = None
-    shape = [s.get(k) for k in ('emsize', 'nhid', 'nodes', 'ops', 'edge_norm', 'bs', 'eval_bs', 'mode', 'relax', 'method', 'perturb', 'precision')]
-    drops = [bool(s.get(k)) for k in ('dropout', 'dropouth', 'dropoutx', 'dropouti', 'dropoute')]   # a mask or none: another graph
-    return json.dumps([torch.__version__, pkg, command, torch.device(device).type, shape, drops, s.get('genotype') if command == 'train' else None])
-
+# a compiled step's name in the ledger: `rnn_darts.config.compile_key`, of the settings declared to shape its graphs
 def ledger_path() -> Path:
     "The ledger of the steps compiled on this machine, in Inductor's cache folder (`TORCHINDUCTOR_CACHE_DIR`, else its default; `RNN_DARTS_COMPILE_LEDGER`: a file of its own, as the tests keep it)"
     if os.environ.get('RNN_DARTS_COMPILE_LEDGER'): return Path(os.environ['RNN_DARTS_COMPILE_LEDGER'])
@@ -247,7 +238,7 @@ def check_plan_rules(s:dict, name=str):
     for r, line in verdicts(facts(s, None, name, world=1)):
         if r.verdict == 'refused': raise UsageError(line)
 
-# %% ../../nbs/00b_plan.ipynb #45d6e87b
+# %% ../../nbs/00b_plan.ipynb #902c6775
 def asked_of(learn) -> dict:
     """What the learner `learn` asks of the plan, read off it as it is: its model's runner (compiled, fused, the fused
     decoder loss where the loss function takes it), each callback's `plan_asks()` (CUDA graphs, precision, α's mode), and
