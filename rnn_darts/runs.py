@@ -7,8 +7,8 @@ from __future__ import annotations
 import os, sys, time
 from pathlib import Path
 from rnn_darts.core import UsageError, get_device, set_seed, check_number, check_choice, idle_cores, cpu_sample, usable_cores
-from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, with_taus
-from rnn_darts.engine.plan import plan_of, with_fit, compile_key
+from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, with_taus, declared, compile_key
+from rnn_darts.engine.plan import plan_of, with_fit
 from rnn_darts.folder import RunFolder, RunLock, write_json_atomic
 from rnn_darts.options import (CHOICES, CONTROL, settings_and_sources, code_defaults,
                                check_settings, check_fits, check_memory, command_flags, flag_default, flags_signature, setting_name)
@@ -43,8 +43,8 @@ def corpus_key(s:dict) -> tuple:
 
 
 # %% ../nbs/07b_runs.ipynb #c11c0005
-RESUME_FREE = ('epochs', 'out', 'device', 'threads', 'checkpoint_every', 'tensorboard')   # settings a resumed run may change without --override
-SPACE = ('ops', 'nodes', 'edge_norm')   # settings that shape α and the weights: a resumed run never changes them, --override or not
+RESUME_FREE = tuple(declared('resume'))   # settings (and flags) a resumed run may change without --override: their declarations say so
+SPACE = tuple(declared('space'))   # settings that shape α and the weights (`space`): a resumed run never changes them, --override or not
 
 def settings_diff(old:dict, new:dict) -> dict:
     """Settings (present in both) that differ between a saved run and this one, `RESUME_FREE` ones excepted: key -> (old, new).

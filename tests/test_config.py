@@ -108,3 +108,73 @@ def test_a_settings_flag_help_and_check_are_its_config_fields():
     for f in fields(StudyConfig): assert ' '.join(f.metadata['help'].split()) in help, f.name   # the study's flags: StudyConfig's texts
     s, src = study_settings(short_epochs=0)
     with pytest.raises(UsageError, match="--short-epochs must be an integer >= 1, got 0"): check_study(s, src)
+
+FACTS = ('check', 'group', 'brief', 'graph', 'space', 'resume')   # what a setting is as a flag and to the run, whichever command
+
+def test_each_flag_is_declared_once_with_its_group_and_line():
+    """Every flag of `rnn-darts search | train` is declared once (a config field with a help, or a `STEERING` entry) with
+    a group of `GROUPS` and a line for -h, and -h's tables are those declarations read: a flag added without a group or a
+    line, or a table written by hand again, fails here"""
+    from rnn_darts.config import GROUPS, STEERING, declarations
+    from rnn_darts.options import (FLAG_ORDER, FLAG_GROUPS, FLAG_SUMMARY, HELP_ORDER, FLAGS, CONTROL, CONTROL_HELP,
+                                   SWITCHES, command_flags)
+    d = declarations()
+    flags = {k for cmd in ('search', 'train') for k in command_flags(cmd)}
+    named = {f.name for cls in (SearchConfig, TrainConfig) for f in fields(cls) if f.metadata['help'] is not None}
+    assert flags == named | set(STEERING) == set(FLAGS) == set(FLAG_ORDER) and len(FLAG_ORDER) == len(flags)
+    assert set(HELP_ORDER) <= flags, set(HELP_ORDER) - flags   # the order lists no flag that is gone
+    bad = [k for k in FLAG_ORDER if d[k]['group'] not in GROUPS or not isinstance(d[k]['brief'], str) or not d[k]['brief'].strip()]
+    assert bad == [], f"flags declared without a group of GROUPS or a brief (-h's line): {bad}"
+    assert list(FLAG_GROUPS) == list(GROUPS) and FLAG_GROUPS == {g: tuple(k for k in FLAG_ORDER if d[k]['group'] == g) for g in GROUPS}
+    assert FLAG_SUMMARY == {k: d[k]['brief'] for k in FLAG_ORDER}
+    assert (CONTROL, CONTROL_HELP) == ({k: s['type'] for k, s in STEERING.items()}, {k: s['help'] for k, s in STEERING.items()})
+    assert SWITCHES == ('resume', 'overwrite') and all(CONTROL[k] is bool for k in SWITCHES)
+    for k in set(SearchConfig.names()) & set(TrainConfig.names()):   # one flag of both commands: its help and default may differ
+        a, b = SearchConfig.__dataclass_fields__[k].metadata, TrainConfig.__dataclass_fields__[k].metadata
+        assert {x: a[x] for x in FACTS} == {x: b[x] for x in FACTS}, k
+
+def test_a_role_declared_is_in_the_table_read_off_it():
+    "A setting declared with a role is in the table `declared` reads off that role, and out of it without; a group must be one of -h's"
+    from dataclasses import dataclass
+    from rnn_darts.config import setting, like, declared
+    @dataclass(frozen=True)
+    class Made:
+        a: int = setting(1, 'an a', 'pos_int', group='data', brief='a', graph=2, space=True)
+        b: float = setting(0., 'a b', 'prob', group='model and weights', brief='b', graph='mask', resume=True, meta='bee')
+        c: str = setting('')
+    assert declared('space', Made) == {'a': True} and declared('resume', Made) == {'b': True} and declared('meta', Made) == {'b': 'bee'}
+    assert declared('graph', Made) == {'a': 2, 'b': 'mask'} and declared('group', Made) == {'a': 'data', 'b': 'model and weights'}
+    @dataclass(frozen=True)
+    class Again(Made):
+        a: int = like(Made, 'a', 3, space=False)
+    assert declared('space', Again) == {} and declared('graph', Again) == {'a': 2, 'b': 'mask'} and Again().a == 3
+    with pytest.raises(ValueError, match="group 'speeds' is none of data, model and weights"): setting(1, 'x', group='speeds', brief='x')
+    with pytest.raises(TypeError, match="spaec is no part of a declaration"): like(Made, 'a', spaec=True)
+
+def test_the_tables_read_off_the_roles_keep_their_settings():
+    """What the roles make, pinned: the settings a compile key names (its JSON as it was, so the ledgers of the steps
+    compiled before stay valid), what a resume may change and may never change, what a checkpoint records of each kind
+    of model: a role dropped or given by mistake fails here"""
+    import json
+    from rnn_darts.config import SHAPES, MASKS, CELL, STEERING, compile_key
+    from rnn_darts.runs import RESUME_FREE, SPACE
+    from rnn_darts.callbacks.checkpoint import model_meta
+    from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
+    assert SHAPES == ('emsize', 'nhid', 'nodes', 'ops', 'edge_norm', 'bs', 'eval_bs', 'mode', 'relax', 'method', 'perturb', 'precision')
+    assert (MASKS, CELL) == (('dropout', 'dropouth', 'dropoutx', 'dropouti', 'dropoute'), 'genotype')
+    assert json.loads(compile_key(SearchConfig(dropouth=0.).asdict(), 'search', 'cpu'))[2:] == [
+        'search', 'cpu', [300, 300, 8, 'tanh,relu,sigmoid,identity', False, 256, 10, 'second', 'softmax', None, 'none', 'fp32'],
+        [True, False, True, True, False], None]
+    assert json.loads(compile_key(TrainConfig(genotype='ENAS').asdict(), 'train', 'cpu'))[2:] == [
+        'train', 'cpu', [850, 850, None, '', None, 64, 10, None, None, None, None, 'fp32'], [True] * 5, 'ENAS']
+    assert set(RESUME_FREE) == {'epochs', 'out', 'device', 'threads', 'checkpoint_every', 'tensorboard'}
+    assert SPACE == ('ops', 'nodes', 'edge_norm')
+    said = re.search(r'unless it may change on resume: ([^)]*)\)', STEERING['resume']['help']).group(1)   # --resume's help says them
+    assert set(said.split(', ')) == {'--' + k.replace('_', '-') for k in RESUME_FREE if k != 'out'}, said
+    kinds = {'search': DartsRnnSearch(10, 8, 8, nodes=3), 'shared': DartsRnnShared(10, 8, 8), 'derived': DartsRnn(10, DARTS_V2, 8, 8)}
+    metas = {kind: model_meta(m) for kind, m in kinds.items()}
+    assert {kind: set(m) for kind, m in metas.items()} == dict(
+        search={'kind', 'ntoken', 'emsize', 'nhid', 'nodes', 'relax', 'ops', 'edge_norm'},
+        shared={'kind', 'ntoken', 'emsize', 'nhid', 'nodes', 'ops'}, derived={'kind', 'ntoken', 'emsize', 'nhid', 'genotype'})
+    assert metas['search'] == dict(kind='search', ntoken=10, emsize=8, nhid=8, nodes=3, relax='softmax',
+                                   ops=['tanh', 'relu', 'sigmoid', 'identity'], edge_norm=False)

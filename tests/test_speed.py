@@ -67,7 +67,8 @@ def test_the_plan_decides_compiling_for_the_fit_and_says_why(tmp_path):
     one epoch (62 batches) run eager, saying why; 4 epochs compile, saying it is a first compile; once the plan's ledger
     holds the step (Inductor's cache does), one epoch compiles too, 'cached'"""
     from rnn_darts import runs
-    from rnn_darts.engine.plan import compile_key, record_compile
+    from rnn_darts.config import compile_key
+    from rnn_darts.engine.plan import record_compile
     flags = dict(data='numbers', n_train=40_000, n_eval=1_500, emsize=64, nhid=64, bs=32, bptt=20, epochs=1, device='cpu', curvature=False)
     def plan(out, **kw):
         r = runs._prepare('search', dict(flags, out=str(tmp_path/out), **kw)); r.close()

@@ -13,23 +13,31 @@ from rnn_darts.genotypes import genotype_to_dict
 from rnn_darts.ops import PAPER_OPS
 from rnn_darts.callbacks.epochs import TrainEpochEnd, best_tracker, collaborator, in_lr_find
 from rnn_darts.callbacks.asgd import ASGDSwitch
-from rnn_darts.config import RunConfig
+from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, ALPHA_ONLY, declared
 from rnn_darts.folder import RunFolder
 
 # %% auto #0
-__all__ = ['KEPT', 'model_meta', 'check_meta', 'stateful_cbs', 'mid_epoch_state', 'learner_state', 'named_floats', 'nonfinite',
-           'kept_nonfinite', 'short_list', 'save_atomic', 'load_checkpoint', 'epoch_of', 'epoch_checkpoints',
-           'latest_checkpoint', 'remove_stale_tmp', 'restore', 'Checkpoint']
+__all__ = ['META_READ', 'KEPT', 'meta_keys', 'model_meta', 'check_meta', 'stateful_cbs', 'mid_epoch_state', 'learner_state',
+           'named_floats', 'nonfinite', 'kept_nonfinite', 'short_list', 'save_atomic', 'load_checkpoint', 'epoch_of',
+           'epoch_checkpoints', 'latest_checkpoint', 'remove_stale_tmp', 'restore', 'Checkpoint']
 
 # %% ../../nbs/06_checkpoint.ipynb #88ff6c64
+def meta_keys(kind:str) -> dict:
+    """setting -> its key in a checkpoint's metadata, for the settings a checkpoint of a `kind` model must match: those
+    its config declares `meta` (`rnn_darts.config`), a search's ('search'), random search's ('shared': no α, so none of
+    α's settings; any cell of its nodes and ops runs on its weights) or a training's ('derived': its cell)"""
+    cfg = TrainConfig if kind == 'derived' else SearchConfig
+    return {k: k if v is True else v for k, v in declared('meta', cfg).items() if kind != 'shared' or k not in ALPHA_ONLY}
+
+# how a model holds a setting of its checkpoint's metadata, where not as the attribute of the key's name
+META_READ = dict(ops=lambda m: list(m.ops), edge_norm=lambda m: m.edge_norm is not None,
+                 genotype=lambda m: genotype_to_dict(m.genotype()))
+
 def model_meta(model) -> dict:
-    "What must match for a checkpoint to load into `model`"
+    "What must match for a checkpoint to load into `model`: its kind, its vocabulary, and its kind's `meta_keys` as it holds them"
     kind = 'search' if hasattr(model, 'alpha') else 'shared' if hasattr(model, 'use') else 'derived'
-    d = dict(kind=kind, ntoken=model.ntoken, emsize=model.emsize, nhid=model.nhid)
-    if kind == 'search': d.update(nodes=model.nodes, relax=model.relax, ops=list(model.ops), edge_norm=model.edge_norm is not None)
-    elif kind == 'shared': d.update(nodes=model.nodes, ops=list(model.ops))   # any cell of that many nodes, of those ops, runs on its weights
-    else: d['genotype'] = genotype_to_dict(model.genotype())
-    return d
+    return dict(kind=kind, ntoken=model.ntoken, **{key: META_READ[k](model) if k in META_READ else getattr(model, key)
+                                                   for k, key in meta_keys(kind).items()})
 
 def check_meta(saved:dict, model, where) -> None:
     "Raise, saying what differs, if a checkpoint saved from `saved` cannot load into `model`"

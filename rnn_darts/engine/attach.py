@@ -4,7 +4,8 @@
 
 # %% ../../nbs/05g_attach.ipynb #9cad6a1b
 from __future__ import annotations
-from rnn_darts.engine.plan import plan_of, compile_key
+from rnn_darts.config import compile_key
+from rnn_darts.engine.plan import plan_of
 from rnn_darts.engine.runners import runner_of
 from rnn_darts.engine.speed import AutoCompile, CompileNotice, PlanNotes, precision_callbacks
 from rnn_darts.engine.graphs import CudaGraphs, EMULATIONS

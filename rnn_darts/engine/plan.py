@@ -15,8 +15,8 @@ PATH_NAMES = ('graphs', 'tf32', 'bf16', 'fused', 'fused+graphs', 'compiled', 'co
 # %% auto #0
 __all__ = ['PRECISIONS', 'PATH_NAMES', 'RULES', 'COMPILE_MIN_STEPS', 'COMPILE_MIN_STEPS_CACHED', 'FIRST_COMPILE_S', 'LEDGER',
            'TAP_MIN_NUMEL', 'PARTS', 'tf32_missing', 'fused_lacks', 'Rule', 'rule', 'facts', 'verdicts', 'compile_pays',
-           'compile_key', 'ledger_path', 'compiled_here', 'record_compile', 'first_compile_s', 'with_fit',
-           'ExecutionPlan', 'arch_step_graphed', 'plan_of', 'check_plan_rules', 'asked_of', 'learner_plan']
+           'ledger_path', 'compiled_here', 'record_compile', 'first_compile_s', 'with_fit', 'ExecutionPlan',
+           'arch_step_graphed', 'plan_of', 'check_plan_rules', 'asked_of', 'learner_plan']
 
 # %% ../../nbs/00b_plan.ipynb #8b570841
 def tf32_missing(device) -> str|None:
@@ -123,16 +123,7 @@ def compile_pays(batches:int, cached:bool, min_steps:int=COMPILE_MIN_STEPS, min_
     "Whether compiling a CPU fit of `batches` training batches pays back its warm-up: a first compile's (`min_steps`), or (`cached`) the tracing left once Inductor holds the step (`min_cached`)"
     return batches >= (min_cached if cached else min_steps)
 
-def compile_key(s:dict, command:str, device) -> str:
-    "What names a run's compiled steps in Inductor's cache: the versions, the device kind and the settings that shape the step's graphs"
-    import torch
-    from importlib.metadata import version, PackageNotFoundError
-    try: pkg = version('rnn_darts')
-    except PackageNotFoundError: pkg = None
-    shape = [s.get(k) for k in ('emsize', 'nhid', 'nodes', 'ops', 'edge_norm', 'bs', 'eval_bs', 'mode', 'relax', 'method', 'perturb', 'precision')]
-    drops = [bool(s.get(k)) for k in ('dropout', 'dropouth', 'dropoutx', 'dropouti', 'dropoute')]   # a mask or none: another graph
-    return json.dumps([torch.__version__, pkg, command, torch.device(device).type, shape, drops, s.get('genotype') if command == 'train' else None])
-
+# a compiled step's name in the ledger: `rnn_darts.config.compile_key`, of the settings declared to shape its graphs
 def ledger_path() -> Path:
     "The ledger of the steps compiled on this machine, in Inductor's cache folder (`TORCHINDUCTOR_CACHE_DIR`, else its default; `RNN_DARTS_COMPILE_LEDGER`: a file of its own, as the tests keep it)"
     if os.environ.get('RNN_DARTS_COMPILE_LEDGER'): return Path(os.environ['RNN_DARTS_COMPILE_LEDGER'])
