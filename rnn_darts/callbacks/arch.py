@@ -8,6 +8,7 @@ from contextlib import nullcontext
 from functools import partial
 import torch, torch.nn.functional as F
 from fastai.callback.core import Callback
+from fastcore.basics import patch
 from rnn_darts.config import SearchConfig, check_rules, ARCH_MODES
 from rnn_darts.relax import dirichlet_kl, linear_schedule
 from rnn_darts.engine.runners import twice_differentiable
@@ -228,6 +229,7 @@ class ArchParamUpdate(Callback):
 
     SETTINGS = ('mode', 'arch_lr', 'arch_wd', 'same_masks', 'zero_one', 'op_decay', 'arch_bf16', 'mixed_lambda', 'beta_decay',
                 'dirichlet_kl')   # the fields of `SearchConfig` this step reads
+    skip_name = 'architecture'   # how DivergenceGuard names the steps counted in `n_skipped`
 
     @classmethod
     def of(cls, config:SearchConfig, search_dl=None, **overrides):
@@ -240,28 +242,6 @@ class ArchParamUpdate(Callback):
     def spec(self) -> tuple:
         "What the step computes, as its settings now: a captured step is reused only for the same spec"
         return tuple(getattr(self, k) for k in self.SETTINGS)
-
-    def before_fit(self):
-        a = self.model.alpha
-        check_zero_one(self.zero_one, self.model.relax)
-        check_rules(dict(relax=self.model.relax, mode=self.mode, mixed_lambda=self.mixed_lambda, beta_decay=self.beta_decay, dirichlet_kl=self.dirichlet_kl))
-        a.requires_grad_(False)                    # the weight step never touches α
-        if self.terms is None: self.terms = alpha_terms(self.zero_one, self.beta_decay, self.dirichlet_kl, a.device)
-        if self.learn is not None: check_flat_opt(self.learn)   # nor does the weight optimizer (a hand-built Learner needs flat_splitter); outside a learner (bench) there is none
-        if self.arch_opt is None: self.arch_opt = arch_adam(a, self.arch_lr, self.arch_betas, self.arch_wd)
-        if hasattr(self.search_dl, 'to'): self.search_dl.to(a.device)
-        if self.n_skipped is None: self.n_skipped = torch.zeros((), dtype=torch.long, device=a.device)
-        self.lr_finding = in_lr_find(self.learn)   # lr_find's throw-away steps take no α step: decided once a fit, not per batch
-        self.weight_clip, self.decided = self.max_norm(), True   # the learner's `FlatGradClip` (clip 'learn') as this fit starts
-
-    def before_train(self): self.loss_sum, self.n_steps = None, 0
-
-    def before_epoch(self):
-        self.at_epoch(self.epoch)
-
-    def at_epoch(self, epoch):
-        "Each scheduled regulariser's weight at `epoch` (β-DARTS's λ)"
-        for t in self.terms: t.at_epoch(epoch)
 
     def penalty(self):
         "The regularisers α's loss adds, as one function (`alpha_penalty` of `terms`); None: none"
@@ -326,37 +306,69 @@ class ArchParamUpdate(Callback):
         trn = (self.xb[0], self.yb[0])
         self.arch_step(trn, self.search_dl.next(trn[0].shape[1]))
 
-    def search_loss(self):
-        "Mean search-stream loss of this epoch's architecture steps (one host sync, at epoch end)"
-        return float('nan') if not self.n_steps else (self.loss_sum / self.n_steps).item()
+# %% ../../nbs/04_arch.ipynb #5b76bfe8
+@patch
+def before_fit(self:ArchParamUpdate):
+    a = self.model.alpha
+    check_zero_one(self.zero_one, self.model.relax)
+    check_rules(dict(relax=self.model.relax, mode=self.mode, mixed_lambda=self.mixed_lambda, beta_decay=self.beta_decay, dirichlet_kl=self.dirichlet_kl))
+    a.requires_grad_(False)                    # the weight step never touches α
+    if self.terms is None: self.terms = alpha_terms(self.zero_one, self.beta_decay, self.dirichlet_kl, a.device)
+    if self.learn is not None: check_flat_opt(self.learn)   # nor does the weight optimizer (a hand-built Learner needs flat_splitter); outside a learner (bench) there is none
+    if self.arch_opt is None: self.arch_opt = arch_adam(a, self.arch_lr, self.arch_betas, self.arch_wd)
+    if hasattr(self.search_dl, 'to'): self.search_dl.to(a.device)
+    if self.n_skipped is None: self.n_skipped = torch.zeros((), dtype=torch.long, device=a.device)
+    self.lr_finding = in_lr_find(self.learn)   # lr_find's throw-away steps take no α step: decided once a fit, not per batch
+    self.weight_clip, self.decided = self.max_norm(), True   # the learner's `FlatGradClip` (clip 'learn') as this fit starts
 
-    def ckpt_state(self):
-        return dict(arch_opt=self.arch_opt.state_dict() if self.arch_opt else None,
-                    search_dl=self.search_dl.state_dict() if hasattr(self.search_dl, 'state_dict') else None,
-                    n_skipped=None if self.n_skipped is None else self.n_skipped.item(),
-                    loss_sum=None if self.loss_sum is None else float(self.loss_sum), n_steps=self.n_steps)   # the epoch's so far: for a mid-epoch checkpoint
+@patch
+def before_train(self:ArchParamUpdate): self.loss_sum, self.n_steps = None, 0
 
-    def load_arch_opt(self, sd):
-        "Load α's Adam state `sd` (saved on any device: capturable, with its step on the GPU, only on CUDA)"
-        if self.arch_opt is None: self.before_fit()
-        if sd is None: return
-        self.arch_opt.load_state_dict(sd)
-        a = self.model.alpha
-        for g in self.arch_opt.param_groups: g['capturable'] = a.is_cuda
-        st = self.arch_opt.state.get(a)
-        if st and 'step' in st: st['step'] = st['step'].to(a.device if a.is_cuda else 'cpu')
+@patch
+def before_epoch(self:ArchParamUpdate):
+    self.at_epoch(self.epoch)
 
-    def load_ckpt_state(self, d):
-        self.load_arch_opt(d['arch_opt'])
-        if d['search_dl'] is not None: self.search_dl.load_state_dict(d['search_dl'])
-        if d['n_skipped'] is not None: self.n_skipped.fill_(d['n_skipped'])
-        s = d.get('loss_sum')
-        self.loss_sum, self.n_steps = None if s is None else torch.tensor(s, device=self.model.alpha.device), d.get('n_steps', 0)
+@patch
+def at_epoch(self:ArchParamUpdate, epoch):
+    "Each scheduled regulariser's weight at `epoch` (β-DARTS's λ)"
+    for t in self.terms: t.at_epoch(epoch)
 
-    skip_name = 'architecture'   # how DivergenceGuard names the steps counted in `n_skipped`
-    def rollback_state(self, d):
-        "What a rollback restores: α's Adam state (α itself is in the model's state); the search stream and `n_skipped` go on"
-        self.load_arch_opt(d['arch_opt'])
+@patch
+def search_loss(self:ArchParamUpdate):
+    "Mean search-stream loss of this epoch's architecture steps (one host sync, at epoch end)"
+    return float('nan') if not self.n_steps else (self.loss_sum / self.n_steps).item()
+
+# %% ../../nbs/04_arch.ipynb #8b7ca61b
+@patch
+def ckpt_state(self:ArchParamUpdate):
+    return dict(arch_opt=self.arch_opt.state_dict() if self.arch_opt else None,
+                search_dl=self.search_dl.state_dict() if hasattr(self.search_dl, 'state_dict') else None,
+                n_skipped=None if self.n_skipped is None else self.n_skipped.item(),
+                loss_sum=None if self.loss_sum is None else float(self.loss_sum), n_steps=self.n_steps)   # the epoch's so far: for a mid-epoch checkpoint
+
+@patch
+def load_arch_opt(self:ArchParamUpdate, sd):
+    "Load α's Adam state `sd` (saved on any device: capturable, with its step on the GPU, only on CUDA)"
+    if self.arch_opt is None: self.before_fit()
+    if sd is None: return
+    self.arch_opt.load_state_dict(sd)
+    a = self.model.alpha
+    for g in self.arch_opt.param_groups: g['capturable'] = a.is_cuda
+    st = self.arch_opt.state.get(a)
+    if st and 'step' in st: st['step'] = st['step'].to(a.device if a.is_cuda else 'cpu')
+
+@patch
+def load_ckpt_state(self:ArchParamUpdate, d):
+    self.load_arch_opt(d['arch_opt'])
+    if d['search_dl'] is not None: self.search_dl.load_state_dict(d['search_dl'])
+    if d['n_skipped'] is not None: self.n_skipped.fill_(d['n_skipped'])
+    s = d.get('loss_sum')
+    self.loss_sum, self.n_steps = None if s is None else torch.tensor(s, device=self.model.alpha.device), d.get('n_steps', 0)
+
+@patch
+def rollback_state(self:ArchParamUpdate, d):
+    "What a rollback restores: α's Adam state (α itself is in the model's state); the search stream and `n_skipped` go on"
+    self.load_arch_opt(d['arch_opt'])
 
 # %% ../../nbs/04_arch.ipynb #8c16a17e
 class Temperature(Callback):

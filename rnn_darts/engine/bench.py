@@ -374,6 +374,7 @@ def _device_name(device):
     if torch.device(device).type == 'cuda': return torch.cuda.get_device_name(device)
     return cpu_name()
 
+# %% ../../nbs/10_bench.ipynb #aaffb262
 def _row(name, impl, shape, t):
     tok = shape['bs'] * shape['bptt']
     return dict(name=name, impl=impl, **{k: shape[k] for k in ('bs', 'bptt', 'nhid', 'ntoken')},
@@ -390,6 +391,7 @@ STEP_NAMES = dict(second='search step, 2nd order (fd)', first='search step, 1st 
                   exact='search step, 2nd order (exact)', weight='search weight step only',
                   random='random search step (a new cell)')
 
+# %% ../../nbs/10_bench.ipynb #4fa5b56f
 def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, iters:int|None=None,
               warmup:int|None=None, modes=('second', 'first', 'exact', 'random'), methods=FAMILY, baseline=None, train:bool=True,
               evaluate:bool=True, shape:dict|None=None, train_shape:dict|None=None, eval_bs:int|None=None,
