@@ -23,6 +23,7 @@ _API = {
     'rnn_darts.genotypes': ['Genotype', 'PRIMITIVES', 'DARTS_V1', 'DARTS_V2', 'ENAS', 'GENOTYPES', 'load_genotype',
                             'save_genotype', 'check_genotype', 'derive_genotype', 'sample_genotype'],
     'rnn_darts.ops': ['register_op', 'OPS', 'PAPER_OPS'],
+    'rnn_darts.space': ['SearchSpace'],
     'rnn_darts.core': ['set_seed', 'get_device', 'read_preset'],
     'rnn_darts.callbacks.arch': ['ArchParamUpdate'],
     'rnn_darts.callbacks.random_arch': ['RandomArch'],

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields, asdict, MISSING
 from functools import partial, wraps
-from rnn_darts.core import UsageError, check_number, check_choice, PAPER_OPS, PAPER_NODES
+from rnn_darts.core import UsageError, check_number, check_choice, op_names, PAPER_OPS, PAPER_NODES
+from rnn_darts.space import SearchSpace
 from rnn_darts.engine.plan import PRECISIONS, check_plan_rules   # the plan's rules needing no device: a config's too
 
 RELAXATIONS = ('softmax', 'sigmoid', 'gdas', 'snas', 'drnas')   # `rnn_darts.relax`
@@ -316,6 +317,11 @@ class SearchConfig(RunConfig):
         for k, v in {**res, 'filled': filled}.items(): object.__setattr__(self, k, v)
         super().__post_init__()
 
+    @property
+    def space(self) -> SearchSpace:
+        "Its search space as one value (`rnn_darts.space`): the ops, the nodes and the edge normalisation it searches"
+        return SearchSpace.of(self.ops, self.nodes, self.edge_norm)
+
 # %% ../nbs/00a_config.ipynb #677cc716
 @records_given
 @dataclass(frozen=True)
@@ -387,8 +393,7 @@ def configured(cls, config, caller:str, settings:dict):
 def ops_text(ops) -> str:
     """An op set as a setting holds it: the names comma-separated, without spaces ('' stays '': a training's genotype's
     own ops)"""
-    items = ops.split(',') if isinstance(ops, str) else [str(x) for x in ops]
-    return ','.join(x.strip() for x in items if x.strip())
+    return ','.join(op_names(ops))
 
 def check_value(name:str, v, check):
     """Raise a `UsageError` naming `name` unless `v` passes `check` (a config field's: 'pos_int', 'nonneg_int', 'bptt',

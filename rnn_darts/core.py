@@ -9,12 +9,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['PAPER_OPS', 'PAPER_NODES', 'HOLD_ENV', 'HOLD_LIMIT', 'RENAMED', 'UserError', 'UsageError', 'foreign_warnings_off',
-           'get_device', 'cpu_name', 'usable_cpus', 'usable_cores', 'cpu_sample', 'others_busy', 'spare_cores',
-           'idle_cores', 'set_seed', 'rng_states', 'set_rng_states', 'check_positive', 'check_prob', 'check_bptt',
-           'check_number', 'check_choice', 'naming', 'write_text_atomic', 'hold_at', 'fmt_time', 'run_seconds',
-           'packaged_settings', 'read_ini', 'settings_candidates', 'find_settings', 'renamed_hint', 'read_preset',
-           'option_type', 'options_of']
+__all__ = ['PAPER_OPS', 'PAPER_NODES', 'HOLD_ENV', 'HOLD_LIMIT', 'RENAMED', 'UserError', 'UsageError', 'op_names',
+           'foreign_warnings_off', 'get_device', 'cpu_name', 'usable_cpus', 'usable_cores', 'cpu_sample', 'others_busy',
+           'spare_cores', 'idle_cores', 'set_seed', 'rng_states', 'set_rng_states', 'check_positive', 'check_prob',
+           'check_bptt', 'check_number', 'check_choice', 'naming', 'write_text_atomic', 'hold_at', 'fmt_time',
+           'run_seconds', 'packaged_settings', 'read_ini', 'settings_candidates', 'find_settings', 'renamed_hint',
+           'read_preset', 'option_type', 'options_of']
 
 # %% ../nbs/00_core.ipynb #c0e11a02
 class UserError(ValueError):
@@ -27,6 +27,11 @@ class UsageError(UserError):
 
 PAPER_OPS = ('tanh', 'relu', 'sigmoid', 'identity')   # DARTS's candidate ops (`rnn_darts.ops`; `none` is implicit: α's column 0)
 PAPER_NODES = 8                                        # the nodes of its cell
+
+def op_names(ops) -> tuple:
+    "The op names of `ops` (a comma list, or a sequence of names), stripped, in their order, empty ones dropped: an op set's one parse (`rnn_darts.space`)"
+    items = ops.split(',') if isinstance(ops, str) else [str(x) for x in ops]
+    return tuple(x.strip() for x in items if x.strip())
 
 _OURS = r'rnn_darts(\.|$)'   # warnings raised in (or attributed to) this project's modules
 

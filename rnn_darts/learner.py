@@ -5,6 +5,7 @@
 # %% ../nbs/07_learner.ipynb #3b6c7827
 from __future__ import annotations
 import time, json, inspect
+from dataclasses import replace
 from contextlib import contextmanager, nullcontext, ExitStack
 from pathlib import Path
 import torch
@@ -292,8 +293,8 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path=None, res
     rnd = c.mode == 'random'
     check_random(vars(c), given=lambda k: k in c.given and k not in c.read)   # a keyword here or the config's, not a preset's key
     n = _ntoken(dls, ntoken)
-    space = dict(nodes=c.nodes, ops=c.ops)
-    model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c), **space) if rnd else DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax, edge_norm=c.edge_norm, **space)
+    if rnd: model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c), space=replace(c.space, edge_norm=False))   # no α: no β (a preset's key may set it)
+    else: model = DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax, space=c.space)
     learn, cg = _learner(dls, model, c, path or '.', device, 'search', plan)
     own = search_parts(c, search_dl, cg)
     learn.metrics += [ValueMetric(cb.search_loss, 'search_loss') for cb in own if isinstance(cb, ArchParamUpdate)]

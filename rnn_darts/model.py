@@ -13,6 +13,7 @@ from rnn_darts.ops import PAPER_OPS, op_fn, ops_of, mix_order, mixed_op
 from rnn_darts.engine.kernels import mm_t, fastest, linear, tanh, Deferred
 from rnn_darts.config import SearchConfig, TrainConfig, check_rules
 from rnn_darts.flat import FlatModule
+from rnn_darts.space import SearchSpace, PAPER_SPACE
 from rnn_darts.loss import linear_cross_entropy
 from rnn_darts.relax import RELAXATION_CLASSES, EdgeNorm, gumbel_
 from rnn_darts.engine.runners import EAGER
@@ -325,22 +326,25 @@ class DartsRnn(LanguageModel):
     def ops(self) -> tuple: return self.cell.ops
 
 class DartsRnnSearch(LanguageModel):
-    "A language model around the DARTS search cell, with architecture parameters α (edges × ops)"
+    "A language model around the DARTS search cell of the search space `space`, with architecture parameters α (edges × ops)"
     def __init__(self, ntoken, emsize=_S.emsize, nhid=_S.nhid, dropout=_S.dropout, dropouth=_S.dropouth, dropoutx=_S.dropoutx,
-                 dropouti=_S.dropouti, dropoute=_S.dropoute, nodes=PAPER_NODES, relax=_S.relax, ops=PAPER_OPS, edge_norm=False):
+                 dropouti=_S.dropouti, dropoute=_S.dropoute, relax=_S.relax, space:SearchSpace=PAPER_SPACE):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
-        check_positive('nodes', nodes)
         if relax not in RELAXATION_CLASSES: raise ValueError(f"relax must be one of {', '.join(map(repr, RELAXATION_CLASSES))}, got {relax!r}")
-        cell = DartsCellSearch(emsize, nhid, dropoutx, dropouth, nodes, ops)
+        cell = DartsCellSearch(emsize, nhid, dropoutx, dropouth, space.nodes, space.ops)
         super().__init__(ntoken, emsize, nhid, cell, dropout, dropouti, dropoute)
-        self.nodes, self.ops, self.relax, self.relaxation = nodes, cell.ops, relax, RELAXATION_CLASSES[relax](nodes, 1 + len(cell.ops))
-        self.edge_norm = EdgeNorm(nodes) if edge_norm else None
+        self.space, self.relax, self.relaxation = space, relax, RELAXATION_CLASSES[relax](space.nodes, 1 + len(space.ops))
+        self.edge_norm = EdgeNorm(space.nodes) if space.edge_norm else None
         # edges × (`none`, the ops; with edge normalisation, then β): one tensor, so every α step, its Adam and its graphs move β too
-        self.alpha = nn.Parameter(1e-3 * torch.randn(n_edges(nodes), 1 + len(self.ops) + bool(edge_norm)))
+        self.alpha = nn.Parameter(1e-3 * torch.randn(space.edges, 1 + len(space.ops) + space.edge_norm))
         if self.relaxation.tau is not None: self.register_buffer('tau', torch.tensor(1.))   # set each epoch by `Temperature`
         self.mixing_hook = None   # while set, a function of the mixing weights that replaces them (SDARTS's perturbation, DARTS-PT's projection)
         self.flatten_()
 
+    @property
+    def nodes(self) -> int: return self.space.nodes
+    @property
+    def ops(self) -> tuple: return self.space.ops
     def arch_parameters(self): return [self.alpha]
     def op_alpha(self, a=None):
         "α's op columns (of `a`, by default the model's): all of α, or all but β's column under edge normalisation"
@@ -372,17 +376,23 @@ class DartsRnnSearch(LanguageModel):
         return derive_genotype(self.arch_weights(), self.nodes, ops=self.ops)
 
 class DartsRnnShared(LanguageModel):
-    "The search space with weight sharing (random search, Li & Talwalkar 2019): the search cell's matrices, one per node, running one discrete cell of the op set `ops` at a time (`use`)"
+    """The search space `space` with weight sharing (random search, Li & Talwalkar 2019): the search cell's matrices, one
+    per node, running one discrete cell of its ops at a time (`use`). Without α it has no β: no edge normalisation"""
     draws_cells = True   # another cell every batch: the execution plan runs it eager
     def __init__(self, ntoken, emsize=_S.emsize, nhid=_S.nhid, dropout=_S.dropout, dropouth=_S.dropouth, dropoutx=_S.dropoutx,
-                 dropouti=_S.dropouti, dropoute=_S.dropoute, nodes=PAPER_NODES, ops=PAPER_OPS):
+                 dropouti=_S.dropouti, dropoute=_S.dropoute, space:SearchSpace=PAPER_SPACE):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
-        check_positive('nodes', nodes)
-        ops = ops_of(ops)
-        chain = Genotype(tuple((ops[0], i) for i in range(nodes)), tuple(range(1, nodes + 1)))   # until the first `use`
+        if space.edge_norm: raise ValueError("random search with weight sharing has no α, so no β to normalise the edges by: edge_norm must be false")
+        ops = ops_of(space.ops)
+        chain = Genotype(tuple((ops[0], i) for i in range(space.nodes)), tuple(range(1, space.nodes + 1)))   # until the first `use`
         super().__init__(ntoken, emsize, nhid, DartsCell(emsize, nhid, chain, dropoutx, dropouth, shared=True), dropout, dropouti, dropoute)
-        self.nodes, self.ops = nodes, ops
+        self.space = space
         self.flatten_()
+
+    @property
+    def nodes(self) -> int: return self.space.nodes
+    @property
+    def ops(self) -> tuple: return self.space.ops
 
     def genotype(self) -> Genotype:
         "The cell the next forward runs"

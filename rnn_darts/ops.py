@@ -8,7 +8,7 @@ import hashlib, importlib, importlib.metadata, importlib.util, os, re, sys
 from pathlib import Path
 from dataclasses import dataclass
 import torch, torch.nn.functional as F
-from rnn_darts.core import UserError, UsageError, PAPER_OPS
+from rnn_darts.core import UserError, UsageError, PAPER_OPS, op_names
 from rnn_darts.engine.kernels import tanh
 
 # %% auto #0
@@ -90,8 +90,7 @@ def register_op(name:str, fn, triton:tuple|None=None) -> Op:
 # %% ../nbs/02a_ops.ipynb #da651d28
 def ops_of(ops, name:str='ops') -> tuple:
     "The op names of `ops` (a comma list or a sequence of names) as a tuple, checked; errors name `name` (a flag, a key)"
-    items = [x.strip() for x in ops.split(',')] if isinstance(ops, str) else list(ops)
-    items = [x for x in items if x != '']
+    items = op_names(ops)
     if not items: raise UsageError(f"{name} names no op; give one or more of {', '.join(OPS)}")
     for x in items:
         if x == 'none': raise UsageError(f"{name}: 'none' is every edge's implicit op (column 0 of α); leave it out")

@@ -4,6 +4,7 @@ import ast, re
 from dataclasses import fields
 from pathlib import Path
 import pytest
+from rnn_darts.space import SearchSpace
 from rnn_darts.config import SearchConfig, TrainConfig, StudyConfig, RunConfig
 from rnn_darts.learner import search_learner, train_learner, VocabDLs
 from rnn_darts.genotypes import DARTS_V2
@@ -171,7 +172,7 @@ def test_the_tables_read_off_the_roles_keep_their_settings():
     assert SPACE == ('ops', 'nodes', 'edge_norm')
     said = re.search(r'unless it may change on resume: ([^)]*)\)', STEERING['resume']['help']).group(1)   # --resume's help says them
     assert set(said.split(', ')) == {'--' + k.replace('_', '-') for k in RESUME_FREE if k != 'out'}, said
-    kinds = {'search': DartsRnnSearch(10, 8, 8, nodes=3), 'shared': DartsRnnShared(10, 8, 8), 'derived': DartsRnn(10, DARTS_V2, 8, 8)}
+    kinds = {'search': DartsRnnSearch(10, 8, 8, space=SearchSpace(nodes=3)), 'shared': DartsRnnShared(10, 8, 8), 'derived': DartsRnn(10, DARTS_V2, 8, 8)}
     metas = {kind: model_meta(m) for kind, m in kinds.items()}
     assert {kind: set(m) for kind, m in metas.items()} == dict(
         search={'kind', 'ntoken', 'emsize', 'nhid', 'nodes', 'relax', 'ops', 'edge_norm'},

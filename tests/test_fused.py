@@ -2,6 +2,7 @@
 import copy, pytest, torch
 triton = pytest.importorskip("triton", reason="the fused step is Triton kernels; Triton comes with torch's CUDA wheels")
 import triton.language as tl
+from rnn_darts.space import SearchSpace
 from rnn_darts.genotypes import DARTS_V1, DARTS_V2, ENAS, Genotype
 from rnn_darts.model import DartsCell, DartsCellSearch, DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.ops import OPS, PAPER_OPS, register_op
@@ -122,7 +123,7 @@ def test_an_op_without_triton_forms_is_named(cube):
     assert fused_lacks(OTHER_OPS) is None and fused_lacks(PAPER_OPS) is None
     with pytest.raises(ValueError, match='the fused step: the fused kernels have no Triton form of cube'):
         Fused(DartsCellSearch(8, 8, nodes=2, ops=('relu', 'cube')))
-    m = DartsRnnShared(30, 8, 8, nodes=2, ops=('relu', 'cube'))
+    m = DartsRnnShared(30, 8, 8, space=SearchSpace(('relu', 'cube'), 2))
     m.runner = Fused(m.cell)   # its first cell: relu only
     m.use(Genotype((('cube', 0), ('relu', 1)), (1, 2)))
     assert fused.derived_runner(m.cell, m.cell.per_sequence()) is None
@@ -186,8 +187,8 @@ def test_every_launch_compiles_for_a_gpu(cell, monkeypatch):
         assert 'ptx' in triton.compile(src, target=GPUTarget('cuda', 90, 32)).asm, name
 
 MODELS = dict(derived=lambda **d: DartsRnn(30, DARTS_V2, 8, 8, **d), shared=lambda **d: DartsRnnShared(30, 8, 8, **d).use(DARTS_V1),
-              search=lambda **d: DartsRnnSearch(30, 8, 8, nodes=3, **d),
-              search_space=lambda **d: DartsRnnSearch(30, 8, 8, nodes=5, ops=OTHER_OPS, edge_norm=True, **d))
+              search=lambda **d: DartsRnnSearch(30, 8, 8, space=SearchSpace(nodes=3), **d),
+              search_space=lambda **d: DartsRnnSearch(30, 8, 8, space=SearchSpace(OTHER_OPS, 5, True), **d))
 
 @pytest.mark.slow
 @pytest.mark.parametrize('kind', list(MODELS))
@@ -231,7 +232,7 @@ def test_a_fused_time_step_is_few_kernels(kind, per_step):
     profiled ranges, from 3 to 6 time steps. 12 s: the profiler records every operation of the interpreted kernels"""
     from rnn_darts.engine.bench import launch_count, weight_step
     torch.manual_seed(0)
-    m = (DartsRnn(30, DARTS_V2, 8, 8) if kind == 'derived' else DartsRnnSearch(30, 8, 8, nodes=2)).train()
+    m = (DartsRnn(30, DARTS_V2, 8, 8) if kind == 'derived' else DartsRnnSearch(30, 8, 8, space=SearchSpace(nodes=2))).train()
     m.runner = Fused(m.cell)
     def count(T):
         x, y = torch.randint(0, 30, (4, T)), torch.randint(0, 30, (4, T))

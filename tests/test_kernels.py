@@ -1,6 +1,7 @@
 "The CPU's products run in the kernel measured faster on this machine, per shape and layout (issue 30)"
 import json, subprocess, sys, warnings
 import pytest, torch, torch.nn.functional as F
+from rnn_darts.space import SearchSpace
 from rnn_darts.engine import kernels
 from rnn_darts.engine.kernels import linear, mm_t, machine_key, product_key, kernel_choices, fastest
 from rnn_darts.model import DartsRnnSearch
@@ -143,7 +144,7 @@ def test_a_compiled_step_takes_the_choices_while_traced(faster, table, monkeypat
     planted(monkeypatch, faster)
     torch._dynamo.reset()   # the graphs keep the choices they were traced with (no guard): trace afresh
     torch.manual_seed(0)
-    m = DartsRnnSearch(50, 16, 16, dropouth=0.2, dropoutx=0.2, nodes=3).train()   # 3 nodes: every operator, a third of the tracing
+    m = DartsRnnSearch(50, 16, 16, dropouth=0.2, dropoutx=0.2, space=SearchSpace(nodes=3)).train()   # 3 nodes: every operator, a third of the tracing
     x, y = torch.randint(0, 50, (4, 5)), torch.randint(0, 50, (4, 5))   # the step's products have bs = 4 rows, x W0ₓ has 20
     def grads():
         m.reset(); loss = m.loss(x, y, advance=False)

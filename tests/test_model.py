@@ -2,6 +2,7 @@
 import copy, gc, math, tempfile
 from pathlib import Path
 import pytest, torch, torch.nn as nn, torch.nn.functional as F
+from rnn_darts.space import SearchSpace
 from rnn_darts.genotypes import PRIMITIVES, PAPER_NODES, DARTS_V1, DARTS_V2, ENAS, Genotype
 from rnn_darts.ops import PAPER_OPS
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsCell, DartsCellSearch
@@ -186,7 +187,7 @@ def test_deepcopy_and_pickle_keep_the_store_packed():
 def tiny_search(steps=PAPER_NODES, **dropouts):
     "A seeded 20-word search model in training mode, with an input and a target batch"
     torch.manual_seed(0)
-    m = DartsRnnSearch(20, 8, 8, **dropouts, nodes=steps).train()
+    m = DartsRnnSearch(20, 8, 8, **dropouts, space=SearchSpace(nodes=steps)).train()
     return m, torch.randint(0, 20, (4, 5)), torch.randint(0, 20, (4, 5))
 
 @pytest.mark.slow
@@ -385,7 +386,7 @@ def test_eval_validation_measures_the_supernet():
 def onednn_search(nhid=128, bs=16, T=6, ntoken=300, steps=PAPER_NODES):
     "A small search model for the tests that send its products through oneDNN (`kernels.KERNEL`)"
     torch.manual_seed(0)
-    m = DartsRnnSearch(ntoken, nhid, nhid, dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1, nodes=steps).train()
+    m = DartsRnnSearch(ntoken, nhid, nhid, dropout=0.1, dropouth=0.2, dropoutx=0.2, dropouti=0.1, space=SearchSpace(nodes=steps)).train()
     g = torch.Generator().manual_seed(1)
     batch = lambda: (torch.randint(0, ntoken, (bs, T), generator=g), torch.randint(0, ntoken, (bs, T), generator=g))
     return m, batch(), batch()

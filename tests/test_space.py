@@ -3,6 +3,7 @@ command line and Python; α's shape, the genotype, the run's files and the pictu
 done in it is refused in one line; what was written before the space was data still loads, as the paper's."""
 import hashlib, json, math
 import pytest, torch
+from rnn_darts.space import SearchSpace
 from rnn_darts.config import METHODS
 from rnn_darts import cli
 from rnn_darts.ops import OPS, PAPER_OPS, register_op
@@ -96,7 +97,7 @@ def plain_edge_weights(beta, steps):
 def test_edge_normalisation_equals_plain(relax):
     "The cell's output under edge normalisation equals the plain cell mixing by relax(α) times the per-node softmax of β; and so do their gradients in α and β"
     torch.manual_seed(0)
-    m = DartsRnnSearch(30, 6, 6, 0., 0., 0., 0., 0., nodes=3, relax=relax, ops=('tanh', 'gelu'), edge_norm=True).eval()
+    m = DartsRnnSearch(30, 6, 6, 0., 0., 0., 0., 0., relax=relax, space=SearchSpace(('tanh', 'gelu'), 3, True)).eval()
     assert tuple(m.alpha.shape) == (6, 4)
     with torch.no_grad(): m.alpha.normal_()
     m.alpha.requires_grad_(True)
@@ -114,7 +115,7 @@ def test_edge_normalisation_equals_plain(relax):
 
 def test_edge_normalisation_derives_by_edge_weight_times_op_weight():
     "PC-DARTS's rule: node 2's edge from node 1 has the larger op weight, the edge from node 0 the far larger β: the edge from 0 wins"
-    m = DartsRnnSearch(30, 6, 6, nodes=2, ops=('tanh', 'relu'), edge_norm=True)
+    m = DartsRnnSearch(30, 6, 6, space=SearchSpace(('tanh', 'relu'), 2, True))
     with torch.no_grad():
         m.alpha.zero_()
         m.alpha[1, 1] = 1.; m.alpha[2, 2] = 2.   # node 2: tanh on edge 0→2, relu (stronger) on edge 1→2
@@ -249,3 +250,10 @@ def test_an_imported_op_reaches_every_command_and_its_run_imports_it_again(tmp_p
         fails(capsys, ['search', '--import', spec, '--out', str(tmp_path/'x')], code, f"--import {spec}", said)
     (tmp_path/'bad.py').write_text("raise RuntimeError('not today')\n")
     fails(capsys, ['report', str(run), '--import', str(tmp_path/'bad.py')], 1, f"--import {tmp_path/'bad.py'}: importing it failed: RuntimeError: not today")
+
+def test_the_space_is_one_value_from_the_keywords_to_the_model():
+    "A search learner's `ops`, `nodes` and `edge_norm` keywords become one `SearchSpace`, its config's and its model's; α has its shape"
+    learn = tiny_learner(mode='first', ops=' tanh, gelu', nodes=3, edge_norm=True, **SMALL)
+    space = SearchSpace(('tanh', 'gelu'), 3, True)
+    assert learn.config.space == space and learn.model.space == space and learn.config.ops == 'tanh,gelu'
+    assert tuple(learn.model.alpha.shape) == (space.edges, 1 + len(space.ops) + 1)   # none, the ops, β

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json, os
 from dataclasses import dataclass, field, asdict, replace
 from pathlib import Path
-from rnn_darts.core import UsageError, check_choice
+from rnn_darts.core import UsageError, check_choice, op_names
 
 PRECISIONS = ('fp32', 'tf32', 'bf16')   # of the matrix products: fp32, TF32 tensor cores, bf16 autocast (fp32 weights)
 PATH_NAMES = ('graphs', 'tf32', 'bf16', 'fused', 'fused+graphs', 'compiled', 'compiled+graphs')   # the paths `rnn-darts check` holds to eager (`rnn_darts.engine.check.PATHS`), named without torch
@@ -46,9 +46,7 @@ def fused_lacks(ops) -> str|None:
 
 def _ops_of(s:dict) -> tuple|None:
     "The ops a cell of the settings `s` runs (a comma list or a sequence; None where not said: the paper's, or a genotype's)"
-    ops = s.get('ops')
-    ops = tuple(x.strip() for x in ops.split(',') if x.strip()) if isinstance(ops, str) else ops
-    return tuple(ops) if ops else None
+    return op_names(s['ops']) or None if s.get('ops') else None
 
 def _on(f:dict, kind:str|None=None) -> bool:
     "Whether the facts `f` know their device (a config's checks do not), and it is not CUDA if `kind` is 'cpu'"
