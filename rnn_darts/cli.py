@@ -143,6 +143,8 @@ def report(
 
 # %% ../nbs/08_cli.ipynb #719b8ce7
 COMMANDS = dict(search=search, train=train, study=study, evaluate=evaluate_run, bench=bench, check=check, report=report)
+
+# %% ../nbs/08_cli.ipynb #3e5e0d19
 def _roots():
     "The folder of this project's package, `rnn_darts` (its callbacks in `rnn_darts/callbacks`)"
     import importlib.util
@@ -175,6 +177,7 @@ def user_error_code(e:BaseException):
     if isinstance(e, _INPUT_ERRORS) and _raised_here(e): return 1
     return None
 
+# %% ../nbs/08_cli.ipynb #ed0cd52d
 def error_message(e:BaseException) -> str:
     "The one-line message for a user error"
     if out_of_memory(e):
@@ -187,6 +190,7 @@ def error_message(e:BaseException) -> str:
     msg = re.sub(r"^Exception occured in `\w+` when calling event `\w+`:\s*", '', msg)   # fastai's callback wrapper
     return ' '.join(msg.split())
 
+# %% ../nbs/08_cli.ipynb #416538c4
 class _Parser(argparse.ArgumentParser):
     "argparse, with its usage errors as a `UsageError` (one line, exit status 2) that suggests the flag nearest a misspelt one"
     def error(self, message): raise UsageError(f"{self.prog.split()[-1]}: {message}{self._nearest(message)} (see {self.prog} -h)")
@@ -202,6 +206,7 @@ class _Parser(argparse.ArgumentParser):
         if len(near) == 1: return f" (did you mean {near[0][1]}?)"
         return f" (did you mean {', '.join(f'{m} for {a}' for a, m in near)}?)"
 
+# %% ../nbs/08_cli.ipynb #2a8626f0
 def _default_text(k, dflt, defaults, help:str):
     "' (default: V)' for flag `k`, unless its help says its default already"
     v = defaults.get(k, dflt) if dflt is None else dflt
@@ -231,6 +236,7 @@ def _arguments(cmd:str):
     meta = {f.name: f.metadata.get('help') for f in fields(CONFIGS[cmd])} if cmd in CONFIGS else {}   # the study's settings: `StudyConfig`'s
     for k, d in docments(COMMANDS[cmd], full=True, returns=False, eval_str=True).items(): yield k, d.anno, d.default, d.docment or meta.get(k) or FLAGS.get(k, '')
 
+# %% ../nbs/08_cli.ipynb #c0ef2ec6
 IMPORTING = ('search', 'train', 'evaluate', 'check', 'report', 'study')   # the commands that take --import
 IMPORT_HELP = ("import this module, or .py file, before anything else, so that its rnn_darts.ops.register_op calls add ops "
                "(repeatable); a run records it, and the commands that read the run import it again")
@@ -271,6 +277,7 @@ def command_parser(cmd:str, brief:bool=False) -> argparse.ArgumentParser:
                        help=IMPORT_HELP if not brief else "a module or .py file whose register_op calls add ops (repeatable)")
     return p
 
+# %% ../nbs/08_cli.ipynb #42249bea
 def main_help() -> str:
     "The text of `rnn-darts --help`"
     w = max(map(len, COMMANDS))
@@ -302,6 +309,7 @@ def _dispatch(argv):
         for spec in imports: import_ops(spec)   # the user's register_op calls, before anything reads an op's name
     return COMMANDS[cmd](**args)
 
+# %% ../nbs/08_cli.ipynb #b113bee7
 def run_command(argv):
     "Run `rnn-darts ARGV...` (`argv` without the program name) and return what the command returns (a learner, results)"
     argv = list(argv)

@@ -165,6 +165,7 @@ def set_threads(threads, dev, follow:bool=False) -> str:
     if threads is not None: torch.set_num_threads(threads)
     return f"{torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)}" if dev.type == 'cpu' else ''
 
+# %% ../nbs/07b_runs.ipynb #35c53a40
 def import_run_ops(folder:RunFolder, info:dict|None=None):
     "Import again the modules whose ops the run in `folder` used (its run.json's `imports`, `--import`'s), saying so"
     info = folder.record() if info is None else info
@@ -183,6 +184,7 @@ def resumable(folder:RunFolder) -> bool:
     from rnn_darts.callbacks.checkpoint import latest_checkpoint
     return latest_checkpoint(folder.checkpoints) is not None or (folder.checkpoints/RunFolder.MID_EPOCH).is_file()
 
+# %% ../nbs/07b_runs.ipynb #2be9eb1a
 class _Run:
     "What `_prepare` sets up for a command: settings, device, run folder (locked), corpus; `close()` releases the lock"
     lock = None
@@ -249,6 +251,7 @@ def _prepare(command, flags:dict) -> _Run:
     else: r.out.mkdir(parents=True, exist_ok=True)
     return r
 
+# %% ../nbs/07b_runs.ipynb #ee185d2a
 ARGV = []   # the arguments of the command being run (`rnn_darts.cli.run_command` sets them): the resume line repeats them
 
 def resume_command(argv=None) -> str:
@@ -269,6 +272,7 @@ def exit_if_interrupted(learn):
               file=sys.stderr, flush=True)
     raise SystemExit(it['code'])
 
+# %% ../nbs/07b_runs.ipynb #7fbe3999
 def method_text(s:dict) -> str:
     "A search's method in words, for its first line: the method (if one was named) and its parts"
     parts = [f"mode {s['mode']}"] + ([f"relax {s['relax']}"] if s['mode'] != 'random' else [])
@@ -303,6 +307,7 @@ def search(**flags):
         return learn
     finally: r.close()
 
+# %% ../nbs/07b_runs.ipynb #b255e726
 def cell_name(genotype, source:str) -> str:
     "How the first line of `train` names the cell it trains: the default said as such, a published name, or the file"
     from rnn_darts.genotypes import GENOTYPES
@@ -337,6 +342,7 @@ def train(**flags):
 
 search.__signature__, train.__signature__ = flags_signature('search'), flags_signature('train')   # help(), IDEs and the notebooks see every flag
 
+# %% ../nbs/07b_runs.ipynb #c4ef40f8
 def _what_ran(info:dict, learn, run) -> str:
     "What a search run's evaluation tested: its supernet, or the shared weights running the chosen cell; neither is the cell trained alone"
     if info['command'] != 'search': return ''
@@ -401,8 +407,6 @@ def evaluate_run(
     res = evaluate(learn, dl)
     print(f"{p} on {split}: loss {res['loss']:.4f}, perplexity {res['ppl']:.2f}{_what_ran(info, learn, run)}")
     return res
-
-
 
 # %% ../nbs/07b_runs.ipynb #5b3c52b7
 def resume_learner(path, device=None, cbs=None):
