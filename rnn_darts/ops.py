@@ -9,7 +9,7 @@ from pathlib import Path
 from dataclasses import dataclass
 import torch, torch.nn.functional as F
 from rnn_darts.core import UserError, UsageError, PAPER_OPS, op_names
-from rnn_darts.engine.kernels import tanh
+from rnn_darts.engine import tanh   # the engine's interface
 
 # %% auto #0
 __all__ = ['TRITON_OPS', 'OPS', 'IMPORT_ENV', 'IMPORTED', 'ENTRY_POINTS', 'Op', 'identity', 'register_op', 'ops_of', 'op_fn',

@@ -13,13 +13,15 @@ def modules() -> dict:
     return {f"{p}.{f.stem}": f for p in PACKAGES for f in sorted((ROOT/p.replace('.', '/')).glob('*.py')) if f.stem != '__init__'}
 
 def imports_of(path, mods) -> set:
-    "The package modules `path` imports anywhere in it: at the top, inside functions, `from PACKAGE import module` too"
+    """The package modules `path` imports anywhere in it: at the top, inside functions, `from PACKAGE import module` too;
+    a name of the engine's interface (`from rnn_darts.engine import linear`) as the module that defines it"""
+    from rnn_darts.engine import INTERFACE
     res = set()
     for n in ast.walk(ast.parse(path.read_text())):
         if isinstance(n, ast.Import): res |= {a.name for a in n.names}
         elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
             res.add(n.module)
-            res |= {f"{n.module}.{a.name}" for a in n.names}
+            res |= {f"{n.module}.{INTERFACE.get(a.name, a.name) if n.module == 'rnn_darts.engine' else a.name}" for a in n.names}
     return res & set(mods)
 
 def cycle(graph) -> list|None:
@@ -139,3 +141,23 @@ def test_a_methods_settings_are_applied_in_one_place():
         for fn in (n for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.FunctionDef)):
             calls += [(m, fn.name) for n in ast.walk(fn) if isinstance(n, ast.Call) and getattr(n.func, 'id', None) == 'with_method']
     assert calls == [('rnn_darts.config', 'resolve')]
+
+MATHS = ('rnn_darts.model', 'rnn_darts.loss', 'rnn_darts.ops', 'rnn_darts.relax', 'rnn_darts.flat', 'rnn_darts.genotypes',
+         'rnn_darts.space')   # what a step computes: the engine runs it
+
+def beyond_interface(tree) -> list:
+    "The top-level imports of `tree` that take from the engine more than its interface: a module of it, or a name not in `INTERFACE`"
+    from rnn_darts.engine import INTERFACE
+    return [ast.unparse(n) for n in tree.body if isinstance(n, ast.ImportFrom) and (n.module or '').startswith('rnn_darts.engine')
+            and (n.module != 'rnn_darts.engine' or any(a.name not in INTERFACE for a in n.names))]
+
+def test_the_maths_takes_only_the_engines_interface():
+    """The model, its loss, the ops and the rest of the maths import from the engine only the names of its interface
+    (`rnn_darts.engine.INTERFACE`), never a module of it (at their top: a fused step's Triton forms are an optional
+    dependency, which the ops' registry imports when one asks); the cycle check follows the interface to its modules"""
+    planted = ast.parse("from rnn_darts.engine.kernels import linear\nfrom rnn_darts.engine import runner_of, tanh\n"
+                        "from rnn_darts.engine import linear, EAGER")
+    assert beyond_interface(planted) == ['from rnn_darts.engine.kernels import linear', 'from rnn_darts.engine import runner_of, tanh']
+    mods = modules()
+    assert {m: b for m in MATHS if (b := beyond_interface(ast.parse(mods[m].read_text())))} == {}
+    assert imports_of(mods['rnn_darts.model'], mods) >= {'rnn_darts.engine.kernels', 'rnn_darts.engine.runners'}
