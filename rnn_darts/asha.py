@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib, json, logging, math, os, shutil, signal, socket, time
 from unittest.mock import patch
 from pathlib import Path
-from rnn_darts.core import UsageError, UserError, PAPER_OPS, PAPER_NODES, write_text_atomic, fmt_time, foreign_warnings_off
+import pandas as pd, torch
+from rnn_darts.core import UsageError, UserError, PAPER_OPS, PAPER_NODES, write_text_atomic, fmt_time, foreign_warnings_off, set_seed
 from rnn_darts.folder import RunFolder, RunLock
-from rnn_darts.config import StudyConfig
+from rnn_darts.config import StudyConfig, TrainConfig
 from rnn_darts.cluster import start_ray, import_ray, task_options, wait_unlocked, take_sigterm, RETRIES, PROGRESS_EVERY
 from rnn_darts.genotypes import load_genotype, sample_genotype, genotype_to_dict, cell_ops
+from rnn_darts.runs import load_corpus, resumable
 
 # %% auto #0
 __all__ = ['ASHA_RECORD', 'TUNE_DIR', 'STOP', 'STOP_WAIT', 'rungs_of', 'rung_epochs', 'asha_epochs', 'asha_pool', 'ignore_sigint',
@@ -40,7 +42,6 @@ def asha_epochs(n:int, rungs:list) -> int:
 
 def asha_pool(cells:dict|None=None, n_random:int=0, ops=PAPER_OPS, nodes:int=PAPER_NODES, seed:int=0) -> dict:
     "The cells ASHA chooses from: `cells` (name -> genotype, a file or a published name) and `n_random` drawn uniformly from the space, named random-1, ..."
-    import torch
     pool = {name: load_genotype(g) for name, g in (cells or {}).items()}
     gen = torch.Generator().manual_seed(seed)
     for i in range(n_random): pool[f"random-{i + 1}"] = sample_genotype(nodes, gen, tuple(ops))
@@ -54,8 +55,8 @@ def _metrics(loss:float, epochs:int) -> dict:
 
 def _report_epochs():
     "A callback reporting each trained epoch to Ray Tune; a resumed trial first reports the epochs its `log.csv` kept, as they were"
-    from fastai.callback.core import Callback
-    from ray import tune
+    from fastai.callback.core import Callback   # here: a trial's fastai stack; a report and a study's checks read ASHA's records without it
+    from ray import tune   # here: Ray is optional
     class TuneReport(Callback):
         order = 95   # after the epoch's record is written
         def before_fit(self): self.replayed = False
@@ -71,7 +72,7 @@ def _report_epochs():
 
 def _replay(run:Path):
     "A trial whose run had finished: report its logged epochs again (ASHA's rungs as they were) and train nothing"
-    from ray import tune
+    from ray import tune   # here: Ray is optional
     for r in RunFolder(run).log_rows(): tune.report(_metrics(float(r['valid_loss']), int(r['epoch']) + 1))
 
 def ignore_sigint():
@@ -82,8 +83,7 @@ def ignore_sigint():
 def asha_trial(config:dict):
     """A Tune trainable: train `config['cell']` (JSON) under `config['settings']` (train's) in `config['out']/NAME` to
     `max_t` epochs, reporting each; its output goes to `OUT/NAME.log`, and it stops at a checkpoint once `config['stop']` exists"""
-    import torch
-    from rnn_darts.callbacks.preemption import STOP_ENV
+    from rnn_darts.callbacks.preemption import STOP_ENV   # here: a trial's fastai stack; a report and a study's checks read ASHA's records without it
     s, run = dict(config['settings']), Path(config['out'])/config['name']
     if s.get('tensorboard'): s['tensorboard'] = str(Path(s['tensorboard'])/config['name'])   # each trial its own TensorBoard run
     torch.set_num_threads(s.get('threads') or 1)
@@ -97,11 +97,8 @@ def asha_trial(config:dict):
 def _train_trial(config:dict, s:dict, run:Path):
     """`asha_trial`'s training in its locked run folder: replayed if it had trained to the end, else continued from its
     checkpoint (one written mid-epoch too, before the run's first record), or started"""
-    from rnn_darts.runs import load_corpus, resumable
-    from rnn_darts.data import lm_dls
-    from rnn_darts.learner import train_learner
-    from rnn_darts.config import TrainConfig
-    from rnn_darts.core import set_seed
+    from rnn_darts.data import lm_dls   # here: a trial's fastai stack; a report and a study's checks read ASHA's records without it
+    from rnn_darts.learner import train_learner   # here: a trial's fastai stack; a report and a study's checks read ASHA's records without it
     folder = RunFolder(run)
     if (folder.record_or_none() or {}).get('finished') or folder.epochs_logged() >= config['max_t']: return _replay(run)   # (killed as ASHA stopped it at the end)
     dev = config.get('device')
@@ -149,7 +146,6 @@ def asha_want(pool:dict, settings:dict, rungs:str) -> dict:
 
 def asha_table(out, pool:dict, yardsticks=()) -> tuple:
     "(the chosen cell, a table) from the trials' run folders in `out`: the epochs each trained, its last and best validation perplexity; the chosen: the best at the highest rung any non-yardstick reached"
-    import pandas as pd
     rows = []
     for name in pool:
         ppl = [_metrics(float(r['valid_loss']), 0)['valid_ppl'] for r in RunFolder(Path(out)/name).log_rows()]
@@ -191,8 +187,8 @@ def _absolute(data:str|None) -> str|None:
 
 def _trials(pool:dict, settings:dict, r:dict, out:Path, resources:dict, device:str, at_once:int, say):
     "`select_asha`'s trials on the running Ray, `r` the scheduler's rungs (`rungs_of`); a line as each rung fills, and every minute"
-    from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
+    from ray import tune   # here: Ray is optional
+    from ray.tune.schedulers import ASHAScheduler   # here: Ray is optional
     board, cells = RungBoard(rung_epochs(r), list(pool)), {n: json.dumps(genotype_to_dict(g, cell_ops(g))) for n, g in pool.items()}
     tell = lambda lines: [say(l) for l in lines]
     class LoggedASHA(ASHAScheduler):

@@ -4,18 +4,20 @@
 
 # %% ../nbs/08_cli.ipynb #c0c1a83b
 from __future__ import annotations
-import argparse, difflib, errno, inspect, linecache, os, re, sys, traceback
+import argparse, difflib, errno, inspect, linecache, os, re, sys, traceback, importlib.util
 from dataclasses import fields
 from pathlib import Path
 from fastcore.script import bool_arg
 from fastcore.docments import docments
 from fastcore.imports import in_notebook
+from importlib.metadata import version, PackageNotFoundError
 from rnn_darts.core import UserError, UsageError, get_device, check_number, check_choice, foreign_warnings_off, write_text_atomic, renamed_hint
 from rnn_darts.options import CHOICES, FLAGS, FLAG_GROUPS, FLAG_SUMMARY, SWITCHES, code_defaults, command_flags, flag_default
 from rnn_darts.config import CONFIGS
 from rnn_darts import runs
 from rnn_darts.runs import search, train, evaluate_run, set_threads
 from rnn_darts.folder import RunFolder
+from rnn_darts.engine import plan
 
 # %% auto #0
 __all__ = ['COMMANDS', 'VALUE_NAMES', 'IMPORTING', 'IMPORT_HELP', 'OPTIONAL_VALUE', 'study', 'bench', 'check', 'report',
@@ -49,7 +51,7 @@ def study(
     tensorboard:str=None,
 ):
     "The paper's protocol: searches over methods and seeds, a short training of each cell, the best one trained fully and tested"
-    from rnn_darts.study import run_study, STUDY_OPTIONS
+    from rnn_darts.study import run_study, STUDY_OPTIONS   # here: only `rnn-darts study` needs it: ~10 ms more for every other command
     if threads is not None: check_number('--threads', threads, 1, integer=True)
     del resume   # a study always continues what its folder holds
     return run_study(preset, settings, out, stage, device, threads, override, ray, **{k: v for k, v in locals().items() if k in STUDY_OPTIONS})
@@ -74,10 +76,9 @@ def bench(
     for k, p in (('--json-path', json_path), ('--profile', profile)):
         if p is not None and Path(p).is_dir(): raise UsageError(f"{k} {p} is a folder; give a file name")
     dev = get_device(device)
-    from rnn_darts.engine.plan import plan_of
-    plan_of(dict(compile=compile, graphs=graphs, fuse=fuse, precision=precision), dev, lambda k: '--' + k)   # refused: one line, before the imports
+    plan.plan_of(dict(compile=compile, graphs=graphs, fuse=fuse, precision=precision), dev, lambda k: '--' + k)   # refused: one line, before the imports
     set_threads(threads, dev)
-    from rnn_darts.engine.bench import run_bench, print_table, profile_text, FAMILY
+    from rnn_darts.engine.bench import run_bench, print_table, profile_text, FAMILY   # here: torch; this module stays torch-free for `rnn-darts -h`
     def listed(flag, text, choices):
         items = choices if text is None else () if text.strip() == 'none' else tuple(x.strip() for x in text.split(',') if x.strip())
         for x in items: check_choice(flag, x, choices)
@@ -101,11 +102,10 @@ def check(
     "Prove every execution path (CUDA graphs, compiled, fused, TF32, bf16) equal to the eager step on this machine; exit 1 if one differs"
     if threads is not None: check_number('--threads', threads, 1, integer=True)
     if json_path is not None and Path(json_path).is_dir(): raise UsageError(f"--json-path {json_path} is a folder; give a file name")
-    from rnn_darts.engine.plan import PATH_NAMES   # no torch yet: a wrong name is refused at once
-    chosen = list(PATH_NAMES) if paths is None else [x.strip() for x in paths.split(',') if x.strip()]
-    if not chosen: raise UsageError(f"--paths names no path; paths are {', '.join(PATH_NAMES)}")
-    for x in chosen: check_choice('--paths', x, PATH_NAMES)
-    from rnn_darts.engine.check import PATHS, run_check, cases, header
+    chosen = list(plan.PATH_NAMES) if paths is None else [x.strip() for x in paths.split(',') if x.strip()]
+    if not chosen: raise UsageError(f"--paths names no path; paths are {', '.join(plan.PATH_NAMES)}")
+    for x in chosen: check_choice('--paths', x, plan.PATH_NAMES)
+    from rnn_darts.engine.check import PATHS, run_check, cases, header   # here: torch; this module stays torch-free for `rnn-darts -h`
     dev = get_device(device)
     set_threads(threads, dev)
     print(header(dev, len(cases()), bench), flush=True)
@@ -125,18 +125,18 @@ def report(
     folder = RunFolder(run)
     if folder.is_study():
         if fmt != 'md': raise UsageError("--fmt: a study's report is markdown only (--fmt md)")
-        from rnn_darts.reports import write_study_report
+        from rnn_darts.reports import write_study_report   # here: torch; this module stays torch-free for `rnn-darts -h`
         p = write_study_report(folder.path)
         print(f"report written to {p}")
         return p
     if not folder.is_run() and folder.runs_inside():
-        from rnn_darts.reports import write_search_comparison
+        from rnn_darts.reports import write_search_comparison   # here: torch; this module stays torch-free for `rnn-darts -h`
         if fmt != 'md': raise UsageError("--fmt: a folder of searches is reported in markdown only (--fmt md)")
         p = write_search_comparison(folder.path)
         print(f"report written to {p}")
         return p
     if folder.is_run(): runs.import_run_ops(folder)   # a damaged record: one line naming it; the ops the run imported, again
-    from rnn_darts.reports import write_report
+    from rnn_darts.reports import write_report   # here: torch; this module stays torch-free for `rnn-darts -h`
     p = write_report(folder.path, fmt=fmt)
     print(f"report written to {p}")
     return p
@@ -147,7 +147,6 @@ COMMANDS = dict(search=search, train=train, study=study, evaluate=evaluate_run, 
 # %% ../nbs/08_cli.ipynb #3e5e0d19
 def _roots():
     "The folder of this project's package, `rnn_darts` (its callbacks in `rnn_darts/callbacks`)"
-    import importlib.util
     return [Path(p).resolve() for p in (importlib.util.find_spec('rnn_darts').submodule_search_locations or [])]
 _INPUT_ERRORS = (ValueError, KeyError, FileNotFoundError, NotADirectoryError, RuntimeError, ConnectionError)
 _ENV_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ELOOP, errno.ENOENT,
@@ -292,7 +291,6 @@ def _dispatch(argv):
         print(main_help())
         sys.exit(0 if argv else 2)
     if argv[0] == '--version':
-        from importlib.metadata import version, PackageNotFoundError
         try: print(f"rnn-darts {version('rnn_darts')}")
         except PackageNotFoundError: print("rnn-darts (not installed)")
         sys.exit(0)
@@ -305,7 +303,7 @@ def _dispatch(argv):
     args.pop('debug', None)
     imports = args.pop('imports', None) or []
     if imports:
-        from rnn_darts.ops import import_ops
+        from rnn_darts.ops import import_ops   # here: torch; this module stays torch-free for `rnn-darts -h`
         for spec in imports: import_ops(spec)   # the user's register_op calls, before anything reads an op's name
     return COMMANDS[cmd](**args)
 

@@ -23,7 +23,7 @@ PROGRESS_EVERY, POLL = 60., 5.   # seconds between the progress lines of a study
 
 def import_ray():
     "Ray, or one line saying how to install it"
-    try: import ray
+    try: import ray   # here: Ray is optional
     except ImportError: raise UserError(f"--ray needs Ray, an optional extra of rnn-darts: {INSTALL}") from None
     return ray
 
@@ -37,7 +37,7 @@ def start_ray(address:str|None=None, setup_hook:str|None=None):
     ray = import_ray()
     if not sys.stdout.isatty(): os.environ.setdefault('RAY_COLOR_PREFIX', '0')   # Ray's own lines (a worker died, ...) without colour codes in a file
     quiet = dict(log_to_driver=False, logging_level='ERROR')   # each stage's output goes to its log; Ray's notices stay off
-    from rnn_darts.ops import IMPORT_ENV
+    from rnn_darts.ops import IMPORT_ENV   # here: torch; this module stays torch-free for `rnn-darts -h`
     env = dict(env_vars={IMPORT_ENV: os.environ[IMPORT_ENV]}) if os.environ.get(IMPORT_ENV) else {}   # --import's modules: each worker imports them (the files at the same paths)
     if setup_hook: env['worker_process_setup_hook'] = setup_hook
     if env: quiet['runtime_env'] = env

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields, asdict, MISSING
 from functools import partial, wraps
+from importlib.metadata import version, PackageNotFoundError
 from rnn_darts.core import UsageError, check_number, check_choice, op_names, PAPER_OPS, PAPER_NODES
 from rnn_darts.space import SearchSpace
 from rnn_darts.engine.plan import PRECISIONS, check_plan_rules   # the plan's rules needing no device: a config's too
@@ -593,7 +594,6 @@ def compile_key(s:dict, command:str, device) -> str:
     device kind and the settings `s` that shape the step's graphs (`SHAPES`' values, whether each of `MASKS` is on, a
     training's `CELL`)"""
     import torch   # here: the configs import no torch
-    from importlib.metadata import version, PackageNotFoundError
     try: pkg = version('rnn_darts')
     except PackageNotFoundError: pkg = None
     return json.dumps([torch.__version__, pkg, command, torch.device(device).type, [s.get(k) for k in SHAPES],

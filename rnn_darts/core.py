@@ -4,9 +4,10 @@
 
 # %% ../nbs/00_core.ipynb #853d301f
 from __future__ import annotations
-import configparser, difflib, math, os, random, re, sys, inspect, time
+import configparser, difflib, math, os, random, re, sys, inspect, time, logging, warnings, platform
 from contextlib import contextmanager
 from pathlib import Path
+from importlib.resources import files
 
 # %% auto #0
 __all__ = ['PAPER_OPS', 'PAPER_NODES', 'HOLD_ENV', 'HOLD_LIMIT', 'RENAMED', 'UserError', 'UsageError', 'op_names',
@@ -38,7 +39,6 @@ _OURS = r'rnn_darts(\.|$)'   # warnings raised in (or attributed to) this projec
 @contextmanager
 def foreign_warnings_off():
     "Inside, other packages' warnings (torch's `torch.jit.script` deprecation at fastai's import, ...) and torch's `No CUDA runtime` notice stay off stderr; ours show. The command line's entry, and the stages it runs elsewhere (a study's Ray workers): the library filters nothing"
-    import logging, warnings
     log = logging.getLogger('torch.utils.cpp_extension')
     level = log.level
     with warnings.catch_warnings():
@@ -53,7 +53,7 @@ _DEVICE_RE = re.compile(r'^(cpu|cuda|cuda:\d+|mps)$')
 
 def get_device(device=None):
     "`device` as a `torch.device`: CUDA when present if `device` is None; an error naming the argument if the name is not a device or CUDA is absent"
-    import torch
+    import torch   # here: torch; this module stays torch-free for `rnn-darts -h`
     if device is None or device == '': return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     if isinstance(device, torch.device): dev = device
     else:
@@ -79,7 +79,6 @@ def _amd_generation(family:int, model:int) -> str:
 
 def cpu_name(cpuinfo:str|None=None) -> str:
     "This machine's CPU: model name, AMD generation (family and model), AVX-512 or not, cores this process may use"
-    import platform
     if cpuinfo is None:
         try: cpuinfo = Path('/proc/cpuinfo').read_text()
         except OSError: cpuinfo = ''
@@ -141,19 +140,19 @@ def idle_cores(window:float=0.25) -> int:
 # %% ../nbs/00_core.ipynb #c1c60223
 def set_seed(seed:int):
     "Seed Python, NumPy and torch (all devices)"
-    import numpy as np, torch
+    import numpy as np, torch   # here: torch; this module stays torch-free for `rnn-darts -h`
     random.seed(seed); np.random.seed(seed % 2**32); torch.manual_seed(seed)
 
 def rng_states() -> dict:
     "The global RNG states, for a checkpoint"
-    import numpy as np, torch
+    import numpy as np, torch   # here: torch; this module stays torch-free for `rnn-darts -h`
     d = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
     if torch.cuda.is_available(): d['cuda'] = torch.cuda.get_rng_state_all()
     return d
 
 def set_rng_states(d:dict):
     "Restore the states captured by `rng_states`"
-    import numpy as np, torch
+    import numpy as np, torch   # here: torch; this module stays torch-free for `rnn-darts -h`
     random.setstate(d['python']); np.random.set_state(d['numpy']); torch.set_rng_state(d['torch'])
     if 'cuda' in d and torch.cuda.is_available(): torch.cuda.set_rng_state_all(d['cuda'])
 
@@ -245,7 +244,6 @@ def run_seconds(rec:dict|None) -> float|None:
 # %% ../nbs/00_core.ipynb #345c49c3
 def packaged_settings() -> Path:
     "The `settings.ini` that ships inside the package"
-    from importlib.resources import files
     return Path(str(files('rnn_darts')/'settings.ini'))
 
 def _check_file(p:Path, what:str) -> Path:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np, torch
 from fastai.data.load import DataLoader
 from fastai.data.core import DataLoaders
+from fastai.data.external import fastai_cfg
 from rnn_darts.core import check_positive, check_bptt, get_device, naming
 from rnn_darts.config import RunConfig
 
@@ -256,7 +257,6 @@ def _download(url:str, dest:Path, spec:str, split:str, timeout:float):
 
 def get_ptb(dest=None, url:str=PTB_URL, force:bool=False, hashes:dict|None=None, timeout:float=60.) -> Path:
     "Download PTB into `dest` (default: fastai's data folder / 'penn') unless there already with the right hashes; returns the folder"
-    from fastai.data.external import fastai_cfg
     dest = Path(dest) if dest is not None else fastai_cfg().path('data')/'penn'
     hashes = PTB_HASHES if hashes is None else hashes
     missing = set(SPLITS) - set(hashes)

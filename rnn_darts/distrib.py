@@ -11,6 +11,7 @@ from fastai.callback.core import Callback
 from fastai.callback.progress import CSVLogger, ProgressCallback
 from fastai.data.core import DataLoaders
 from fastai.torch_core import rank_distrib, num_distrib
+import torch.multiprocessing as mp
 from rnn_darts.data import StreamDL, SearchStream
 
 # %% auto #0
@@ -175,7 +176,6 @@ def spawn_distrib(fn, world_size:int=2, args=(), timeout:float=300., pg_timeout:
                   threads:int|None=1, check:bool=True, device:str='cpu'):
     "Run `fn(*args)` on `world_size` spawned processes, CPU ones in a gloo group or (`device='cuda'`) one GPU each in an NCCL group; returns one dict per rank (`ok`, `value` or `error`, `exitcode`)"
     if device not in ('cpu', 'cuda'): raise ValueError(f"spawn_distrib: device must be 'cpu' or 'cuda', got {device!r}")
-    import torch.multiprocessing as mp
     ctx, port = mp.get_context('spawn'), _free_port()
     q = ctx.Queue()
     ps = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, pg_timeout, threads, q, device), daemon=True)

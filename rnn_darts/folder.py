@@ -126,7 +126,7 @@ class RunLock:
     leaves it, unlocked: the next run takes it)"""
     def __init__(self, folder): self.path, self.f = RunFolder(folder).lock_file, None
     def acquire(self):
-        import fcntl
+        import fcntl   # here: POSIX only
         while True:
             with naming(self.path): f = open(self.path, 'a+')
             try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -146,7 +146,7 @@ class RunLock:
         return self
     def release(self):
         if self.f is None: return
-        import fcntl
+        import fcntl   # here: POSIX only
         try:
             with suppress(FileNotFoundError): self.path.unlink()   # deleted while still held: a process waiting on it tries again
             fcntl.flock(self.f, fcntl.LOCK_UN)

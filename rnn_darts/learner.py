@@ -28,7 +28,7 @@ from rnn_darts.engine.attach import attach
 from rnn_darts.model import DartsRnn, DartsRnnSearch, DartsRnnShared
 from rnn_darts.genotypes import load_genotype, genotype_to_dict, check_in_space, save_genotype, cell_ops
 from rnn_darts.data import fingerprint
-from rnn_darts.options import check_memory
+from rnn_darts.options import check_memory, known_options
 from rnn_darts.ops import ops_of, IMPORTED
 from rnn_darts.callbacks.arch import ArchParamUpdate, Temperature
 from rnn_darts.callbacks.perturb import Perturbation
@@ -449,7 +449,7 @@ class VocabDLs(DataLoaders):
 def export(self:DartsLearner, fname='export.pkl', pickle_module=None, pickle_protocol=2):
     "fastai's `export` for inference: evaluation weights, the vocabulary in place of the data, no optimizer or stream states"
     if rank_distrib(): return
-    import cloudpickle
+    import cloudpickle   # here: cloudpickle is optional
     self._end_cleanup()
     empty = VocabDLs(getattr(self.dls, 'vocab', None), self.dls.path, self.dls.device)
     arch = getattr(self, 'arch_param_update', None)
@@ -464,5 +464,4 @@ def export(self:DartsLearner, fname='export.pkl', pickle_module=None, pickle_pro
 # %% ../nbs/07_learner.ipynb #86906e9e
 def load_preset(name:str, settings=None) -> dict:
     "Preset `name` from `settings.ini` (the nearest one, or `settings`), typed and checked as the command line does"
-    from rnn_darts.options import known_options
     return read_preset(name, known_options(), settings)

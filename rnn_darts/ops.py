@@ -65,7 +65,7 @@ def _check_forms(name:str, fn, triton):
     "A user's Triton forms against `fn` and its autograd derivative on the probe, run by Triton's interpreter"
     if not (isinstance(triton, (tuple, list)) and len(triton) == 2 and all(hasattr(f, 'fn') for f in triton)):
         raise TypeError(f"register_op({name!r}): triton must be (forward, derivative), two @triton.jit functions")
-    from rnn_darts.engine.triton_ops import apply_forms
+    from rnn_darts.engine.triton_ops import apply_forms   # here: it imports Triton, which is optional
     x = torch.linspace(-4., 4., 12, dtype=torch.float64).requires_grad_()
     want = fn(x)
     try: y, d = apply_forms(tuple(triton), x.detach())

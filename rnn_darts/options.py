@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect, os
 from dataclasses import fields, asdict
 from pathlib import Path
-from rnn_darts.core import UsageError, UserError, read_preset, option_type, PAPER_NODES, PAPER_OPS
+from rnn_darts.core import UsageError, UserError, read_preset, option_type, PAPER_NODES, PAPER_OPS, find_settings
 from rnn_darts.config import (CONFIGS, GROUPS, STEERING, check_rules, check_random, check_value, resolve, ops_text,
                               declarations, declared)
 
@@ -39,7 +39,6 @@ def settings_and_sources(command, preset=None, settings_file=None, **flags):
     res = code_defaults(command)
     src = {k: 'default' for k in res}
     if preset:
-        from rnn_darts.core import find_settings
         ini = find_settings(settings_file, preset)
         for k, v in read_preset(preset, preset_keys(command), ini).items():
             if k in res: res[k], src[k] = v, f"{ini}: [{preset}] {k}"
@@ -131,7 +130,7 @@ def check_settings(s:dict, src:dict|None=None) -> dict:
         if v is not None and k in CHECKS: check_value(n(k), v, CHECKS[k])
     if 'mode' in s: check_random(s, n, lambda k: (src or {}).get(k) == 'flag')
     if 'mode' in s and isinstance(s.get('ops'), str) and not s['ops'].strip():   # a search's space needs ops ('' is a training's: any)
-        from rnn_darts.ops import ops_of
+        from rnn_darts.ops import ops_of   # here: torch; this module stays torch-free for `rnn-darts -h`
         ops_of(s['ops'], n('ops'))
     check_rules(s, n)
     if s.get('curvature') is False and (src or {}).get('curvature_windows') == 'flag':
@@ -188,7 +187,7 @@ def memory_estimate(s:dict, ntoken:int, command:str) -> dict:
 
 def available_memory(dev) -> tuple:
     "(bytes, description) of the memory the run can use on `dev`: a GPU's total, or RAM available plus free swap"
-    import torch
+    import torch   # here: torch; this module stays torch-free for `rnn-darts -h`
     if dev.type == 'cuda':
         free, total = torch.cuda.mem_get_info(dev)
         return total, f"the GPU {torch.cuda.get_device_name(dev)} has {total / 2**30:.1f} GiB"

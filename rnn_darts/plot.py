@@ -15,6 +15,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch, Rectangle, Patch
 from matplotlib.path import Path as MplPath
 from matplotlib.transforms import Bbox
+from PIL import Image
 from rnn_darts.core import naming
 from rnn_darts.genotypes import (Genotype, check_genotype, load_genotype, edge_slices, nodes_of, primitives,
                                  derive_genotype, genotype_from_dict)
@@ -208,7 +209,7 @@ def plot_genotype(genotype, path=None, title:str|None=None, engine:str='auto'):
             warnings.warn(f"{e}; drawing with matplotlib instead")
         else:
             if path is None:
-                from IPython.display import SVG
+                from IPython.display import SVG   # here: IPython is optional (a notebook has it)
                 return SVG(data=data)
             path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
             with naming(path): path.write_bytes(data)
@@ -306,7 +307,6 @@ def plot_alphas(history, epoch:int=-1, path=None):
 # %% ../nbs/09_plot.ipynb #c26f5801
 def genotype_gif(history, path, fps:float=2):
     "An animated GIF at `path` of the cell derived at each epoch of the search; returns the path"
-    from PIL import Image
     history = load_history(history)
     path = Path(path)
     if path.suffix.lower() != '.gif': raise ValueError(f"{path}: an animation is written as .gif")

@@ -4,8 +4,9 @@
 
 # %% ../nbs/07b_runs.ipynb #b7e5b5b2
 from __future__ import annotations
-import os, sys, time
+import os, sys, time, shutil, shlex
 from pathlib import Path
+from fastcore.foundation import L
 from rnn_darts.core import UsageError, get_device, set_seed, check_number, check_choice, idle_cores, cpu_sample, usable_cores
 from rnn_darts.config import RunConfig, SearchConfig, TrainConfig, with_taus, declared, compile_key
 from rnn_darts.engine.plan import plan_of, with_fit
@@ -22,7 +23,7 @@ __all__ = ['RESUME_FREE', 'SPACE', 'ARGV', 'load_corpus', 'corpus_key', 'setting
 # %% ../nbs/07b_runs.ipynb #c69a6174
 def load_corpus(s:dict, url:str|None=None):
     "The corpus the settings `s` name: the generated numbers, PTB (downloaded once, from `url` if given), or a folder"
-    from rnn_darts.data import numbers_corpus, read_corpus, get_ptb, PTB_URL
+    from rnn_darts.data import numbers_corpus, read_corpus, get_ptb, PTB_URL   # here: torch; this module stays torch-free for `rnn-darts -h`
     if s['data'] == 'numbers':   # a run recorded before n_eval existed had the default splits
         n_eval = s.get('n_eval', RunConfig.n_eval)
         return numbers_corpus(seed=s['seed'], n_train=s['n_train'], n_valid=n_eval, n_test=n_eval)
@@ -124,7 +125,6 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
             if not overwrite:
                 raise UsageError(f"{out} already holds a run ({', '.join(had)}); pass --resume to continue it, "
                                  f"--overwrite to replace it, or choose another --out")
-            import shutil
             had += [RunFolder.REPORT] if (out/RunFolder.REPORT).is_dir() else []   # the old run's report too: it would describe another run
             for f in had: shutil.rmtree(out/f) if (out/f).is_dir() else (out/f).unlink()
             print(f"--overwrite: deleted {', '.join(had)} in {out}")
@@ -133,8 +133,8 @@ def prepare_run_dir(out, command:str, s:dict, resume=False, overwrite=False, ove
 
 def record_overrides_cb(settings:dict, changes:dict, data:dict|None=None):
     "A callback for `fit(cbs=...)`: after a resume restored `RunInfo`, put the new settings in `run.json` and record `changes`"
-    from fastai.callback.core import Callback
-    from fastai.torch_core import rank_distrib
+    from fastai.callback.core import Callback   # here: torch; this module stays torch-free for `rnn-darts -h`
+    from fastai.torch_core import rank_distrib   # here: torch; this module stays torch-free for `rnn-darts -h`
     class RecordOverrides(Callback):
         order = 91   # after Checkpoint (90) resumed
         def before_fit(self):
@@ -155,7 +155,7 @@ def env_threads() -> int|None:
 
 def set_threads(threads, dev, follow:bool=False) -> str:
     "`torch.set_num_threads`: `threads`, else `OMP_NUM_THREADS`, else on a CPU the idle cores (`rnn_darts.core.idle_cores`; `follow`: as `FollowIdleCores` will); returns what to say of it"
-    import torch
+    import torch   # here: torch; this module stays torch-free for `rnn-darts -h`
     if threads is None and dev.type == 'cpu':
         env = env_threads()
         threads = env or idle_cores()
@@ -170,7 +170,7 @@ def import_run_ops(folder:RunFolder, info:dict|None=None):
     "Import again the modules whose ops the run in `folder` used (its run.json's `imports`, `--import`'s), saying so"
     info = folder.record() if info is None else info
     if info.get('imports'):
-        from rnn_darts.ops import import_recorded
+        from rnn_darts.ops import import_recorded   # here: torch; this module stays torch-free for `rnn-darts -h`
         import_recorded(info['imports'], str(folder.record_file))
 
 def genotype_run(genotype) -> RunFolder|None:
@@ -181,7 +181,7 @@ def genotype_run(genotype) -> RunFolder|None:
 
 def resumable(folder:RunFolder) -> bool:
     "Whether `folder` holds a checkpoint a run can continue from (an epoch's, or one written mid-epoch)"
-    from rnn_darts.callbacks.checkpoint import latest_checkpoint
+    from rnn_darts.callbacks.checkpoint import latest_checkpoint   # here: torch; this module stays torch-free for `rnn-darts -h`
     return latest_checkpoint(folder.checkpoints) is not None or (folder.checkpoints/RunFolder.MID_EPOCH).is_file()
 
 # %% ../nbs/07b_runs.ipynb #2be9eb1a
@@ -220,25 +220,25 @@ def _prepare(command, flags:dict) -> _Run:
     dev = get_device(c['device'])
     name = lambda k: setting_name(k, r.src)
     if command == 'train':
-        from rnn_darts.genotypes import load_genotype, check_in_space, cell_ops
-        from rnn_darts.ops import ops_of
+        from rnn_darts.genotypes import load_genotype, check_in_space, cell_ops   # here: torch; this module stays torch-free for `rnn-darts -h`
+        from rnn_darts.ops import ops_of   # here: torch; this module stays torch-free for `rnn-darts -h`
         if (run := genotype_run(r.s['genotype'])) is not None: import_run_ops(run)   # the ops of the search that found the cell
         r.genotype = load_genotype(r.s['genotype'])
         check_in_space(r.genotype, ops_of(r.s['ops'], name('ops')) if r.s['ops'] else None, r.s['nodes'], name)
     r.plan = plan_of({**r.s, 'ops': cell_ops(r.genotype) if command == 'train' else r.s['ops']}, dev, name, command=command)   # a refused combination: one line; the learner runs this plan
     if r.s['tensorboard']:
-        from rnn_darts.callbacks.tensorboard import summary_writer_class
+        from rnn_darts.callbacks.tensorboard import summary_writer_class   # here: torch; this module stays torch-free for `rnn-darts -h`
         summary_writer_class(r.s['tensorboard'])   # installed, and a folder it can write, before the run folder is made
-    from rnn_darts.distrib import setup_distrib
+    from rnn_darts.distrib import setup_distrib   # here: torch; this module stays torch-free for `rnn-darts -h`
     r.rank, world, r.dev = setup_distrib(device=str(dev))
     follow = (c['threads'] is None and env_threads() is None and r.dev.type == 'cpu' and world == 1   # ranks keep their threads: alike numbers
               and cpu_sample() is not None)
     r.threads = set_threads(c['threads'], r.dev, follow)
-    from rnn_darts.engine.speed import FollowIdleCores
+    from rnn_darts.engine.speed import FollowIdleCores   # here: torch; this module stays torch-free for `rnn-darts -h`
     r.fit_cbs = [FollowIdleCores()] if follow else []   # torch's threads follow the idle cores
     set_seed(r.s['seed'])
     r.corpus = load_corpus(r.s, c['url'])
-    from rnn_darts.data import fingerprint
+    from rnn_darts.data import fingerprint   # here: torch; this module stays torch-free for `rnn-darts -h`
     r.data = fingerprint(r.corpus)
     check_fits(r.corpus, r.s, command, r.src)
     batches = r.s['epochs'] * (len(r.corpus.train) // r.s['bs'] // r.s['bptt'])   # the fit's training batches: whether compiling pays
@@ -256,7 +256,6 @@ ARGV = []   # the arguments of the command being run (`rnn_darts.cli.run_command
 
 def resume_command(argv=None) -> str:
     "The command that resumes the command being run (`ARGV`): its arguments less --overwrite, with --resume (a study continues when run again: it has none)"
-    import shlex
     argv = [a for a in (ARGV if argv is None else argv) if a != '--overwrite']   # --overwrite would delete what the resume needs (and is refused with it)
     again = '--resume' in argv or argv[:1] == ['study']
     return ' '.join(['rnn-darts', *map(shlex.quote, argv)] + ([] if again else ['--resume']))
@@ -284,10 +283,10 @@ def search(**flags):
     "Architecture search: learn the mixing weights α of a recurrent cell (or, --mode random, score drawn cells), write the genotype"
     r = _prepare('search', flags)
     try:
-        from rnn_darts.data import lm_dls, search_stream
-        from rnn_darts.learner import search_learner, RunInfo, run_genotype
-        from rnn_darts.distrib import distrib_learner, cleanup_distrib
-        from rnn_darts.callbacks.logs import plain_output
+        from rnn_darts.data import lm_dls, search_stream   # here: torch; this module stays torch-free for `rnn-darts -h`
+        from rnn_darts.learner import search_learner, RunInfo, run_genotype   # here: torch; this module stays torch-free for `rnn-darts -h`
+        from rnn_darts.distrib import distrib_learner, cleanup_distrib   # here: torch; this module stays torch-free for `rnn-darts -h`
+        from rnn_darts.callbacks.logs import plain_output   # here: torch; this module stays torch-free for `rnn-darts -h`
         s, dev, out, corpus, resume = r.s, r.dev, r.out, r.corpus, r.resume
         folder = RunFolder(out)
         if r.rank == 0: print(f"search {method_text(s)} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}; {r.plan.path}); run folder {out}")
@@ -300,7 +299,7 @@ def search(**flags):
         learn.fit(s['epochs'], cbs=[record_overrides_cb(s, r.changes, r.data)] if resume else None)
         exit_if_interrupted(learn)
         if rnd:   # its record is finished by choose_cell, which writes the cell it chose
-            from rnn_darts.random_search import choose_cell
+            from rnn_darts.random_search import choose_cell   # here: torch; this module stays torch-free for `rnn-darts -h`
             choose_cell(learn)
         elif r.rank == 0: print(f"genotype: {run_genotype(learn)}\nwritten to {folder.genotype_file}")   # RunInfo wrote it and finished the record
         cleanup_distrib()
@@ -310,7 +309,7 @@ def search(**flags):
 # %% ../nbs/07b_runs.ipynb #b255e726
 def cell_name(genotype, source:str) -> str:
     "How the first line of `train` names the cell it trains: the default said as such, a published name, or the file"
-    from rnn_darts.genotypes import GENOTYPES
+    from rnn_darts.genotypes import GENOTYPES   # here: torch; this module stays torch-free for `rnn-darts -h`
     if source == 'default': return f"{genotype} (the default cell: no --genotype given; name a search's run folder or a genotype file to train yours)"
     if isinstance(genotype, str) and genotype in GENOTYPES: return genotype
     return f"the cell in {genotype}"
@@ -319,10 +318,10 @@ def train(**flags):
     "Train a derived cell from scratch with NT-ASGD; evaluate it on the test split with the averaged weights"
     r = _prepare('train', flags)
     try:
-        from rnn_darts.data import lm_dls, test_dl
-        from rnn_darts.learner import train_learner, evaluate, RunInfo, RunEnd
-        from rnn_darts.distrib import distrib_learner, cleanup_distrib
-        from rnn_darts.callbacks.logs import plain_output
+        from rnn_darts.data import lm_dls, test_dl   # here: torch; this module stays torch-free for `rnn-darts -h`
+        from rnn_darts.learner import train_learner, evaluate, RunInfo, RunEnd   # here: torch; this module stays torch-free for `rnn-darts -h`
+        from rnn_darts.distrib import distrib_learner, cleanup_distrib   # here: torch; this module stays torch-free for `rnn-darts -h`
+        from rnn_darts.callbacks.logs import plain_output   # here: torch; this module stays torch-free for `rnn-darts -h`
         s, dev, out, corpus, g, resume = r.s, r.dev, r.out, r.corpus, r.genotype, r.resume
         if r.rank == 0: print(f"train {cell_name(s['genotype'], r.src['genotype'])} on {corpus} ({dev}{'; ' + r.threads if r.threads else ''}; {r.plan.path}); run folder {out}")
         dls = lm_dls(corpus, s['bs'], s['bptt'], phase='train', eval_bs=s['eval_bs'], seed=s['seed'], max_delta=s['max_delta'], device=dev)
@@ -369,7 +368,7 @@ def evaluate_run(
     recorded = {k: f"{folder.record_file}: settings.{k}" for k in s}
     check_settings({k: v for k, v in s.items() if k not in ('threads',)}, recorded)
     dev = get_device(device)
-    from rnn_darts.callbacks.checkpoint import load_checkpoint, latest_checkpoint, restore
+    from rnn_darts.callbacks.checkpoint import load_checkpoint, latest_checkpoint, restore   # here: torch; this module stays torch-free for `rnn-darts -h`
     if checkpoint == 'best':
         p = folder.best_checkpoint
         if not p.is_file():
@@ -385,10 +384,10 @@ def evaluate_run(
     set_seed(s['seed'])
     corpus = load_corpus(s)
     check_fits(corpus, s, 'evaluate', recorded, split=split)
-    from rnn_darts.data import lm_dls, search_stream, test_dl
-    from rnn_darts.learner import search_learner, train_learner, evaluate
-    from rnn_darts.callbacks.logs import plain_output
-    from rnn_darts.genotypes import load_genotype
+    from rnn_darts.data import lm_dls, search_stream, test_dl   # here: torch; this module stays torch-free for `rnn-darts -h`
+    from rnn_darts.learner import search_learner, train_learner, evaluate   # here: torch; this module stays torch-free for `rnn-darts -h`
+    from rnn_darts.callbacks.logs import plain_output   # here: torch; this module stays torch-free for `rnn-darts -h`
+    from rnn_darts.genotypes import load_genotype   # here: torch; this module stays torch-free for `rnn-darts -h`
     dls = lm_dls(corpus, s['bs'], s['bptt'], phase='search' if info['command'] == 'search' else 'train', eval_bs=s['eval_bs'], device=dev)
     if info['command'] == 'search':
         sdl = None if s.get('mode') == 'random' else search_stream(corpus, s['bs'], device=dev)
@@ -412,9 +411,8 @@ def evaluate_run(
 def resume_learner(path, device=None, cbs=None):
     """The learner of the run in `path` (written by `rnn-darts search|train --out`, or by a learner given that `path`),
     made from `run.json` alone; its `fit(N)` continues the run from its newest checkpoint to `N` epochs in all"""
-    from fastcore.foundation import L
-    from rnn_darts.data import lm_dls, search_stream, fingerprint
-    from rnn_darts.learner import search_learner, train_learner, RunInfo
+    from rnn_darts.data import lm_dls, search_stream, fingerprint   # here: torch; this module stays torch-free for `rnn-darts -h`
+    from rnn_darts.learner import search_learner, train_learner, RunInfo   # here: torch; this module stays torch-free for `rnn-darts -h`
     folder = RunFolder(path)
     info = folder.record()
     import_run_ops(folder, info)
@@ -431,6 +429,6 @@ def resume_learner(path, device=None, cbs=None):
     if command == 'search':
         stream = None if s['mode'] == 'random' else search_stream(corpus, s['bs'], device=dev)
         return search_learner(dls, stream, SearchConfig.of(s), path=folder.path, resume=True, device=dev, cbs=own)
-    from rnn_darts.genotypes import load_genotype
+    from rnn_darts.genotypes import load_genotype   # here: torch; this module stays torch-free for `rnn-darts -h`
     return train_learner(dls, load_genotype(s['genotype']), TrainConfig.of(s), path=folder.path, resume=True, device=dev, cbs=own)
 

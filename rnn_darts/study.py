@@ -13,6 +13,9 @@ from rnn_darts.folder import RunFolder, RunLock
 from rnn_darts.config import StudyConfig, METHODS, check_fields
 from rnn_darts.cluster import (INSTALL, RETRIES, PROGRESS_EVERY, POLL, import_ray, check_ray, start_ray, check_answers, wait_unlocked,
                                task_options, parallel_slots, take_sigterm)
+from rnn_darts.options import settings_and_sources, setting_name, check_settings, check_fits, known_options
+from rnn_darts.runs import settings_diff, load_corpus, corpus_key, _fmt_changes
+from rnn_darts import runs
 
 # %% auto #0
 __all__ = ['STUDY_OPTIONS', 'ASHA_STAGE', 'STUDY_COLUMNS', 'PASSES', 'ATTACK_PASSES', 'PROBE', 'STOP_WAIT', 'STOP',
@@ -29,7 +32,6 @@ STUDY_OPTIONS = {f.name: (option_type(f.default, f.type), f.default) for f in fi
 def study_settings(preset:str|None=None, settings_file=None, **flags) -> tuple:
     """The study's settings (`StudyConfig`'s defaults, then the study `preset`, then the `flags` that are not None) and where
     each came from, resolved as every command's (`options.settings_and_sources`)"""
-    from rnn_darts.options import settings_and_sources
     bad = next((k for k in flags if k not in STUDY_OPTIONS), None)
     if bad is not None: raise TypeError(f"run_study() got an unknown setting {bad!r}; settings: {', '.join(STUDY_OPTIONS)}")
     return settings_and_sources('study', preset, settings_file, **flags)
@@ -65,8 +67,7 @@ def plan_stages(lists:dict) -> list:
 # %% ../nbs/17_study.ipynb #da17d9b5
 def check_study(s:dict, src:dict|None=None) -> dict:
     "Raise a `UsageError` naming the flag or preset key of the first bad study setting; returns `methods`, `seeds`, `references` as lists"
-    from rnn_darts.options import setting_name
-    from rnn_darts.genotypes import load_genotype
+    from rnn_darts.genotypes import load_genotype   # here: torch; this module stays torch-free for `rnn-darts -h`
     n = lambda k: setting_name(k, src)
     methods = _unique(n('methods'), _items(s['methods']))
     if not methods: raise UsageError(f"{n('methods')} names no search method; give some of {', '.join(METHODS)}")
@@ -81,7 +82,7 @@ def check_study(s:dict, src:dict|None=None) -> dict:
         except (FileNotFoundError, ValueError) as e: raise UsageError(f"{n('references')}: {e}") from None
     check_fields(StudyConfig, s, n)                                   # short_epochs, final_epochs, select, random_cells: their fields' checks
     if s['select'] == 'asha':
-        from rnn_darts.asha import rungs_of
+        from rnn_darts.asha import rungs_of   # here: torch; this module stays torch-free for `rnn-darts -h`
         rungs_of(s['rungs'], n('rungs'))
         try: import ray.tune, pyarrow   # Tune and what it stores results with
         except ImportError: raise UserError(f"{n('select')} asha runs the trials on Ray Tune, an optional extra of rnn-darts: {INSTALL}") from None
@@ -104,7 +105,7 @@ def check_study(s:dict, src:dict|None=None) -> dict:
 # %% ../nbs/17_study.ipynb #136b4300
 def _genotype_arg(p:Path) -> str:
     "A search's cell as the JSON text `--genotype` takes: the stage's record then holds the cell, not where the study folder was"
-    from rnn_darts.genotypes import load_genotype, genotype_to_dict
+    from rnn_darts.genotypes import load_genotype, genotype_to_dict   # here: torch; this module stays torch-free for `rnn-darts -h`
     return json.dumps(genotype_to_dict(load_genotype(p))) if p.is_file() else str(p)
 
 def stage_command(st:Stage, s:dict, study_dir, settings_file=None, winner:str|None=None) -> tuple:
@@ -113,7 +114,7 @@ def stage_command(st:Stage, s:dict, study_dir, settings_file=None, winner:str|No
     flags = dict(settings=settings_file, data=s['data'] or None, files=s['files'] or None, unk=s['unk'] or None, out=str(study_dir/st.name),
                  tensorboard=str(Path(s['tensorboard']).absolute()/st.name) if s.get('tensorboard') else None)   # each stage a run of its own
     if st.kind == 'search': return 'search', dict(preset=s['search_preset'], seed=st.seed, method=st.method, **flags)
-    from rnn_darts.asha import rungs_of, asha_record
+    from rnn_darts.asha import rungs_of, asha_record   # here: torch; this module stays torch-free for `rnn-darts -h`
     if st.kind == 'asha':   # each trial's settings; the cell here is the first search's (each trial trains its own)
         first = RunFolder(study_dir/f"search-{_items(s['methods'])[0]}-{_items(s['seeds'])[0]}").genotype_file
         return 'train', dict(preset=s['train_preset'], genotype=_genotype_arg(first), epochs=rungs_of(s['rungs'])['max_t'], **flags)
@@ -129,13 +130,11 @@ def stage_record(folder) -> dict|None:
 
 def stage_settings(command:str, flags:dict) -> tuple:
     "The settings of a stage's run and where each came from, its preset and flags resolved as `rnn-darts search|train` does"
-    from rnn_darts.options import settings_and_sources
     return settings_and_sources(command, **{k: v for k, v in flags.items() if k != 'settings'}, settings_file=flags.get('settings'))
 
 def stage_done(rec:dict|None, command:str, flags:dict) -> bool:
     "Whether the run recorded in `rec` finished with the settings `flags` ask for (preset and flags resolved as the command does)"
     if not rec or not rec.get('finished'): return False
-    from rnn_darts.runs import settings_diff
     want = stage_settings(command, flags)[0]
     return rec['settings'].get('epochs') == want['epochs'] and not settings_diff(rec['settings'], want)
 
@@ -153,12 +152,12 @@ def select_winner(rows:list) -> int|None:
     return min(ok, key=lambda i: (rows[i]['short_valid_loss'], i)) if ok else None
 
 def _cell_of(st:Stage, study_dir:Path):
-    from rnn_darts.genotypes import load_genotype
+    from rnn_darts.genotypes import load_genotype   # here: torch; this module stays torch-free for `rnn-darts -h`
     return load_genotype(st.source if st.method == 'reference' else RunFolder(study_dir/st.source).genotype_file)
 
 def study_rows(study_dir, stages:list) -> list:
     "A row per short training whose stage is done, or per cell of ASHA's pool (`STUDY_COLUMNS`, without the final training's results)"
-    from rnn_darts.genotypes import genotype_to_dict, cell_text
+    from rnn_darts.genotypes import genotype_to_dict, cell_text   # here: torch; this module stays torch-free for `rnn-darts -h`
     if any(x.kind == 'asha' for x in stages): return asha_rows(stages, study_dir)
     study_dir, rows = Path(study_dir), []
     for st in (x for x in stages if x.kind == 'short'):
@@ -183,8 +182,7 @@ def run_passes(command:str, run:dict) -> int:
 
 def planned_work(stages:list, s:dict, study_dir, settings_file=None) -> dict:
     "Each stage's planned multiply-adds (stage name -> float): epochs × training tokens × passes × (a cell's 20 nhid² + the decoder's nhid · vocabulary); ASHA's: the epochs its rungs expect"
-    from rnn_darts.asha import asha_epochs, rung_epochs, rungs_of
-    from rnn_darts.runs import load_corpus, corpus_key
+    from rnn_darts.asha import asha_epochs, rung_epochs, rungs_of   # here: torch; this module stays torch-free for `rnn-darts -h`
     corpora, res = {}, {}
     for st in stages:
         cmd, flags = stage_command(st, s, study_dir, settings_file, winner=stages[0].name)
@@ -211,7 +209,6 @@ def _estimate(stages:list, study_dir:Path, work:dict) -> float|None:
 
 def _study_record(study_dir:Path, s:dict, preset, override:bool, settings_file=None) -> dict:
     "Write `study.json`, or check this study's settings against it (refused if they differ, unless `override`)"
-    from rnn_darts.runs import settings_diff, _fmt_changes
     folder = RunFolder(study_dir)
     p, rec = folder.study_record_file, folder.study_record()
     if rec is not None:
@@ -228,8 +225,6 @@ def _study_record(study_dir:Path, s:dict, preset, override:bool, settings_file=N
 
 def check_stages(stages:list, s:dict, study_dir, settings_file=None):
     "Check every stage's settings, corpus and batch sizes as its command will, before any stage runs or `study.json` is written"
-    from rnn_darts.options import check_settings, check_fits
-    from rnn_darts.runs import load_corpus, corpus_key
     corpora = {}
     for st in stages:
         cmd, flags = stage_command(st, s, study_dir, settings_file, winner=stages[0].name)   # the final stage: any searched cell
@@ -270,7 +265,7 @@ def _final_source(st:Stage, stages:list, study_dir:Path) -> str|None:
     "For the final stage: the search stage of the selected cell"
     if st.kind != 'final': return None
     if any(x.kind == 'asha' for x in stages):
-        from rnn_darts.asha import asha_record
+        from rnn_darts.asha import asha_record   # here: torch; this module stays torch-free for `rnn-darts -h`
         chosen = (asha_record(study_dir/ASHA_STAGE) or {}).get('chosen')
         if chosen is None: raise UserError(f"ASHA chose no cell in {study_dir/ASHA_STAGE}: no searched or random cell reached a rung with a finite validation loss")
         return chosen
@@ -281,7 +276,7 @@ def _final_source(st:Stage, stages:list, study_dir:Path) -> str|None:
 
 def check_final(study_dir, genotype, selected:str):
     "Refuse a final training of another cell than `genotype`, the cell of the `selected` stage (the selection changed since it started)"
-    from rnn_darts.genotypes import load_genotype
+    from rnn_darts.genotypes import load_genotype   # here: torch; this module stays torch-free for `rnn-darts -h`
     final = RunFolder(study_dir).final()
     fin = final.record_or_none()
     if fin and fin['settings'].get('genotype') and load_genotype(fin['settings']['genotype']) != load_genotype(genotype):
@@ -289,7 +284,6 @@ def check_final(study_dir, genotype, selected:str):
 
 def run_stage(st:Stage, stages:list, s:dict, study_dir, settings_file=None, device=None, threads=None, override=False, ray:str|None=None):
     "Run stage `st` as `rnn-darts search|train` would (resuming it if it started; ASHA's on the Ray at `ray` or a local one); returns the learner"
-    from rnn_darts import runs
     study_dir = Path(study_dir)
     if st.kind == 'asha': return run_asha_stage(s, stages, study_dir, settings_file, device, threads, ray)
     winner = _final_source(st, stages, study_dir)
@@ -302,8 +296,8 @@ def run_stage(st:Stage, stages:list, s:dict, study_dir, settings_file=None, devi
 def study_pool(s:dict, stages:list, study_dir, settings_file=None) -> tuple:
     """(pool, yardsticks) of a study's ASHA stage: each search's cell, named by its stage; the references, named by their
     folders, never chosen; and `random_cells` drawn uniformly from the searches' space (ops, nodes) with the study's first seed"""
-    from rnn_darts.asha import asha_pool
-    from rnn_darts.ops import ops_of
+    from rnn_darts.asha import asha_pool   # here: torch; this module stays torch-free for `rnn-darts -h`
+    from rnn_darts.ops import ops_of   # here: torch; this module stays torch-free for `rnn-darts -h`
     study_dir, searches = Path(study_dir), [x for x in stages if x.kind == 'search']
     refs = {_folder_name(r): r for r in _items(s['references'])}
     space = stage_settings(*stage_command(searches[0], s, study_dir, settings_file))[0]
@@ -317,7 +311,7 @@ def asha_stage_settings(s:dict, stages:list, study_dir, settings_file=None, thre
 
 def asha_stage_done(s:dict, stages:list, study_dir, settings_file=None) -> bool:
     "Whether the study's ASHA stage ended with the cells, settings and rungs it asks for now"
-    from rnn_darts.asha import asha_record, asha_want
+    from rnn_darts.asha import asha_record, asha_want   # here: torch; this module stays torch-free for `rnn-darts -h`
     study_dir = Path(study_dir)
     rec = asha_record(study_dir/ASHA_STAGE)
     if not rec or not all((stage_record(study_dir/x.name) or {}).get('finished') for x in stages if x.kind == 'search'): return False
@@ -326,8 +320,7 @@ def asha_stage_done(s:dict, stages:list, study_dir, settings_file=None) -> bool:
 
 def run_asha_stage(s:dict, stages:list, study_dir, settings_file=None, device=None, threads=None, ray:str|None=None):
     "Run the study's ASHA stage (on the Ray at `ray`, or a local one); Ctrl-C or SIGTERM stop its trials at a checkpoint and exit 130 (143) saying how to resume"
-    from rnn_darts import runs
-    from rnn_darts.asha import rungs_of, rung_epochs, asha_epochs, select_asha
+    from rnn_darts.asha import rungs_of, rung_epochs, asha_epochs, select_asha   # here: torch; this module stays torch-free for `rnn-darts -h`
     study_dir = Path(study_dir)
     pool, refs = study_pool(s, stages, study_dir, settings_file)
     r = rungs_of(s['rungs'])
@@ -344,8 +337,8 @@ def run_asha_stage(s:dict, stages:list, study_dir, settings_file=None, device=No
 
 def asha_rows(stages:list, study_dir) -> list:
     "The rows of study.csv under --select asha: a row per cell of the pool (`STUDY_COLUMNS`), the chosen one selected"
-    from rnn_darts.asha import asha_record, asha_table
-    from rnn_darts.genotypes import genotype_from_dict, genotype_to_dict, cell_text
+    from rnn_darts.asha import asha_record, asha_table   # here: torch; this module stays torch-free for `rnn-darts -h`
+    from rnn_darts.genotypes import genotype_from_dict, genotype_to_dict, cell_text   # here: torch; this module stays torch-free for `rnn-darts -h`
     study_dir = Path(study_dir)
     rec = asha_record(study_dir/ASHA_STAGE)
     if rec is None: return []
@@ -386,10 +379,9 @@ def run_study(
     if ray is not None:
         check_ray(ray)   # installed, and the cluster answers, before anything is written
     if s['tensorboard']:
-        from rnn_darts.callbacks.tensorboard import summary_writer_class
+        from rnn_darts.callbacks.tensorboard import summary_writer_class   # here: torch; this module stays torch-free for `rnn-darts -h`
         summary_writer_class(s['tensorboard'])   # installed, and a folder it can write, before anything is written
     for k in ('search_preset', 'train_preset'):   # both presets exist, before anything runs
-        from rnn_darts.options import known_options, setting_name
         try: read_preset(s[k], known_options(), find_settings(settings, s[k]))
         except (KeyError, UsageError) as e: raise UsageError(f"{setting_name(k, src)}: {e.args[0]}") from None
     check_stages(stages, s, study_dir, settings)
@@ -409,7 +401,7 @@ def run_study(
                            one=stage is not None)
         if stage is not None: return None
         df = collect_study(study_dir, stages)
-        from rnn_darts.reports import write_study_report
+        from rnn_darts.reports import write_study_report   # here: torch; this module stays torch-free for `rnn-darts -h`
         write_study_report(study_dir, df)
         return df
 
@@ -447,7 +439,7 @@ def _run_logged(st:Stage, i:int, n:int, left:list, stages:list, s:dict, study_di
 
 def collect_study(study_dir, stages:list):
     "The study's table from its stages' records, written to `study.csv`; the final training's results go on the selected row"
-    import pandas as pd
+    import pandas as pd   # here: torch; this module stays torch-free for `rnn-darts -h`
     study_dir = Path(study_dir)
     rows = study_rows(study_dir, stages)
     i = select_winner(rows)
@@ -488,7 +480,7 @@ def probe_folder(study_dir:str, nonce:str) -> str|None:
 
 def check_workers_see(ray, study_dir:Path):
     "Before any stage: a worker on every node of the cluster reads the driver's probe in the study folder and writes there, or one line says what is wrong"
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy   # here: Ray is optional
     nonce = uuid.uuid4().hex
     write_text_atomic(nonce, study_dir/PROBE)
     try:
@@ -502,7 +494,6 @@ def check_workers_see(ray, study_dir:Path):
 # %% ../nbs/17_study.ipynb #e354f0ae
 def run_stage_task(st, stages, s, study_dir, settings_file, device, threads, override, argv, *after):
     "On a worker: run stage `st` (`after`: the stages it waits for, done by now), its output in the study's `ray-logs/STAGE.log`; `argv`: the study command's, which a stopped stage's log says to run again"
-    from rnn_darts import runs
     runs.ARGV[:] = argv
     log = RunFolder(study_dir).ray_log(st.name)
     log.parent.mkdir(exist_ok=True)
@@ -512,7 +503,7 @@ def run_stage_task(st, stages, s, study_dir, settings_file, device, threads, ove
         if stop.exists(): return None   # the study stopped before this stage began
         wait_unlocked(Path(study_dir)/st.name)
         if stage_finished(st, stages, s, study_dir, settings_file): return st.name   # Ray ran it again after it had ended
-        from rnn_darts.callbacks.preemption import STOP_ENV
+        from rnn_darts.callbacks.preemption import STOP_ENV   # here: torch; this module stays torch-free for `rnn-darts -h`
         os.environ[STOP_ENV] = str(stop)   # the fit stops at a checkpoint once the driver writes it
         try: run_stage(st, stages, s, study_dir, settings_file, device, threads, override)
         except SystemExit as e:   # a signal stopped the fit at a checkpoint: the study's stop ends the task; SIGTERM ends the worker, which Ray retries
@@ -534,7 +525,6 @@ def stage_error(name:str, e:BaseException) -> BaseException:
 # %% ../nbs/17_study.ipynb #78af0280
 def submit_stages(ray, todo:list, stages:list, s:dict, study_dir:Path, settings_file, opts:tuple, override, pending:list) -> dict:
     "Submit the stages `todo` as Ray tasks (`opts`: `task_options`), each with the results of the stages it waits for as arguments (Ray starts it when they are done); appends each to `pending`, returns task -> stage"
-    from rnn_darts import runs
     res, dev, thr = opts
     task = ray.remote(max_retries=RETRIES, retry_exceptions=False, **res)(run_stage_task)
     refs, of = {}, {}
@@ -547,7 +537,6 @@ def submit_stages(ray, todo:list, stages:list, s:dict, study_dir:Path, settings_
 
 def run_on_ray(address, stages:list, s:dict, study_dir:Path, settings_file, device, threads, override, work:dict, part:list|None=None):
     "Run the study's stages (of `part`, default all) that are not done as Ray tasks; a line as each ends, with the time left. Ctrl-C, or a stage that fails, stops the others at a checkpoint"
-    from rnn_darts import runs
     ray, pending, stopped, before = import_ray(), [], {}, signal.getsignal(signal.SIGTERM)
     try:
         start_ray(address)
@@ -607,7 +596,7 @@ def start_text(epochs_before:int) -> str:
 def stage_figure(study_dir:Path, st:Stage) -> str:
     "'; best validation perplexity P' of a stage that recorded one (ASHA's: its choice), else ''"
     if st.kind == 'asha':
-        from rnn_darts.asha import asha_record
+        from rnn_darts.asha import asha_record   # here: torch; this module stays torch-free for `rnn-darts -h`
         return f"; chose {(asha_record(Path(study_dir)/ASHA_STAGE) or {}).get('chosen')}"
     loss = (stage_record(Path(study_dir)/st.name) or {}).get('best_valid_loss')
     return f"; best validation perplexity {math.exp(loss):,.1f}" if isinstance(loss, (int, float)) and math.isfinite(loss) else ''

@@ -15,6 +15,7 @@ from rnn_darts.folder import RunFolder, write_json_atomic
 from rnn_darts.genotypes import genotype_to_dict
 from rnn_darts.callbacks.epochs import TrainEpochEnd, collaborator, in_lr_find
 from rnn_darts.callbacks.asgd import ASGDSwitch
+from rnn_darts.callbacks.curvature import Curvature
 
 # %% auto #0
 __all__ = ['GenotypeLogger', 'RunLogger', 'table_cell', 'TableColumns', 'EpochLines', 'plain_output']
@@ -25,7 +26,6 @@ class GenotypeLogger(TrainEpochEnd):
     order = ASGDSwitch.order + 1
     def __init__(self, fname=RunFolder.HISTORY, show=True, curvature=None): self.fname, self.show, self.history, self.handed = fname, show, [], curvature
     def before_fit(self):
-        from rnn_darts.callbacks.curvature import Curvature   # here: `plain_output`'s importers need none of λ_max's machinery
         self.curv = collaborator(self.learn, Curvature, self.handed)   # λ_max of each epoch, where it is measured
     def epoch_done(self):
         m = self.model

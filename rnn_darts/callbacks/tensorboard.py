@@ -4,14 +4,17 @@
 
 # %% ../../nbs/05f_tensorboard.ipynb #8c661e11
 from __future__ import annotations
-import io, math
+import io, math, subprocess
 from pathlib import Path
 from fastai.torch_core import rank_distrib
+import numpy as np
+from PIL import Image
 from rnn_darts.core import UserError, UsageError
 from rnn_darts.genotypes import genotype_to_dict
 from rnn_darts.model import DartsRnn
 from rnn_darts.callbacks.epochs import TrainEpochEnd, BestValidLoss, collaborator
 from rnn_darts.callbacks.logs import GenotypeLogger
+from rnn_darts import plot
 
 # %% auto #0
 __all__ = ['TB_INSTALL', 'summary_writer_class', 'TensorBoardLog']
@@ -22,7 +25,7 @@ TB_INSTALL = "pip install 'rnn-darts[tensorboard]' (in a checkout: pip install -
 def summary_writer_class(log_dir=None):
     """torch's `SummaryWriter`, or one line saying how to install TensorBoard (a `UserError`); given `log_dir`, one line
     (a `UsageError`) where it cannot be a folder: it, or a folder above it, is a file"""
-    try: from torch.utils.tensorboard import SummaryWriter
+    try: from torch.utils.tensorboard import SummaryWriter   # here: TensorBoard is optional
     except ImportError: raise UserError(f"--tensorboard needs TensorBoard, an optional extra of rnn-darts: {TB_INSTALL}") from None
     if log_dir is not None:
         p = Path(log_dir)
@@ -44,8 +47,7 @@ class TensorBoardLog(TrainEpochEnd):
     def __init__(self, log_dir, diagram:bool|None=None, tracker=None):
         self.log_dir, self.writer, self.cls, self.handed = Path(log_dir), None, summary_writer_class(log_dir), tracker   # `handed`: the run's `BestValidLoss`
         if diagram is None:
-            from rnn_darts.plot import dot_path
-            diagram = dot_path() is not None
+            diagram = plot.dot_path() is not None
         self.diagram, self.drawn = diagram, False
 
     def before_fit(self): self.tracker = collaborator(self.learn, BestValidLoss, self.handed)   # the best loss the hparams give
@@ -67,20 +69,16 @@ class TensorBoardLog(TrainEpochEnd):
 
     def log_search(self, m, e:int):
         "α's heatmap, as the report draws it, and the derived cell, as text and diagram"
-        from rnn_darts.plot import plot_alphas
         g = m.genotype()
         entry = dict(epoch=e, genotype=genotype_to_dict(g, m.ops), weights=m.arch_weights().detach().cpu().tolist(), relax=m.relax,
                      **({} if m.edge_norm is None else dict(edge_norm=True)))
-        self.writer.add_figure('alpha', plot_alphas([entry]), e)   # closes the figure
+        self.writer.add_figure('alpha', plot.plot_alphas([entry]), e)   # closes the figure
         self.writer.add_text('cell', str(g), e)
         if self.diagram: self.add_diagram(g, e)
 
     def add_diagram(self, g, e:int):
         "The cell as graphviz draws it; a `dot` that fails turns the diagrams off with one line, and the run goes on"
-        import numpy as np, subprocess
-        from PIL import Image
-        from rnn_darts.plot import genotype_png
-        try: png = genotype_png(g)
+        try: png = plot.genotype_png(g)
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
             print(f"TensorBoard: no cell diagrams from here on ({err})"); self.diagram = False; return
         self.writer.add_image('cell diagram', np.asarray(Image.open(io.BytesIO(png)).convert('RGB')), e, dataformats='HWC')

@@ -18,6 +18,9 @@ from rnn_darts.engine.speed import tf32_products
 from rnn_darts.engine.plan import plan_of
 from rnn_darts.engine.graphs import CudaGraphs
 from fastai.callback.progress import ProgressCallback
+from rnn_darts.data import Corpus, lm_dls, search_stream
+from rnn_darts.learner import search_learner, train_learner
+from rnn_darts.engine import kernels
 
 # %% auto #0
 __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_OPS', 'FAMILY', 'STEP_NAMES', 'mem_kind',
@@ -179,7 +182,6 @@ def in_fit(learn, train:bool=True, epoch:int=25, n_epoch:int=50):
 
 def random_corpus(ntoken:int, tokens:int, seed:int=0):
     "A corpus of `tokens` uniformly random ids of `ntoken` words in each split (to time steps, not to learn)"
-    from rnn_darts.data import Corpus
     g = torch.Generator().manual_seed(seed)
     ids = lambda: torch.randint(0, ntoken, (tokens,), generator=g)
     vocab = [f"w{i}" for i in range(ntoken)]
@@ -189,8 +191,6 @@ def run_learner(kind:str, corpus, sizes:dict, device, folder='.', cbs=(), **sett
     """The learner a run builds on `corpus`, with `sizes` (bs, bptt, eval_bs, ...) and `settings`, without its progress
     bar: `kind` 'search' (`search_learner`; λ_max's own eager passes off, but in random search, which has none) or 'train'
     (`train_learner` of `settings`' genotype, by default DARTS_V2). Its path is `folder`, where it writes no run's record"""
-    from rnn_darts.data import lm_dls, search_stream
-    from rnn_darts.learner import search_learner, train_learner
     s = dict(sizes, **settings)
     dls = lm_dls(corpus, s['bs'], s['bptt'], phase=kind, eval_bs=s['eval_bs'], device=device)
     if kind == 'train': learn = train_learner(dls, s.pop('genotype', _T.genotype), device=device, cbs=list(cbs), **s)
@@ -225,12 +225,12 @@ def learner_step(learn, batch):
 @contextmanager
 def kernel_profile():
     "Graphs compiled inside record each generated CPU kernel for the profiler (Inductor's `cpp.enable_kernel_profile`), as `launch_count` needs"
-    import torch._inductor.config as ic
+    import torch._inductor.config as ic   # here: torch._inductor internals, used on this path only
     torch._dynamo.reset()   # no code compiled earlier without the records is reused, from memory or from disk
     with ic.patch({'cpp.enable_kernel_profile': True, 'force_disable_caches': True}): yield
 
 def _kernels_recorded():
-    import torch._inductor.config as ic
+    import torch._inductor.config as ic   # here: torch._inductor internals, used on this path only
     return ic.cpp.enable_kernel_profile
 
 @lru_cache(None)
@@ -354,7 +354,6 @@ def _device(device):
 
 def cpu_kernels() -> dict:
     "How this process routed the CPU's float32 matrix products: the rule, the table of measurements, and each product's choice with both kernels' µs"
-    from rnn_darts.engine import kernels
     if not kernels.ONEDNN: rule = 'aten (MKL) for every product (oneDNN off: RNN_DARTS_ONEDNN=0 or not built)'
     elif kernels.KERNEL != 'measured': rule = f"{kernels.KERNEL} for every product (rnn_darts.engine.kernels.KERNEL)"
     else: rule = 'for each product shape and layout, the faster of oneDNN and aten (MKL) as measured on this machine'

@@ -4,17 +4,19 @@
 
 # %% ../../nbs/10b_check.ipynb #8a45bb4f
 from __future__ import annotations
-import contextlib, io, math, textwrap, time
+import contextlib, io, math, textwrap, time, tempfile, json
 from dataclasses import dataclass, replace
 import torch
 from fastai.callback.core import Callback, CancelTrainException
-from rnn_darts.core import UsageError, set_seed
+from rnn_darts.core import UsageError, set_seed, write_text_atomic
 from rnn_darts.config import ARCH_MODES, RELAXATIONS, METHODS, SearchConfig, TrainConfig, check_rules
 from rnn_darts.genotypes import cell_ops, load_genotype
 from rnn_darts.engine.plan import plan_of, PRECISIONS, PATH_NAMES
 from rnn_darts.engine.speed import tf32_products
 from rnn_darts.data import Corpus, numbers_corpus
 from rnn_darts.engine.runners import runner_of
+from rnn_darts.engine.bench import run_learner, bench_learner, in_fit, learner_step, time_fn, _batches
+from rnn_darts.learner import device_name
 
 # %% auto #0
 __all__ = ['EAGER', 'PATHS', 'REGULARISERS', 'SPACE', 'ADDED_OP', 'GELU_CELL', 'TINY', 'TAPS_FROM', 'PAPER', 'BENCH_CASE',
@@ -101,7 +103,6 @@ class StopAfter(Callback):
 
 def _learner(case:Case, asked:dict, device, corpus:Corpus, sizes:dict, path, cbs=()):
     "The learner of `case` with the plan settings `asked` on `device`, as a run builds it (`run_learner`)"
-    from rnn_darts.engine.bench import run_learner
     return run_learner(case.kind, corpus, sizes, device, path, cbs, **case.settings, **asked)
 
 @contextlib.contextmanager
@@ -201,7 +202,6 @@ BENCH_CASE = Case('DARTS second order', 'search', dict(METHODS['darts']))
 def step_ms(path:StepPath, device, iters:int=3, warmup:int=2, sizes:dict=PAPER, folder='.') -> float|None:
     """ms per step of `BENCH_CASE`'s search step at `sizes` (the paper's) as the learner runs it on `path`, timed as
     `rnn-darts bench` times a row (`bench_learner`, `in_fit`, `time_fn`); None where `device` only emulates the path"""
-    from rnn_darts.engine.bench import bench_learner, in_fit, learner_step, time_fn, _batches
     asked = _on_device({**EAGER, **path.asked}, device)
     if asked['graphs'] == 'emulate': return None
     plan = plan_of({**BENCH_CASE.settings, **asked}, device, lambda k: '--' + k, world=1)
@@ -228,8 +228,6 @@ def run_check(device, paths=PATHS, bench:bool=False, say=print, folder=None, jso
     """Every path of `paths` on `device` against its reference (`check_path`) on every case (`cases`), each path's row
     said as it ends (and the results so far written to `json_path`, so a run cut short keeps them); with `bench`, each
     path that is equal is timed at `bench_sizes` (the paper's). `ok`: no path differs"""
-    import tempfile, json
-    from rnn_darts.core import write_text_atomic
     with tempfile.TemporaryDirectory() if folder is None else contextlib.nullcontext(folder) as d:
         cs, corpus, outcomes = cases(), tiny_corpus(), {}
         res = dict(device=str(device), cases=[c.name for c in cs], tiny=TINY, rows=[], bench=None if not bench else dict(case=BENCH_CASE.name, shape=bench_sizes))
@@ -278,7 +276,6 @@ def row_line(r:dict) -> str:
 
 def header(device, n_cases:int, bench:bool) -> str:
     "What the check runs, on which device, and its table's columns"
-    from rnn_darts.learner import device_name
     t = TINY
     lines = [f"rnn-darts check on {device} ({device_name(device)}), torch {torch.__version__}",
              *textwrap.wrap(f"Each path against its reference (eager; a graphed path, the same path without graphs) on {n_cases} cases (α-step "

@@ -12,6 +12,7 @@ from typing import NamedTuple
 from filelock import FileLock
 import torch, torch.nn.functional as F
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from rnn_darts.core import cpu_name
 
 # %% auto #0
 __all__ = ['ONEDNN', 'KERNEL', 'MEASURE_S', 'KEEP_FREED_MEMORY', 'kernel_table', 'machine_key', 'product_key', 'time_kernels',
@@ -34,12 +35,11 @@ def _on_onednn(a, b): return ONEDNN and a.dtype == b.dtype == torch.float32 and 
 def kernel_table() -> Path:
     "The file of measured choices: `RNN_DARTS_KERNEL_TABLE`, else `rnn_darts_kernels.json` in Inductor's cache folder"
     if os.environ.get('RNN_DARTS_KERNEL_TABLE'): return Path(os.environ['RNN_DARTS_KERNEL_TABLE'])
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch._inductor.runtime.cache_dir_utils import cache_dir   # here: torch._inductor internals, used on this path only
     return Path(cache_dir()) / 'rnn_darts_kernels.json'
 
 @lru_cache(None)
 def _cpu() -> str:
-    from rnn_darts.core import cpu_name
     return cpu_name()
 
 def machine_key() -> str:

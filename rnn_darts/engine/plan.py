@@ -4,7 +4,7 @@
 
 # %% ../../nbs/00b_plan.ipynb #2ed52f9a
 from __future__ import annotations
-import json, os
+import json, os, importlib.util
 from dataclasses import dataclass, field, asdict, replace
 from pathlib import Path
 from rnn_darts.core import UsageError, check_choice, op_names
@@ -29,12 +29,11 @@ def tf32_missing(device) -> str|None:
     return None
 
 def _bf16_missing(dev) -> str|None:
-    import torch
+    import torch   # here: torch; this module stays torch-free for `rnn-darts -h`
     if dev.type == 'cuda' and not torch.cuda.is_bf16_supported(): return f"the GPU {torch.cuda.get_device_name(dev)} does not support bfloat16"
     return None
 
 def _triton_missing(dev) -> bool:
-    import importlib.util
     return dev.type == 'cuda' and importlib.util.find_spec('triton') is None
 
 def fused_lacks(ops) -> str|None:
@@ -98,7 +97,7 @@ def facts(s:dict, device, name=str, world:int|None=None, emulate=False, command:
     device, the processes; `kind`: the cell's, 'search' (mixing its ops) or 'derived' (a training's, random search's)"""
     world = int(os.environ.get('WORLD_SIZE', 1)) if world is None else world
     if device is not None:
-        import torch
+        import torch   # here: torch; this module stays torch-free for `rnn-darts -h`
         device = torch.device(device)
     return dict(compile=s.get('compile'), graphs=s.get('graphs'), fuse=bool(s.get('fuse')), precision=s.get('precision') or PRECISIONS[0],
                 mode=s.get('mode'), fused_loss=s.get('fused_loss', True), device=device, world=world, emulate=emulate, name=name,
@@ -127,7 +126,7 @@ def ledger_path() -> Path:
     if os.environ.get('RNN_DARTS_COMPILE_LEDGER'): return Path(os.environ['RNN_DARTS_COMPILE_LEDGER'])
     d = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
     if not d:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        from torch._inductor.runtime.cache_dir_utils import cache_dir   # here: torch._inductor internals, used on this path only
         d = cache_dir()
     return Path(d)/LEDGER
 

@@ -4,12 +4,12 @@
 
 # %% ../../nbs/03f_runners.ipynb #2dd2d9df
 from __future__ import annotations
-import copy, types
+import copy, types, importlib.util
 from contextlib import contextmanager
 from functools import lru_cache
 import torch
 from rnn_darts.engine import kernels
-from rnn_darts.engine.plan import TAP_MIN_NUMEL
+from rnn_darts.engine.plan import TAP_MIN_NUMEL, fused_lacks
 from rnn_darts.engine.kernels import Deferred, DeferredWeight, WeightGroup, StepWeight, _Tapped, tap_pieces, _map, _collect
 
 # %% auto #0
@@ -154,10 +154,8 @@ class Fused(Eager):
     "Training time steps of `cell` as Triton kernels (`rnn_darts.engine.fused`); `inner`'s where they cannot run (the plan's `PARTS` say which); `tf32`: their products in TF32 on a GPU"
     fuses = True
     def __init__(self, cell, inner:Eager=EAGER, tf32:bool=False):
-        import importlib.util
         if importlib.util.find_spec('triton') is None:
             raise ModuleNotFoundError("the fused step runs Triton kernels, and Triton is not installed: it comes with torch's CUDA wheels (pip install triton)")
-        from rnn_darts.engine.plan import fused_lacks
         lack = fused_lacks(cell.ops)
         if lack: raise ValueError(f"the fused step: {lack}")
         super().__init__(True, inner.fused_loss)
@@ -169,7 +167,7 @@ class Fused(Eager):
     def start(self, h): return self.inner.start(h)
     def steps(self, cell, ctx):
         if not torch.is_autocast_enabled(cell.block.device.type):
-            from rnn_darts.engine import fused
+            from rnn_darts.engine import fused   # here: it imports Triton, which is optional
             step = fused.RUNNERS[cell.kind](cell, self.resolve(ctx), self.tf32)
             if step is not None: return step
         return self.inner.steps(cell, ctx)

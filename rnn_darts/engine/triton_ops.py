@@ -67,8 +67,8 @@ def d_leaky_relu(x, y): return tl.where(x > 0, tl.full(x.shape, 1., x.dtype), tl
 def interpreted(kernel):
     """`kernel[grid](...)` run by Triton's interpreter (numpy, one program after another: a CPU's way), the
     `@triton.jit` functions among its compile-time constants (an op's forms, alone or in tuples) interpreted too"""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
+    from triton.runtime.interpreter import InterpretedFunction   # here: Triton is optional
+    from triton.runtime.jit import JITFunction   # here: Triton is optional
     def interpret(v):
         if isinstance(v, tuple): return tuple(interpret(x) for x in v)
         return InterpretedFunction(v.fn) if isinstance(v, JITFunction) else v
