@@ -8,9 +8,9 @@ import math, warnings
 from contextlib import contextmanager
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
-from rnn_darts.genotypes import PAPER_NODES, Genotype, cell_ops, check_genotype, derive_genotype, edge_slices, n_edges
+from rnn_darts.genotypes import PAPER_NODES, Genotype, cell_ops, check_genotype, derive_genotype, edge_slices
 from rnn_darts.ops import PAPER_OPS, op_fn, ops_of, mix_order, mixed_op
-from rnn_darts.engine import mm_t, fastest, linear, tanh, Deferred, EAGER   # the engine's interface: nothing else of it
+from rnn_darts.engine import linear, tanh, Deferred, EAGER   # the engine's interface: nothing else of it
 from rnn_darts.config import SearchConfig, TrainConfig, check_rules
 from rnn_darts.flat import FlatModule
 from rnn_darts.space import SearchSpace, PAPER_SPACE

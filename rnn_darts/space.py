@@ -38,17 +38,7 @@ class SearchSpace:
         _check_nodes(nodes, name('nodes'), UsageError)
         return cls(names, nodes, bool(edge_norm))
 
-    @classmethod
-    def of_settings(cls, s:dict, name=str) -> SearchSpace:
-        "The space a run's settings `s` (a config's, a `run.json`'s) hold"
-        return cls.of(s.get('ops') or None, s.get('nodes'), s.get('edge_norm'), name)
-
-    @property
-    def text(self) -> str: return ','.join(self.ops)   # as a setting holds it
     @property
     def edges(self) -> int: return self.nodes * (self.nodes + 1) // 2
-    def settings(self) -> dict:
-        "The space as a run's settings record it"
-        return dict(ops=self.text, nodes=self.nodes, edge_norm=self.edge_norm)
 
 PAPER_SPACE = SearchSpace()   # DARTS's: its four ops, eight nodes, no edge normalisation

@@ -11,6 +11,7 @@ import torch
 import triton, triton.language as tl
 from rnn_darts.engine.kernels import Deferred, WeightGroup
 from rnn_darts.ops import OPS
+from rnn_darts.engine.plan import fused_lacks
 from rnn_darts.engine.triton_ops import interpreted
 
 BM, BN, BK = 16, 32, 32   # rows of the batch per program; output and inner columns per tile (`tl.dot` takes tiles of 16 and more)
@@ -27,9 +28,9 @@ class Forms(NamedTuple):
 
 def forms_of(ops) -> Forms:
     "The Triton forms of the ops named `ops`, in their order, from their registry entries (`rnn_darts.ops.OPS`)"
+    lack = fused_lacks(ops)
+    if lack: raise ValueError(lack)
     forms = [OPS[o].triton_forms() for o in ops]
-    lack = [o for o, f in zip(ops, forms) if f is None]
-    if lack: raise ValueError(f"the fused kernels have no Triton form of {', '.join(lack)}")
     return Forms(tuple(f for f, _ in forms), tuple(d for _, d in forms))
 
 # %% ../../nbs/03e_fused.ipynb #93617ff1

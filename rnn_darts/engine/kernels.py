@@ -5,7 +5,6 @@
 # %% ../../nbs/03a_kernels.ipynb #156345de
 from __future__ import annotations
 import ctypes, itertools, json, math, os, time, warnings, weakref
-from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple

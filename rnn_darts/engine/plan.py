@@ -14,7 +14,7 @@ PATH_NAMES = ('graphs', 'tf32', 'bf16', 'fused', 'fused+graphs', 'compiled', 'co
 
 # %% auto #0
 __all__ = ['PRECISIONS', 'PATH_NAMES', 'RULES', 'COMPILE_MIN_STEPS', 'COMPILE_MIN_STEPS_CACHED', 'FIRST_COMPILE_S', 'LEDGER',
-           'TAP_MIN_NUMEL', 'PARTS', 'tf32_missing', 'fused_lacks', 'Rule', 'rule', 'facts', 'verdicts', 'compile_pays',
+           'TAP_MIN_NUMEL', 'PARTS', 'tf32_missing', 'fused_lacks', 'Rule', 'facts', 'verdicts', 'compile_pays',
            'ledger_path', 'compiled_here', 'record_compile', 'first_compile_s', 'with_fit', 'ExecutionPlan',
            'arch_step_graphed', 'plan_of', 'check_plan_rules', 'asked_of', 'learner_plan']
 
@@ -45,7 +45,7 @@ def fused_lacks(ops) -> str|None:
 
 def _ops_of(s:dict) -> tuple|None:
     "The ops a cell of the settings `s` runs (a comma list or a sequence; None where not said: the paper's, or a genotype's)"
-    return op_names(s['ops']) or None if s.get('ops') else None
+    return op_names(s.get('ops') or '') or None
 
 def _on(f:dict, kind:str|None=None) -> bool:
     "Whether the facts `f` know their device (a config's checks do not), and it is not CUDA if `kind` is 'cpu'"
@@ -87,10 +87,6 @@ RULES = (
     Rule('tf32 needs tensor cores', 'falls back', lambda f: f['precision'] == 'tf32' and _on(f) and tf32_missing(f['device']),
          lambda f: f"{f['name']('precision')} tf32: {tf32_missing(f['device'])}; the products run in fp32", dict(precision=PRECISIONS[0])),
 )
-
-def rule(name:str) -> Rule:
-    "The row of `RULES` called `name` (a hand-built learner's callbacks ask the table's own rule)"
-    return next(r for r in RULES if r.name == name)
 
 def facts(s:dict, device, name=str, world:int|None=None, emulate=False, command:str='search') -> dict:
     """What the table's rules read: the settings asked (`s`: compile, graphs, fuse, precision, mode, fused_loss, ops), the
