@@ -257,3 +257,10 @@ def test_the_space_is_one_value_from_the_keywords_to_the_model():
     space = SearchSpace(('tanh', 'gelu'), 3, True)
     assert learn.config.space == space and learn.model.space == space and learn.config.ops == 'tanh,gelu'
     assert tuple(learn.model.alpha.shape) == (space.edges, 1 + len(space.ops) + 1)   # none, the ops, β
+
+def test_a_space_refuses_what_cannot_be_one():
+    "A space without ops is refused; random search with weight sharing (no α, so no β) refuses edge normalisation"
+    from rnn_darts.model import DartsRnnShared
+    with pytest.raises(ValueError, match='a search space needs one op or more'): SearchSpace(ops='')
+    with pytest.raises(ValueError, match='no α, so no β'): DartsRnnShared(30, 6, 6, space=SearchSpace(nodes=2, edge_norm=True))
+    assert DartsRnnShared(30, 6, 6, space=SearchSpace(nodes=2)).space.nodes == 2
