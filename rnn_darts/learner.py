@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_learner.ipynb #3b6c7827
 from __future__ import annotations
-import time, json, inspect
+import time, json
 from dataclasses import replace
 from contextlib import contextmanager, nullcontext, ExitStack
 from pathlib import Path
@@ -35,7 +35,7 @@ from rnn_darts.callbacks.perturb import Perturbation
 from rnn_darts.pt_select import PtSelection
 from rnn_darts.callbacks.random_arch import RandomArch
 from rnn_darts.callbacks.curvature import Curvature, CurvatureStop
-from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer, FusedDecoderLoss
+from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, RNNRegularizer
 from rnn_darts.callbacks.asgd import ASGDSwitch
 from rnn_darts.callbacks.logs import GenotypeLogger, TableColumns, RunLogger
 from rnn_darts.folder import RunFolder, write_json_atomic
@@ -44,7 +44,7 @@ from rnn_darts.callbacks.checkpoint import Checkpoint
 from rnn_darts.callbacks.preemption import Preemption
 from rnn_darts.callbacks.tensorboard import TensorBoardLog
 from rnn_darts.callbacks.divergence import DivergenceGuard, FiniteValidation, finite_validation
-from rnn_darts.engine.graphs import CudaGraphs
+from rnn_darts.engine.graphs import EAGER_STEPS
 
 # %% auto #0
 __all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'space_ops', 'run_genotype', 'RunInfo', 'resident_mark', 'PeakMemory',
@@ -55,7 +55,7 @@ __all__ = ['DartsLearner', 'flat_splitter', 'device_name', 'space_ops', 'run_gen
 class DartsLearner(Learner):
     "A `Learner` whose epoch loop starts at `first_epoch` (set by `fit(start_epoch=)` or by a resuming `Checkpoint`), and whose batches may run as CUDA graphs (`CudaGraphs`)"
     first_epoch, backward_done = 0, False
-    graphed = None   # the `CudaGraphs` that runs this fit's batches as graphs (it says so as the fit starts), or None
+    step_path = EAGER_STEPS   # how its batches run: eager, or the `CudaGraphs` that runs them as graphs (which sets itself as a fit starts)
     def fit(self, n_epoch, lr=None, wd=None, cbs=None, reset_opt=False, start_epoch=0):
         self.first_epoch = start_epoch
         try: super().fit(n_epoch, lr=lr, wd=wd, cbs=cbs, reset_opt=reset_opt)
@@ -71,7 +71,7 @@ class DartsLearner(Learner):
 
     def _do_one_batch(self):
         "fastai's batch, with the prediction from a CUDA graph where `CudaGraphs` runs one (a training batch's graph does its backward too)"
-        self.pred = None if self.graphed is None else self.graphed.forward(self.xb)
+        self.pred = self.step_path.forward(self.xb)
         self.backward_done = self.pred is not None and self.training
         if self.pred is None: return super()._do_one_batch()
         self('after_pred')
@@ -219,17 +219,15 @@ def _ntoken(dls, ntoken):
     if getattr(dls, 'vocab', None) is None: raise ValueError("pass ntoken=..., or DataLoaders with a .vocab (as lm_dls makes)")
     return len(dls.vocab)
 
-def _common_cbs(c:RunConfig, resume=None, graphs:CudaGraphs|None=None):
-    "The callbacks every run has, set by `c`: state, regularization (handed to `graphs`, whose training graph adds it), the clip, the fault guards, the fused loss, checkpoints"
+def _common_cbs(c:RunConfig, resume=None):
+    "The callbacks every run has, set by `c`: state, regularization, the clip, the fault guards, checkpoints"
     rr = RNNRegularizer(c.alpha, c.beta)
-    if graphs is not None: graphs.regularizer = rr
     best = BestValidLoss()   # handed to the callbacks that read the best validation loss
     if c.checkpoint_every and not c.checkpoint: raise ValueError("checkpoint_every needs checkpoint=True")
     if resume and not c.checkpoint: raise ValueError("resume needs checkpoint=True")
     ck = Checkpoint(keep=c.keep, resume=resume, tracker=best) if c.checkpoint else None   # handed to what rolls back or saves mid-epoch
     cbs = [ModelResetter(), RNNCallback(), rr, SeqLenLR(), FlatGradClip(c.clip), DivergenceGuard(c.on_nan, checkpoint=ck),
            best, FiniteValidation(tracker=best)]
-    if c.fused_loss: cbs.append(FusedDecoderLoss())
     if ck is not None: cbs += [ck, Preemption(None if c.checkpoint_every is None else 60 * c.checkpoint_every, checkpoint=ck)]
     if c.tensorboard: cbs.append(TensorBoardLog(c.tensorboard, tracker=best))
     return cbs
@@ -237,14 +235,14 @@ def _common_cbs(c:RunConfig, resume=None, graphs:CudaGraphs|None=None):
 def _learner(dls, model, c:RunConfig, path, device, command:str, plan=None):
     """A `DartsLearner` of `model` on `device` that runs the execution plan of `c` there, as the engine attaches it
     (`rnn_darts.engine.attach`: the plan, the model's runner, the callbacks of its path; `plan`: one made already, as the
-    command line's, naming its flags). Returns it and its `CudaGraphs`, for the parts that run steps as graphs"""
+    command line's, naming its flags)"""
     dev = torch.device(device) if device is not None else getattr(dls, 'device', None) or torch.device('cpu')
     model.to(dev)
-    plan, engine, cg = attach(model, c.asdict(), dev, command, plan)
+    plan, engine = attach(model, c.asdict(), dev, command, plan)
     learn = DartsLearner(dls, model, loss_func=SeqCrossEntropy(), opt_func=SGD, lr=c.lr, splitter=flat_splitter, wd=c.wd,
                          wd_bn_bias=True, metrics=[Perplexity()], path=path, cbs=engine + [TableColumns()])
     learn.config, learn.plan = c, plan
-    return learn, cg
+    return learn
 
 
 def _loader_settings(dls) -> tuple:
@@ -295,20 +293,20 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path=None, res
     n = _ntoken(dls, ntoken)
     if rnd: model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c), space=replace(c.space, edge_norm=False))   # no α: no β (a preset's key may set it)
     else: model = DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax, space=c.space)
-    learn, cg = _learner(dls, model, c, path or '.', device, 'search', plan)
-    own = search_parts(c, search_dl, cg)
+    learn = _learner(dls, model, c, path or '.', device, 'search', plan)
+    own = search_parts(c, search_dl)
     learn.metrics += [ValueMetric(cb.search_loss, 'search_loss') for cb in own if isinstance(cb, ArchParamUpdate)]
     learn.metrics += [ValueMetric(cb.lambda_max, 'lambda_max') for cb in own if isinstance(cb, Curvature)]
-    learn.add_cbs(_common_cbs(c, resume, cg) + own + run_record('search', c, dls, path, resume, cbs, settings, rss0, 'search_learner') + list(L(cbs)))
+    learn.add_cbs(_common_cbs(c, resume) + own + run_record('search', c, dls, path, resume, cbs, settings, rss0, 'search_learner') + list(L(cbs)))
     return learn
 
-def search_parts(c:SearchConfig, search_dl=None, graphs:CudaGraphs|None=None) -> list:
+def search_parts(c:SearchConfig, search_dl=None) -> list:
     """The callbacks that make `c`'s search, each a part of the DARTS family: random search's cell sampler, or α's step
     (its mode, Adam and regularisers) with the derived cell's log and the parts `c`'s settings turn on. The one place a
     search is assembled: `search_learner` and the bench build from it"""
     if c.mode == 'random': return [RandomArch(candidates=c.candidates, top=c.top)]
     curv = Curvature(c.curvature_windows) if c.curvature else None   # handed to the log and to DARTS-ES, which read λ_max
-    parts = [ArchParamUpdate.of(c, search_dl, graphs=graphs), GenotypeLogger(curvature=curv), *([curv] if curv else [])]
+    parts = [ArchParamUpdate.of(c, search_dl), GenotypeLogger(curvature=curv), *([curv] if curv else [])]
     if c.early_stop: parts.append(CurvatureStop(curvature=curv))
     if c.relax in TEMPERED: parts.append(Temperature(c.tau_max, c.tau_min))
     if c.perturb != 'none': parts.append(Perturbation(c.perturb, c.epsilon))
@@ -325,10 +323,10 @@ def train_learner(dls, genotype, config:TrainConfig|None=None, path=None, resume
     g = load_genotype(genotype)
     check_in_space(g, ops_of(c.ops) if c.ops else None, c.nodes)
     model = DartsRnn(_ntoken(dls, ntoken), g, c.emsize, c.nhid, **_dropouts(c))
-    learn, cg = _learner(dls, model, c, path or '.', device, 'train', plan)
+    learn = _learner(dls, model, c, path or '.', device, 'train', plan)
     named = genotype if isinstance(genotype, (str, Path)) else json.dumps(genotype_to_dict(g, cell_ops(g)))   # what --genotype would say
     record = run_record('train', c, dls, path, resume, cbs, settings, rss0, 'train_learner', genotype=str(named))
-    learn.add_cbs(_common_cbs(c, resume, cg) + [ASGDSwitch(c.nonmono, start=c.asgd)] + record + list(L(cbs)))
+    learn.add_cbs(_common_cbs(c, resume) + [ASGDSwitch(c.nonmono, start=c.asgd)] + record + list(L(cbs)))
     return learn
 
 # %% ../nbs/07_learner.ipynb #e972eb06

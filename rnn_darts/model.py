@@ -4,17 +4,16 @@
 
 # %% ../nbs/03_model.ipynb #8dbd81eb
 from __future__ import annotations
-import math, warnings
+import warnings
 from contextlib import contextmanager
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
-from rnn_darts.genotypes import PAPER_NODES, Genotype, cell_ops, check_genotype, derive_genotype, edge_slices
-from rnn_darts.ops import PAPER_OPS, op_fn, ops_of, mix_order, mixed_op
+from rnn_darts.genotypes import Genotype, cell_ops, check_genotype, derive_genotype, edge_slices
+from rnn_darts.ops import op_fn, ops_of, mix_order, mixed_op
 from rnn_darts.engine import linear, tanh, Deferred, EAGER   # the engine's interface: nothing else of it
 from rnn_darts.config import SearchConfig, TrainConfig, check_rules
 from rnn_darts.flat import FlatModule
 from rnn_darts.space import SearchSpace, PAPER_SPACE
-from rnn_darts.loss import linear_cross_entropy
 from rnn_darts.relax import RELAXATION_CLASSES, EdgeNorm, gumbel_
 
 # %% auto #0
@@ -185,11 +184,12 @@ class NodeNorm(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 class DartsCellSearch(PackedCell):
-    "The DARTS search cell: every node mixes all earlier nodes through all the ops of its set `ops` (`rnn_darts.ops`)"
+    "The DARTS search cell of the space `space` (`rnn_darts.space`): every node mixes all earlier nodes through all its ops"
     kind = 'search'
-    def __init__(self, ninp, nhid, dropoutx=0., dropouth=0., nodes=PAPER_NODES, ops=PAPER_OPS):
+    def __init__(self, ninp, nhid, dropoutx=0., dropouth=0., space:SearchSpace=PAPER_SPACE):
+        nodes = space.nodes
         super().__init__(ninp, nhid, nodes, dropoutx, dropouth)
-        self.ops = ops_of(ops)
+        self.ops = ops_of(space.ops)
         self.order = mix_order(self.ops)   # the order `mixed_op` adds the ops in
         self.fns = tuple(op_fn(self.ops[k]) for k in self.order)
         self.bn = NodeNorm(nodes + 1, nhid)   # s0 and every node: their own running statistics
@@ -299,8 +299,7 @@ class LanguageModel(FlatModule):
         W, b = self.encoder.weight, self.decoder_bias
         if not weight_grads: W, b = W.detach(), b.detach()
         out, y = out.reshape(-1, self.nhid), y.t().reshape(-1)
-        if self.runner.fused_loss: return linear_cross_entropy(out, W, b, y)
-        return F.cross_entropy(F.linear(out, W, b), y)
+        return self.runner.decoder_loss(out, W, b, y)
 
     def loss(self, x, y, stream='train', advance=True, weight_grads=True, update_stats=True):
         """Cross-entropy of `y` given `x` on `stream`; `advance=False` keeps the stream's state; `weight_grads=False`: no
@@ -330,7 +329,7 @@ class DartsRnnSearch(LanguageModel):
                  dropouti=_S.dropouti, dropoute=_S.dropoute, relax=_S.relax, space:SearchSpace=PAPER_SPACE):
         for k, v in dict(dropouth=dropouth, dropoutx=dropoutx).items(): check_prob(k, v)
         if relax not in RELAXATION_CLASSES: raise ValueError(f"relax must be one of {', '.join(map(repr, RELAXATION_CLASSES))}, got {relax!r}")
-        cell = DartsCellSearch(emsize, nhid, dropoutx, dropouth, space.nodes, space.ops)
+        cell = DartsCellSearch(emsize, nhid, dropoutx, dropouth, space)
         super().__init__(ntoken, emsize, nhid, cell, dropout, dropouti, dropoute)
         self.space, self.relax, self.relaxation = space, relax, RELAXATION_CLASSES[relax](space.nodes, 1 + len(space.ops))
         self.edge_norm = EdgeNorm(space.nodes) if space.edge_norm else None

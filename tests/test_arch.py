@@ -219,7 +219,7 @@ def test_learners_with_bf16_train_fp32_weights(kind):
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_fused_decoder_loss_trains_like_the_plain_loss(kind):
     "FusedDecoderLoss (the default) and the plain decoder + cross-entropy train alike: losses, weights (and α)"
-    from rnn_darts.callbacks.training import FusedDecoderLoss
+    from rnn_darts.engine.speed import FusedDecoderLoss
     def run(fused):
         learn = tiny_learner(kind, fused_loss=fused, **({'mode': 'second'} if kind == 'search' else {}), **SMALL)
         assert any(isinstance(cb, FusedDecoderLoss) for cb in learn.cbs) == fused and learn.model.runner.fused_loss == fused

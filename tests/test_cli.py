@@ -3,7 +3,7 @@ import json
 import pytest, torch
 from rnn_darts import cli
 from rnn_darts.engine.speed import BF16Autocast
-from rnn_darts.callbacks.training import FusedDecoderLoss
+from rnn_darts.engine.speed import FusedDecoderLoss
 
 TINY = ['--data', 'numbers', '--n-train', '1000', '--epochs', '1', '--bs', '8', '--bptt', '10', '--eval-bs', '4',
         '--emsize', '8', '--nhid', '8', '--device', 'cpu', '--n-eval', '500']   # 12 training batches an epoch

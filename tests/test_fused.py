@@ -54,7 +54,7 @@ def search_fused_and_eager(n, bs, dtype, nodes, update, masked=True, ops=PAPER_O
     running statistics: outputs, gradients of a random loss (the weights' from the tap; the mixing weights', α's, β's)
     and the running statistics after"""
     torch.manual_seed(0)
-    c = DartsCellSearch(n, n, nodes=nodes, ops=ops).to(dtype).train()
+    c = DartsCellSearch(n, n, space=SearchSpace(ops, nodes)).to(dtype).train()
     c.bn.running_mean.normal_(); c.bn.running_var.uniform_(0.5, 2)
     ref_cell = copy.deepcopy(c)
     alpha = torch.randn(nodes * (nodes + 1) // 2, 1 + len(ops), dtype=dtype, requires_grad=True)
@@ -122,7 +122,7 @@ def test_an_op_without_triton_forms_is_named(cube):
     assert fused_lacks(('tanh', 'cube', 'gelu')) == "the fused kernels have no Triton form of cube"
     assert fused_lacks(OTHER_OPS) is None and fused_lacks(PAPER_OPS) is None
     with pytest.raises(ValueError, match='the fused step: the fused kernels have no Triton form of cube'):
-        Fused(DartsCellSearch(8, 8, nodes=2, ops=('relu', 'cube')))
+        Fused(DartsCellSearch(8, 8, space=SearchSpace(("relu", "cube"), 2)))
     m = DartsRnnShared(30, 8, 8, space=SearchSpace(('relu', 'cube'), 2))
     m.runner = Fused(m.cell)   # its first cell: relu only
     m.use(Genotype((('cube', 0), ('relu', 1)), (1, 2)))

@@ -161,3 +161,20 @@ def test_the_maths_takes_only_the_engines_interface():
     mods = modules()
     assert {m: b for m in MATHS if (b := beyond_interface(ast.parse(mods[m].read_text())))} == {}
     assert imports_of(mods['rnn_darts.model'], mods) >= {'rnn_darts.engine.kernels', 'rnn_darts.engine.runners'}
+
+PATH_WORDS = ('compile', 'fuse', 'graph', 'bf16', 'precision', 'autocast', 'tf32')   # what the execution plan decides
+
+def path_branches(tree) -> list:
+    "The tests of `tree`'s branches (`if`, a conditional expression, `while`, a comprehension's `if`) that read a name of the execution path"
+    tests = [t for n in ast.walk(tree) for t in ([n.test] if isinstance(n, (ast.If, ast.IfExp, ast.While)) else
+                                                 n.ifs if isinstance(n, ast.comprehension) else [])]
+    read = lambda t: [x for n in ast.walk(t) if (x := getattr(n, 'id', None) or getattr(n, 'attr', None))]
+    return [ast.unparse(t) for t in tests if any(w in x.lower() for x in read(t) for w in PATH_WORDS)]
+
+def test_only_the_engine_branches_on_the_execution_path():
+    """No module outside `rnn_darts.engine` chooses a path by compile, fuse, CUDA graphs or precision (issue 91): the
+    plan decides, and what runs its path (runners, `CudaGraphs`, `arch_precision`, `FusedDecoderLoss`) is the engine's"""
+    planted = ast.parse("if self.graphed is None: pass\nx = a if c.fused_loss else b\n[w for w in ws if not compiled]\n"
+                        "if g.get('fused'): pass\nwhile ok: pass")   # a string key is not a name of the path
+    assert path_branches(planted) == ['self.graphed is None', 'c.fused_loss', 'not compiled']
+    assert {m: b for m, f in modules().items() if not m.startswith('rnn_darts.engine.') and (b := path_branches(ast.parse(f.read_text())))} == {}

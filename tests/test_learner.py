@@ -12,7 +12,8 @@ from rnn_darts.model import DartsRnnSearch
 from rnn_darts.engine.runners import Fused
 from rnn_darts.learner import SeqCrossEntropy, load_preset, flat_splitter
 from rnn_darts.callbacks.arch import ArchParamUpdate
-from rnn_darts.callbacks.training import FlatGradClip, FusedDecoderLoss
+from rnn_darts.callbacks.training import FlatGradClip
+from rnn_darts.engine.speed import FusedDecoderLoss
 from tests._devices import ON_DEVICES
 from tests._learners import twin_learner, tiny_learner
 

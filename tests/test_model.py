@@ -29,7 +29,7 @@ SPACES = [(PAPER_OPS, PAPER_NODES), (('tanh', 'gelu', 'identity', 'silu', 'relu'
 def test_search_cell_equals_plain(training, ops, steps):
     torch.manual_seed(0)
     ninp = nhid = 6; bs, T = 5, 4
-    cell = DartsCellSearch(ninp, nhid, dropoutx=0.3, dropouth=0.4, nodes=steps, ops=ops).train(training)
+    cell = DartsCellSearch(ninp, nhid, dropoutx=0.3, dropouth=0.4, space=SearchSpace(ops, steps)).train(training)
     probs = F.softmax(torch.randn(steps * (steps + 1) // 2, 1 + len(ops)), -1).requires_grad_()
     x, h0 = torch.randn(T, bs, ninp), torch.randn(bs, nhid)
     from rnn_darts.model import MaskBank

@@ -12,7 +12,8 @@ from fastcore.basics import patch
 from rnn_darts.config import SearchConfig, check_rules, ARCH_MODES
 from rnn_darts.relax import dirichlet_kl, linear_schedule
 from rnn_darts.engine.runners import twice_differentiable
-from rnn_darts.engine.plan import arch_step_graphed
+from rnn_darts.engine.speed import arch_precision
+from rnn_darts.engine.graphs import EAGER_STEPS
 from rnn_darts.callbacks.training import SeqLenLR, FlatGradClip, check_flat_opt
 from rnn_darts.callbacks.epochs import collaborator, in_lr_find
 
@@ -20,8 +21,8 @@ from rnn_darts.callbacks.epochs import collaborator, in_lr_find
 __all__ = ['UNROLLED', 'ARCH_BETAS', 'train_loss', 'search_loss', 'clip_coef', 'weight_grad', 'hypergrad_first', 'fd_hvp',
            'exact_hvp', 'hypergrad_second', 'hypergrad_mixed', 'hypergrad_single', 'hypergrad', 'op_param_counts',
            'op_decay_grad', 'check_zero_one', 'penalty_grad', 'zero_one_loss', 'beta_decay_loss', 'beta_weight_at',
-           'AlphaTerm', 'alpha_terms', 'alpha_penalty', 'arch_adam', 'guarded_adam_step', 'arch_precision', 'arch_grad',
-           'arch_step', 'ArchParamUpdate', 'Temperature']
+           'AlphaTerm', 'alpha_terms', 'alpha_penalty', 'arch_adam', 'guarded_adam_step', 'arch_grad', 'arch_step',
+           'ArchParamUpdate', 'Temperature']
 
 # %% ../../nbs/04_arch.ipynb #bb97d689
 def train_loss(model, xb, yb, weight_grads=True):
@@ -182,10 +183,6 @@ def guarded_adam_step(opt, a, g, decay=None):
         for t, o in zip(keep, old): t.copy_(torch.where(ok, t, o))
     return ok
 
-def arch_precision(device, arch_bf16=False):
-    "Inside a bf16 autocast the architecture passes run in fp32 unless `arch_bf16`"
-    return nullcontext() if arch_bf16 else torch.autocast(torch.device(device).type, enabled=False)
-
 def arch_grad(model, trn, val, grad_fn, same_masks=True, arch_bf16=False):
     "`grad_fn(trn, val)` (→ hypergradient, loss) as an architecture pass: α requires grad only meanwhile, frozen BatchNorm statistics, shared masks if `same_masks`"
     a = model.alpha
@@ -211,9 +208,9 @@ class ArchParamUpdate(Callback):
     order = SeqLenLR.order + 1   # after SeqLenLR has set the batch's learning rate (the virtual step uses it)
     def __init__(self, search_dl, mode=SearchConfig.mode, arch_lr=SearchConfig.arch_lr, arch_betas=ARCH_BETAS, arch_wd=SearchConfig.arch_wd,
                  same_masks=True, clip='learn', zero_one=0., op_decay=0., arch_bf16=False, mixed_lambda=SearchConfig.mixed_lambda,
-                 beta_decay=0., dirichlet_kl=0., graphs=None):
+                 beta_decay=0., dirichlet_kl=0.):
         if mode not in ARCH_MODES: raise ValueError(f"mode must be one of {', '.join(map(repr, ARCH_MODES))}, got {mode!r}")
-        self.graphs = graphs   # the learner's `CudaGraphs` (its `graphs`, a `StepGraphs` while they run), handed by the learner's maker; None: eager
+        self.step_path = EAGER_STEPS   # how the step runs: eager, or the learner's `CudaGraphs` (which hands itself as a fit starts)
         for k, v in dict(op_decay=op_decay, beta_decay=beta_decay, dirichlet_kl=dirichlet_kl).items():
             if v < 0: raise ValueError(f"{k} must be >= 0, got {v}")
         self.search_dl, self.mode, self.same_masks, self.clip = search_dl, mode, same_masks, clip
@@ -260,9 +257,13 @@ class ArchParamUpdate(Callback):
         hyp = self.opt.hypers[-1]
         return hyp['lr'], hyp.get('wd', 0.), self.weight_clip if self.decided else self.max_norm()   # outside a fit: looked up now
 
+    def grad_fn(self, lr, wd, clip):
+        "`(trn, val)` → the hypergradient of the mode and the search loss, with the virtual step's `lr`, `wd` and `clip` (a graph's inputs)"
+        return partial(hypergrad, self.model, mode=self.mode, lr=lr, wd=wd, clip=clip, mixed_lambda=self.mixed_lambda)
+
     def hypergrad(self, trn, val):
-        "The hypergradient of the mode and the search loss"
-        return hypergrad(self.model, trn, val, self.mode, *self.step_hypers(), mixed_lambda=self.mixed_lambda)
+        "The hypergradient of the mode and the search loss, with the virtual step's hypers now (`step_hypers`)"
+        return self.grad_fn(*self.step_hypers())(trn, val)
 
     def precision(self):
         "Inside a bf16 autocast (`BF16Autocast`) the passes stay in bf16 if `arch_bf16`, else they run in fp32"
@@ -273,30 +274,9 @@ class ArchParamUpdate(Callback):
         return arch_step(self.model, self.arch_opt, trn, val, same_masks=self.same_masks, arch_bf16=self.arch_bf16, op_decay=self.op_decay,
                          reduce=self.reduce, grad_fn=grad_fn, penalty=self.penalty())
 
-    def graphed_step(self, graphs, trn, val):
-        """`step` as a CUDA graph of `graphs` (a `StepGraphs`: a captured graph per batch shape and `spec`), the virtual
-        step's learning rate and weight decay its inputs, not constants; None where the step runs eager (exact: a double
-        backward; a hypergradient averaged across processes)"""
-        if not arch_step_graphed(self.mode, self.reduce is not None): return None
-        m = self.model
-        lr, wd, clip = self.step_hypers()
-        graphs.watch(self.arch_opt)
-        def body(xt, yt, xv, yv, ht, hs, lr, wd):
-            grad_fn = partial(hypergrad, m, mode=self.mode, lr=lr, wd=wd, clip=clip, mixed_lambda=self.mixed_lambda)
-            (loss, ok), hid = graphs.with_hidden(dict(train=ht, search=hs), partial(self.step, (xt, yt), (xv, yv), grad_fn))
-            return loss, ok, hid['search']
-        g = self.arch_opt.param_groups[0]
-        key = ('arch', tuple(trn[0].shape), tuple(val[0].shape), clip, self.spec, tuple((k, v) for k, v in g.items() if k != 'params'))
-        res = graphs.run(key, [*trn, *val, graphs.hidden_in('train', trn[0].shape[0]), graphs.hidden_in('search', val[0].shape[0]), lr, wd], body)
-        if res is None: return None
-        m.hidden['search'] = res[2].clone()
-        return res[:2]
-
     def arch_step(self, trn, val):
-        "One architecture step, as a CUDA graph where the learner runs them (`CudaGraphs`), else eager; counts skipped steps and the search loss"
-        graphs = getattr(self.graphs, 'graphs', None)
-        res = self.graphed_step(graphs, trn, val) if graphs is not None else None
-        loss, ok = res if res is not None else self.step(trn, val, self.hypergrad)
+        "One architecture step as its path runs it (`step_path`: eager, or a CUDA graph); counts skipped steps and the search loss"
+        loss, ok = self.step_path.arch(self, trn, val)
         self.n_skipped += (~ok).long()
         self.loss_sum = loss.clone() if self.loss_sum is None else self.loss_sum + loss   # a graph's loss is rewritten at its next replay
         self.n_steps += 1

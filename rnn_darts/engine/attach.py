@@ -7,7 +7,7 @@ from __future__ import annotations
 from rnn_darts.config import compile_key
 from rnn_darts.engine.plan import plan_of
 from rnn_darts.engine.runners import runner_of
-from rnn_darts.engine.speed import AutoCompile, CompileNotice, PlanNotes, precision_callbacks
+from rnn_darts.engine.speed import AutoCompile, CompileNotice, PlanNotes, FusedDecoderLoss, precision_callbacks
 from rnn_darts.engine.graphs import CudaGraphs, EMULATIONS
 
 # %% auto #0
@@ -16,12 +16,11 @@ __all__ = ['attach']
 # %% ../../nbs/05g_attach.ipynb #dfd17e82
 def attach(model, settings:dict, device, command:str, plan=None) -> tuple:
     """The execution plan of `settings` (a config's) for `model` on `device`, or `plan` where one was made already:
-    `model` gets its runner; returns the plan, the callbacks that run its path and its `CudaGraphs` (which the α step
-    runs its graphs through)"""
+    `model` gets its runner; returns the plan and the callbacks that run its path"""
     emulate = settings.get('graphs') if settings.get('graphs') in EMULATIONS else False
     asked = {**settings, 'graphs': True if emulate else settings.get('graphs'), 'ops': model.ops}
     plan = plan or plan_of(asked, device, command=command, emulate=emulate)
     model.runner = runner_of(plan, model)
     graphs, key = CudaGraphs(bool(plan.graphs), emulate=emulate), compile_key(settings, command, device)   # the plan's ledger names the compiled step by it
     cbs = [AutoCompile(key)] * (plan.compile == 'auto') + [CompileNotice(key=key), PlanNotes(plan), graphs] + precision_callbacks(plan.precision)
-    return plan, cbs, graphs
+    return plan, cbs + [FusedDecoderLoss()] * plan.fused_loss

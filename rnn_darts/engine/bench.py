@@ -136,8 +136,8 @@ def handed_graphs(graphs=None) -> CudaGraphs:
 
 def bound_updater(cb, model, graphs=None):
     """`cb` (an `ArchParamUpdate`) outside a `Learner`, its Adam made: no learner stands in, the callback holds its
-    `model` itself and is handed its graphs (`graphs`, a `StepGraphs`, in a `CudaGraphs`: `handed_graphs`)"""
-    cb.model, cb.graphs = model, handed_graphs(graphs)
+    `model` itself and its step runs through `graphs` (a `StepGraphs`, in a `CudaGraphs`: `handed_graphs`; None: eager)"""
+    cb.model, cb.step_path = model, handed_graphs(graphs)
     cb.hypers = STEP['lr'], STEP['wd'], STEP['clip']
     cb.before_fit()
     return cb
@@ -152,7 +152,7 @@ def search_step(model, cb, trn, val, mode=_S.mode, lr=STEP['lr'], wd=STEP['wd'],
     "One architecture step (the callback's own `arch_step`, in mode `mode`) then one weight step (both graphed if the callback's are)"
     cb.mode, cb.hypers = mode, (lr, wd, clip)
     cb.arch_step(trn, val)
-    return weight_step(model, *trn, lr=lr, clip=clip, graphs=cb.graphs.graphs)
+    return weight_step(model, *trn, lr=lr, clip=clip, graphs=cb.step_path.graphs)
 
 def precision_context(precision:str, device, cache:bool=True):
     "What `precision` runs a step inside on `device`: a bf16 autocast (`cache`: its cache of cast weights), TF32 products, or fp32 products (TF32 off)"

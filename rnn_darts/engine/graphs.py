@@ -13,10 +13,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fastai.callback.core import Callback
 from fastai.callback.rnn import RNNRegularizer
 from rnn_darts.callbacks.training import ar_tar
-from rnn_darts.engine.plan import learner_plan
+from rnn_darts.engine.plan import learner_plan, arch_step_graphed
 
 # %% auto #0
-__all__ = ['EMULATIONS', 'Captured', 'StepGraphs', 'CudaGraphs']
+__all__ = ['EMULATIONS', 'EAGER_STEPS', 'Captured', 'StepGraphs', 'EagerSteps', 'graphed_arch_step', 'CudaGraphs']
 
 # %% ../../nbs/05e_graphs.ipynb #a57e55ca
 def _on_side_stream(f):
@@ -95,7 +95,7 @@ def _ptrs(ts): return tuple(t.data_ptr() for t in ts)
 class StepGraphs:
     """A language model's batches as captured CUDA graphs, one per kind and shape, all in one memory pool: a training
     batch's forward, AR/TAR and backward (`train`), an evaluation forward (`evaluate`), and any step a caller hands `run`
-    (`ArchParamUpdate.graphed_step`: DARTS's architecture step)"""
+    (`graphed_arch_step`: DARTS's architecture step)"""
     def __init__(self, model, emulate:bool=False, max_graphs:int=64):
         self.model, self.emulate, self.max_graphs = model, emulate, max_graphs
         self.pool = None if emulate else torch.cuda.graph_pool_handle()
@@ -180,8 +180,37 @@ class StepGraphs:
         m.hidden[stream] = res[3].clone()
         return tuple(t.clone() for t in res[:3])
 
+# %% ../../nbs/05e_graphs.ipynb #ae530c1f
+class EagerSteps:
+    """How batches and α steps run where no CUDA graph runs them: the learner's own batch (`forward` gives no
+    prediction) and the α step eager. A learner's `step_path`, and an `ArchParamUpdate`'s, until a `CudaGraphs` hands itself"""
+    graphs = None
+    def forward(self, xb): return None
+    def arch(self, cb, trn, val):
+        "`cb`'s architecture step (an `ArchParamUpdate`), eager: the search loss and the finiteness flag"
+        return cb.step(trn, val, cb.hypergrad)
+
+EAGER_STEPS = EagerSteps()
+
+def graphed_arch_step(graphs, cb, trn, val):
+    """`cb.step` (an `ArchParamUpdate`'s) as a CUDA graph of `graphs` (a `StepGraphs`: one per batch shape, clip, the
+    step's `spec` and Adam's settings), the virtual step's learning rate and weight decay its inputs, not constants:
+    the search loss and the flag, or None where no graph ran"""
+    lr, wd, clip = cb.step_hypers()
+    graphs.watch(cb.arch_opt)
+    def body(xt, yt, xv, yv, ht, hs, lr, wd):
+        (loss, ok), hid = graphs.with_hidden(dict(train=ht, search=hs), partial(cb.step, (xt, yt), (xv, yv), cb.grad_fn(lr, wd, clip)))
+        return loss, ok, hid['search']
+    g = cb.arch_opt.param_groups[0]
+    key = ('arch', tuple(trn[0].shape), tuple(val[0].shape), clip, cb.spec, tuple((k, v) for k, v in g.items() if k != 'params'))
+    res = graphs.run(key, [*trn, *val, graphs.hidden_in('train', trn[0].shape[0]), graphs.hidden_in('search', val[0].shape[0]), lr, wd], body)
+    if res is None: return None
+    cb.model.hidden['search'] = res[2].clone()
+    return res[:2]
+
+
 # %% ../../nbs/05e_graphs.ipynb #aa41a9a2
-class CudaGraphs(Callback):
+class CudaGraphs(Callback, EagerSteps):
     """Run training batches (forward, AR/TAR, backward), DARTS architecture steps and evaluation batches as CUDA graphs
     (`StepGraphs`) where the learner's plan runs them (`learner_plan`); `enabled=None`: the plan's default (on a GPU)"""
     def __init__(self, enabled:bool|None=None, emulate:bool=False, max_graphs:int=64, regularizer=None):
@@ -194,10 +223,10 @@ class CudaGraphs(Callback):
         if self.regularizer is None:   # a learner built by hand: its AR/TAR, which the training graph must add as the eager step does
             self.regularizer = next((cb for cb in self.learn.cbs if isinstance(cb, RNNRegularizer)), None)
         for cb in self.learn.cbs:      # and its α step, which runs as graphs of these
-            if hasattr(cb, 'graphed_step') and getattr(cb, 'graphs', False) is None: cb.graphs = self
+            if 'step_path' in vars(cb): cb.step_path = self
         if self.enabled is False or not learner_plan(self.learn).graphs: self.graphs = None
         elif self.graphs is None or self.graphs.model is not self.model: self.graphs = StepGraphs(self.model, self.emulate, self.max_graphs)
-        self.learn.graphed = None if self.graphs is None else self   # the learner's batches ask it (`DartsLearner._do_one_batch`)
+        self.learn.step_path = self   # the learner's batches ask it (`DartsLearner._do_one_batch`)
 
     def forward(self, xb):
         "The batch's prediction from its graph (for a training batch, its backward is done too), or None: the learner runs it eager"
@@ -207,3 +236,10 @@ class CudaGraphs(Callback):
         if len(xb) != 2 or not torch.is_grad_enabled(): return None   # the fused loss takes the targets as a second input
         rr = self.regularizer
         return g.train(*xb, *((0., 0.) if rr is None else (rr.alpha, rr.beta)))
+
+    def arch(self, cb, trn, val):
+        """`cb`'s α step as a graph where these run and the plan graphs it (`arch_step_graphed`: not the exact mode's double
+        backward, nor a hypergradient averaged across processes), else eager"""
+        graphed = self.graphs is not None and arch_step_graphed(cb.mode, cb.reduce is not None)
+        res = graphed_arch_step(self.graphs, cb, trn, val) if graphed else None
+        return res if res is not None else EAGER_STEPS.arch(cb, trn, val)

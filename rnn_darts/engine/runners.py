@@ -7,8 +7,9 @@ from __future__ import annotations
 import copy, types, importlib.util
 from contextlib import contextmanager
 from functools import lru_cache
-import torch
+import torch, torch.nn.functional as F
 from rnn_darts.engine import kernels
+from rnn_darts.loss import linear_cross_entropy
 from rnn_darts.engine.plan import TAP_MIN_NUMEL, fused_lacks
 from rnn_darts.engine.kernels import Deferred, DeferredWeight, WeightGroup, StepWeight, _Tapped, tap_pieces, _map, _collect
 
@@ -25,6 +26,10 @@ class Eager:
     fuses = False      # whether its training steps run the fused Triton kernels
     def __init__(self, defer:bool=True, fused_loss:bool=True): self.defer, self.fused_loss = defer, fused_loss
     def __repr__(self): return f"{type(self).__name__}(defer={self.defer}, fused_loss={self.fused_loss})"
+
+    def decoder_loss(self, out, W, b, y):
+        "The tied decoder's cross-entropy of `out` (rows) against `y`: through `linear_cross_entropy` (`fused_loss`), or logits, then the loss"
+        return linear_cross_entropy(out, W, b, y) if self.fused_loss else F.cross_entropy(F.linear(out, W, b), y)
 
     def resolve(self, ctx):
         "`ctx` with each `Deferred` weight kept where this forward defers its gradient, else the weight itself"
