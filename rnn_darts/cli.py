@@ -69,6 +69,7 @@ def bench(
     modes:str=None,       # search steps to time, comma-separated: second, first, exact, random (default: all; none: none)
     methods:str=None,     # methods of the DARTS family to time beside first-order DARTS, comma-separated (default: all; none: none)
     profile:str=None,     # also profile one more call of each row and write the summaries to this text file: kernels per step, the 15 kernels with the most device time, the fraction of the step the device is busy, peak memory
+    floor:bool=False,     # also measure one core's best product rate (2,048², aten and oneDNN) and each row's products: its floor, and the share of it the step reaches (a CPU)
 ):
     "Time search steps (second, first, exact), derived-cell training steps and evaluation"
     if iters is not None: check_number('--iters', iters, 1, integer=True)
@@ -76,6 +77,7 @@ def bench(
     for k, p in (('--json-path', json_path), ('--profile', profile)):
         if p is not None and Path(p).is_dir(): raise UsageError(f"{k} {p} is a folder; give a file name")
     dev = get_device(device)
+    if floor and dev.type != 'cpu': raise UsageError(f"--floor measures a CPU core's product rate; the device is {dev}: pass --device cpu")
     plan.plan_of(dict(compile=compile, graphs=graphs, fuse=fuse, precision=precision), dev, lambda k: '--' + k)   # refused: one line, before the imports
     set_threads(threads, dev)
     from rnn_darts.engine.bench import run_bench, print_table, profile_text, FAMILY   # here: torch; this module stays torch-free for `rnn-darts -h`
@@ -85,7 +87,7 @@ def bench(
         return items
     family, steps = listed('--methods', methods, FAMILY), listed('--modes', modes, ('second', 'first', 'exact', 'random'))
     res = run_bench(small=small, device=device, json_path=json_path, iters=iters, compile=compile, precision=precision, graphs=graphs, fuse=fuse, methods=family, modes=steps,
-                    profile=profile is not None, verbose=True)
+                    profile=profile is not None, floor=floor, verbose=True)
     print_table(res)
     if profile is not None:
         write_text_atomic(profile_text(res), profile)

@@ -6,10 +6,12 @@
 from __future__ import annotations
 import gc, json, os, re, resource, sys, tempfile, time
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from functools import partial, lru_cache
 from pathlib import Path
 import torch, torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 from rnn_darts.core import cpu_name, naming
 from rnn_darts.model import DartsRnnSearch
 from rnn_darts.callbacks.arch import ArchParamUpdate, ARCH_BETAS, arch_grad, hypergrad
@@ -27,8 +29,8 @@ __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_
            'time_fn', 'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'handed_graphs',
            'bound_updater', 'arch_hypergrad', 'search_step', 'precision_context', 'in_fit', 'random_corpus',
            'run_learner', 'bench_learner', 'learner_step', 'kernel_profile', 'profiler_log_off', 'launch_count',
-           'step_profile', 'profile_lines', 'precision_agreement', 'cpu_kernels', 'write_json', 'run_bench',
-           'profile_text', 'print_table']
+           'step_profile', 'profile_lines', 'precision_agreement', 'cpu_kernels', 'product_rates', 'step_flops',
+           'floor_of', 'write_json', 'run_bench', 'profile_text', 'print_table']
 
 # %% ../../nbs/10_bench.ipynb #8c25303b
 _S, _T = SearchConfig(), TrainConfig()   # the paper's search and training settings
@@ -373,6 +375,38 @@ def _device_name(device):
     if torch.device(device).type == 'cuda': return torch.cuda.get_device_name(device)
     return cpu_name()
 
+# %% ../../nbs/10_bench.ipynb #5a62b950
+def product_rates(dtype=torch.float32, n:int=2048, iters:int=4) -> dict:
+    """One core's matrix-product rate here (at torch's threads now), GFLOP/s, on an n×n · n×n product in `dtype`: aten's
+    `mm` (`aten`), oneDNN's inner product from a plain weight (`onednn`) and from its own blocked copy (`onednn_blocked`),
+    each the fastest of `iters` calls after one; the kinds this build cannot run in `dtype` are left out"""
+    a, w = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    makers = dict(aten=lambda: partial(torch.mm, a, w.t()))
+    if torch.backends.mkldnn.is_available():
+        makers.update(onednn=lambda: partial(kernels._onednn, a, w),
+                      onednn_blocked=lambda: partial(kernels._onednn, a, torch.ops.mkldnn._reorder_linear_weight(w, n)))
+    rates = {}
+    for k, make in makers.items():
+        try:
+            f = make()
+            rates[k] = 2 * n ** 3 / min(_timed(f, 'cpu') for _ in range(iters + 1)) / 1e9
+        except RuntimeError: pass   # this build's oneDNN does not take `dtype`
+    return rates
+
+def step_flops(fn) -> int:
+    "The FLOPs of the matrix products of one call of `fn` (its backward included), counted by torch's `FlopCounterMode`, every product through aten meanwhile"
+    saved, kernels.KERNEL = kernels.KERNEL, 'aten'
+    try:
+        with FlopCounterMode(display=False) as fc: fn()
+    finally: kernels.KERNEL = saved
+    return fc.get_total_flops()
+
+def floor_of(flops:int, rates:dict, ms:float) -> dict:
+    "A row's floor: its products' GFLOP, their ms at the best of `rates` (GFLOP/s), and the share of that floor a step of `ms` reaches"
+    floor_ms = flops / max(rates.values()) / 1e6
+    return dict(gflop=flops / 1e9, floor_ms=floor_ms, of_floor=floor_ms / ms)
+
+
 # %% ../../nbs/10_bench.ipynb #aaffb262
 def _row(name, impl, shape, t):
     tok = shape['bs'] * shape['bptt']
@@ -394,11 +428,12 @@ STEP_NAMES = dict(second='search step, 2nd order (fd)', first='search step, 1st 
 def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, iters:int|None=None,
               warmup:int|None=None, modes=('second', 'first', 'exact', 'random'), methods=FAMILY, baseline=None, train:bool=True,
               evaluate:bool=True, shape:dict|None=None, train_shape:dict|None=None, eval_bs:int|None=None,
-              seed:int=0, threads:int|None=None, compile:bool=False, precision:str=_S.precision, graphs:bool=False, fuse:bool=False, profile:bool=False, verbose:bool=False) -> dict:
+              seed:int=0, threads:int|None=None, compile:bool=False, precision:str=_S.precision, graphs:bool=False, fuse:bool=False, profile:bool=False,
+              floor:bool=False, verbose:bool=False) -> dict:
     """Time the learners' own batches (`bench_learner`: search steps, the family's, a derived cell's training step and
     evaluation), each learner running the execution plan of `compile`, `graphs`, `fuse` and `precision` (`plan_of`: its
-    rules, its precision); `profile`: and `step_profile` one more call of each; `baseline(model, mode)`: another step to
-    time beside ours"""
+    rules, its precision); `profile`: and `step_profile` one more call of each; `floor` (a CPU): and each row's floor
+    (`product_rates`, `step_flops`, `floor_of`); `baseline(model, mode)`: another step to time beside ours"""
     if compile and not _kernels_recorded():   # compile with recorded kernels, so `launch_count` counts the rows' launches
         with kernel_profile(): return run_bench(**locals())
     if threads: torch.set_num_threads(threads)
@@ -423,6 +458,15 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
                ratios={}, ratios_min={}, method_ratios={},
                ops_kind='kernel launches per step (launch_count)' if compiled else 'operators per step (op_count)', plan=plan.asdict())
     count = (lambda fn: launch_count(fn)['total']) if compiled else op_count   # a dispatch mode cannot see into compiled graphs
+    if floor:
+        dtypes = (torch.float32, torch.bfloat16) if plan.precision == 'bf16' else (torch.float32,)
+        res['floor'] = dict(dtype=str(dtypes[-1]).removeprefix('torch.'), rates={str(d).removeprefix('torch.'): product_rates(d) for d in dtypes})
+    def floored(r, what, sh, batch, train=True, **kw):
+        "Row `r` with its floor: its products counted on an eager learner of the same settings (a compiled graph hides them)"
+        if not floor: return r
+        learn = learner(what, sh, plan=replace(plan, compile=False, graphs=False), **kw)
+        with in_fit(learn, train=train): flops = step_flops(learner_step(learn, batch))
+        return {**r, **floor_of(flops, res['floor']['rates'][res['floor']['dtype']], r['ms'])}
     def measure(fn): return dict(time_fn(fn, iters, warmup, dev), ops=count(fn), **(dict(profile=step_profile(fn, dev)) if profile else {}))
     def log(r):
         res['rows'].append(r)
@@ -442,7 +486,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
                 else: to = measure(fn)
             learn = fn = None
             if step is not None and torch.device(dev).type != 'cpu': tp = measure(lambda: step(trn, val))   # separately, our learner gone: a per-row peak memory
-            log(_row(STEP_NAMES[mode], 'ours', S, to))
+            log(floored(_row(STEP_NAMES[mode], 'ours', S, to), mode, S, trn))
             if step is not None:
                 log(_row(STEP_NAMES[mode], 'base', S, tp))
                 res['ratios'][mode] = tp['ms'] / to['ms']
@@ -459,21 +503,23 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
                     t['ops'], ratio = count(fn), t['ms'] / tf['ms']
                     f = None
                 else: t = measure(fn); ratio = t['ms'] / first if first else None
-            log(_row(f"search step, {method}", 'ours', S, t))
+            log(floored(_row(f"search step, {method}", 'ours', S, t), method, S, trn))
             if ratio is not None: res['method_ratios'][method] = ratio
             learn = fn = None
         if train:
             learn = learner('derived', TS)
             tb = _batches(TS['ntoken'], TS['bs'], TS['bptt'], 1, dev, seed + 1)[0]
-            with in_fit(learn): log(_row('derived DARTS_V2 training step', 'ours', TS, measure(learner_step(learn, tb))))
+            with in_fit(learn): r = _row('derived DARTS_V2 training step', 'ours', TS, measure(learner_step(learn, tb)))
             learn = None
+            log(floored(r, 'derived', TS, tb))
         if evaluate:
             for name, sh, what in (('search model eval forward', S, 'first'), ('derived DARTS_V2 eval forward', TS, 'derived')):
                 learn = learner(what, sh, eval_bs=ebs)
                 es = dict(sh, bs=ebs)
                 eb = _batches(es['ntoken'], ebs, es['bptt'], 1, dev, seed + 2)[0]
-                with in_fit(learn, train=False): log(_row(name, 'ours', es, measure(learner_step(learn, eb))))
+                with in_fit(learn, train=False): r = _row(name, 'ours', es, measure(learner_step(learn, eb)))
                 learn = None
+                log(floored(r, what, sh, eb, train=False, eval_bs=ebs))
     hyper = [k for k in modes if k not in ('weight', 'random')]
     if plan.precision != 'fp32' and hyper:
         torch.manual_seed(seed)
@@ -485,6 +531,19 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     return res
 
 # %% ../../nbs/10_bench.ipynb #c0747087
+_KIND_NAMES = dict(aten='aten', onednn='oneDNN', onednn_blocked='oneDNN from its blocked copy')
+
+def _floor_lines(r) -> list:
+    "`run_bench(floor=True)`'s floor as lines: one core's product rates, then each row's products, floor and share of it"
+    f = r.get('floor')
+    if not f: return []
+    best = max(f['rates'][f['dtype']].values())
+    rates = '; '.join(f"{d}: " + ', '.join(f"{_KIND_NAMES[k]} {v:.0f}" for k, v in rs.items()) for d, rs in f['rates'].items())
+    out = [f"floor: one core's product rate here, 2,048² at {r['threads']} thread{'s' * (r['threads'] != 1)}, GFLOP/s: {rates}; "
+           f"a row's floor is its products ({f['dtype']}) at {best:.0f} GFLOP/s"]
+    return out + [f"floor, {x['name']}: {x['gflop']:.1f} GFLOP, {x['floor_ms']:.0f} ms; the step runs at {100 * x['of_floor']:.0f}% of its floor"
+                  for x in r['rows'] if 'gflop' in x]
+
 def profile_text(results: dict) -> str:
     "The profiles of `run_bench(profile=True)`'s rows as text: a header naming the device, then each row's `profile_lines`"
     r = results
@@ -511,6 +570,7 @@ def print_table(results: dict, file=None):
         first = '-' if x.get('first_ms') is None else f"{x['first_ms']:.0f}"
         out.append(f"{x['name']:<34} {x['impl']:<6} {x['bs']:>4} {x['bptt']:>4} {x['nhid']:>5} {x['ntoken']:>6} "
                    f"{x['ms']:>10.1f} {x['ms_min']:>9.1f} {first:>9} {x['tok_s']:>10.0f} {x['mem_mb']:>9.0f} {x['ops'] or '-':>8}")
+    out += _floor_lines(r)
     for k, v in r['ratios'].items():
         out.append(f"baseline / ours, {STEP_NAMES[k]}: {v:.2f}x (mean), {r.get('ratios_min', {}).get(k, float('nan')):.2f}x (fastest)")
     for k, v in r.get('method_ratios', {}).items():
