@@ -309,7 +309,7 @@ def test_the_benchs_graphed_steps_equal_its_eager_steps():
         cb = arch_updater(m, 'second', graphs=StepGraphs(m, emulate='emulate') if graphed else None)
         trn, val = _batches(40, 4, 6, 2, 'cpu', 0)
         losses = [search_step(m, cb, trn, val, 'second') for _ in range(3)]
-        losses.append(weight_step(m, *trn, graphs=cb.step_path.graphs))
+        losses.append(weight_step(m, *trn, graphs=cb.arch_path.graphs))
         runs.append((losses, state(m)))
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
     assert_same(runs[0][1], runs[1][1])

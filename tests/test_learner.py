@@ -1,5 +1,5 @@
 "fastai's idioms on the project's learners (lr_find, fit_one_cycle, get_preds, validate, predict, export / load_learner), hand-built Learners, presets in Python and the top-level API"
-import subprocess, sys, traceback
+import subprocess, sys, traceback, warnings
 import pytest, torch, torch.nn.functional as F
 from fastai.learner import Learner, load_learner
 from fastai.callback.core import Callback
@@ -76,7 +76,10 @@ def plain_probs(model, dl):
 def test_fit_one_cycle_get_preds_validate_export_and_load_learner(kind, corpus, tmp_path):
     learn = twin_learner(kind, corpus, tmp_path, **(dict(asgd=True) if kind == 'train' else {}))
     w0 = state(learn)
-    learn.fit_one_cycle(1, 1.)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        learn.fit_one_cycle(1, 1.)
+    assert not [w for w in said if 'shadowing' in str(w.message)], [str(w.message) for w in said]   # no callback shadows the learner's attributes
     assert all(v == v for v in learn.recorder.values[-1])
     assert not torch.equal(state(learn)['encoder.weight'], w0['encoder.weight'])
     tdl = split_dl(corpus, 10, bs=2, device='cpu')

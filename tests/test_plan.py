@@ -24,6 +24,7 @@ ELSEWHERE = {   # rules a CPU and one process cannot meet, and where they are pr
     'graphs, one process': 'several processes (plan_of with world=2 below)',
     'graphs need the fused loss': 'a Python-only setting (fused_loss=False, below)',
     'fuse runs its ops': 'a GPU with Triton (plan_of with a stand-in below)',
+    'bf16 products pay here': 'a CPU without bf16 products (a stand-in for its measurement below)',
 }
 
 def test_every_rule_of_the_table_is_proven_here():
@@ -87,3 +88,24 @@ def test_the_rules_a_cpu_cannot_meet(monkeypatch):
     assert p.graphs is False and 'fused decoder loss' in p.notes[0]
     assert plan_of(dict(), 'cuda', world=1).path == 'compiled + CUDA graphs, fp32'   # the defaults on a GPU
     assert plan_of(dict(precision='bf16'), 'cuda', world=1).graphs is False      # not asked, not captured: bf16's cache
+
+def test_bf16_runs_as_fp32_on_a_cpu_whose_bf16_products_do_not_pay(monkeypatch):
+    """Where this CPU's bf16 products measured under 1.5× float32's rate (`kernels.bf16_gain`), bf16 falls back to fp32
+    with one line, for the plan, the learners' callbacks and a hand-built `BF16Autocast`; where they pay, it runs"""
+    import torch
+    from types import SimpleNamespace
+    from rnn_darts.engine import kernels
+    from rnn_darts.engine.speed import BF16Autocast
+    from rnn_darts.model import DartsRnnSearch
+    for gain, precision in ((0.8, 'fp32'), (1.6, 'bf16')):
+        monkeypatch.setattr(kernels, 'bf16_gain', lambda: gain)
+        p = plan_of(dict(precision='bf16'), 'cpu', world=1)
+        assert p.precision == precision and p.notes == (() if gain > 1.5 else
+            ("precision bf16 off: this CPU's bf16 products measured 0.80× float32's rate, and bf16 runs from 1.5×; the steps run in fp32",)), p.notes
+        corpus = numbers_corpus(0, n_train=400, n_valid=100, n_test=100)
+        learn = search_learner(lm_dls(corpus, 4, 6, device='cpu'), search_stream(corpus, 4, device='cpu'), precision='bf16', emsize=8, nhid=8, checkpoint=False)
+        assert learn.plan.precision == precision and any(isinstance(cb, BF16Autocast) for cb in learn.cbs) == (precision == 'bf16')
+        cb = BF16Autocast()   # by hand: it autocasts only where the plan runs bf16
+        cb.learn = SimpleNamespace(model=DartsRnnSearch(20, 8, 8), cbs=[cb], loss_func=None)
+        cb.before_fit()
+        with cb.autocast: assert torch.is_autocast_enabled('cpu') == (precision == 'bf16')

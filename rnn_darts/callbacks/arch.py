@@ -210,7 +210,7 @@ class ArchParamUpdate(Callback):
                  same_masks=True, clip='learn', zero_one=0., op_decay=0., arch_bf16=False, mixed_lambda=SearchConfig.mixed_lambda,
                  beta_decay=0., dirichlet_kl=0.):
         if mode not in ARCH_MODES: raise ValueError(f"mode must be one of {', '.join(map(repr, ARCH_MODES))}, got {mode!r}")
-        self.step_path = EAGER_STEPS   # how the step runs: eager, or the learner's `CudaGraphs` (which hands itself as a fit starts)
+        self.arch_path = EAGER_STEPS   # how the step runs: eager, or the learner's `CudaGraphs` (which hands itself as a fit starts)
         for k, v in dict(op_decay=op_decay, beta_decay=beta_decay, dirichlet_kl=dirichlet_kl).items():
             if v < 0: raise ValueError(f"{k} must be >= 0, got {v}")
         self.search_dl, self.mode, self.same_masks, self.clip = search_dl, mode, same_masks, clip
@@ -275,8 +275,8 @@ class ArchParamUpdate(Callback):
                          reduce=self.reduce, grad_fn=grad_fn, penalty=self.penalty())
 
     def arch_step(self, trn, val):
-        "One architecture step as its path runs it (`step_path`: eager, or a CUDA graph); counts skipped steps and the search loss"
-        loss, ok = self.step_path.arch(self, trn, val)
+        "One architecture step as its path runs it (`arch_path`: eager, or a CUDA graph); counts skipped steps and the search loss"
+        loss, ok = self.arch_path.arch(self, trn, val)
         self.n_skipped += (~ok).long()
         self.loss_sum = loss.clone() if self.loss_sum is None else self.loss_sum + loss   # a graph's loss is rewritten at its next replay
         self.n_steps += 1

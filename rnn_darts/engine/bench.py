@@ -139,7 +139,7 @@ def handed_graphs(graphs=None) -> CudaGraphs:
 def bound_updater(cb, model, graphs=None):
     """`cb` (an `ArchParamUpdate`) outside a `Learner`, its Adam made: no learner stands in, the callback holds its
     `model` itself and its step runs through `graphs` (a `StepGraphs`, in a `CudaGraphs`: `handed_graphs`; None: eager)"""
-    cb.model, cb.step_path = model, handed_graphs(graphs)
+    cb.model, cb.arch_path = model, handed_graphs(graphs)
     cb.hypers = STEP['lr'], STEP['wd'], STEP['clip']
     cb.before_fit()
     return cb
@@ -154,7 +154,7 @@ def search_step(model, cb, trn, val, mode=_S.mode, lr=STEP['lr'], wd=STEP['wd'],
     "One architecture step (the callback's own `arch_step`, in mode `mode`) then one weight step (both graphed if the callback's are)"
     cb.mode, cb.hypers = mode, (lr, wd, clip)
     cb.arch_step(trn, val)
-    return weight_step(model, *trn, lr=lr, clip=clip, graphs=cb.step_path.graphs)
+    return weight_step(model, *trn, lr=lr, clip=clip, graphs=cb.arch_path.graphs)
 
 def precision_context(precision:str, device, cache:bool=True):
     "What `precision` runs a step inside on `device`: a bf16 autocast (`cache`: its cache of cast weights), TF32 products, or fp32 products (TF32 off)"
@@ -375,7 +375,7 @@ def _device_name(device):
     if torch.device(device).type == 'cuda': return torch.cuda.get_device_name(device)
     return cpu_name()
 
-# %% ../../nbs/10_bench.ipynb #5a62b950
+# %% ../../nbs/10_bench.ipynb #ef40d606
 def product_rates(dtype=torch.float32, n:int=2048, iters:int=4) -> dict:
     """One core's matrix-product rate here (at torch's threads now), GFLOP/s, on an n×n · n×n product in `dtype`: aten's
     `mm` (`aten`), oneDNN's inner product from a plain weight (`onednn`) and from its own blocked copy (`onednn_blocked`),

@@ -183,7 +183,7 @@ class StepGraphs:
 # %% ../../nbs/05e_graphs.ipynb #ae530c1f
 class EagerSteps:
     """How batches and α steps run where no CUDA graph runs them: the learner's own batch (`forward` gives no
-    prediction) and the α step eager. A learner's `step_path`, and an `ArchParamUpdate`'s, until a `CudaGraphs` hands itself"""
+    prediction) and the α step eager. A learner's `step_path`, and an `ArchParamUpdate`'s `arch_path`, until a `CudaGraphs` hands itself"""
     graphs = None
     def forward(self, xb): return None
     def arch(self, cb, trn, val):
@@ -223,7 +223,7 @@ class CudaGraphs(Callback, EagerSteps):
         if self.regularizer is None:   # a learner built by hand: its AR/TAR, which the training graph must add as the eager step does
             self.regularizer = next((cb for cb in self.learn.cbs if isinstance(cb, RNNRegularizer)), None)
         for cb in self.learn.cbs:      # and its α step, which runs as graphs of these
-            if 'step_path' in vars(cb): cb.step_path = self
+            if 'arch_path' in vars(cb): cb.arch_path = self   # (a callback's `step_path` would shadow the learner's)
         if self.enabled is False or not learner_plan(self.learn).graphs: self.graphs = None
         elif self.graphs is None or self.graphs.model is not self.model: self.graphs = StepGraphs(self.model, self.emulate, self.max_graphs)
         self.learn.step_path = self   # the learner's batches ask it (`DartsLearner._do_one_batch`)

@@ -14,9 +14,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from rnn_darts.core import cpu_name
 
 # %% auto #0
-__all__ = ['ONEDNN', 'KERNEL', 'MEASURE_S', 'KEEP_FREED_MEMORY', 'kernel_table', 'machine_key', 'product_key', 'time_kernels',
-           'onednn_faster', 'kernel_choices', 'fastest', 'mm_t', 'onednn_mm_t', 'product', 'packs', 'Packed',
-           'PackedWeights', 'WeightGroup', 'DeferredWeight', 'Deferred', 'StepWeight', 'tap_pieces', 'linear', 'tanh']
+__all__ = ['ONEDNN', 'KERNEL', 'MEASURE_S', 'BF16_SHAPE', 'KEEP_FREED_MEMORY', 'bf16_products', 'kernel_table', 'machine_key',
+           'product_key', 'time_kernels', 'onednn_faster', 'kernel_choices', 'fastest', 'mm_t', 'onednn_mm_t',
+           'product', 'packs', 'Packed', 'PackedWeights', 'WeightGroup', 'DeferredWeight', 'Deferred', 'StepWeight',
+           'tap_pieces', 'Cast', 'bf16_gain', 'linear', 'tanh']
 
 # %% ../../nbs/03a_kernels.ipynb #b66e7965
 def _onednn_fp32() -> bool:
@@ -29,7 +30,13 @@ ONEDNN = _onednn_fp32()   # set to False to compare with aten's products
 KERNEL = 'measured'   # or 'onednn' / 'aten': every float32 CPU product through that kernel, not measured
 
 def _onednn(a, b, bias=None): return torch.ops.mkldnn._linear_pointwise(a, b, bias, 'none', [], '')
-def _on_onednn(a, b): return ONEDNN and a.dtype == b.dtype == torch.float32 and a.device.type == 'cpu'
+def bf16_products(t) -> bool:
+    "Whether the products of `t`'s device run in bf16 now: inside a bf16 autocast on the CPU (`BF16Autocast`, the plan's bf16)"
+    return t.device.type == 'cpu' and torch.is_autocast_enabled('cpu') and torch.get_autocast_dtype('cpu') == torch.bfloat16
+
+def _on_onednn(a, b):
+    "Whether `a @ bᵀ` is a float32 CPU product of ours to route: not inside a bf16 autocast, where autocast's bf16 products run"
+    return ONEDNN and a.dtype == b.dtype == torch.float32 and a.device.type == 'cpu' and not bf16_products(a)
 
 def kernel_table() -> Path:
     "The file of measured choices: `RNN_DARTS_KERNEL_TABLE`, else `rnn_darts_kernels.json` in Inductor's cache folder"
@@ -367,6 +374,49 @@ def tap_pieces(sws) -> tuple:
     Inductor writes element by element through a mask per weight (5.9 ms a backward at nhid 300, against under 1)"""
     return sws[0].tap.split([sw.stop - sw.start for sw in sws], sws[0].dim if sws[0].transposed else -1)
 
+# %% ../../nbs/03a_kernels.ipynb #eae3d6f3
+class Cast(NamedTuple):
+    "A weight `W` and its bf16 copy `Wb`, made once per pass: `linear` multiplies by the copy, and `W` gets the gradient"
+    W: torch.Tensor
+    Wb: torch.Tensor
+    @classmethod
+    def of(cls, W): return cls(W, W.detach().to(torch.bfloat16))
+
+class _CastLinear(torch.autograd.Function):
+    "`a @ Wᵀ` in bf16 from `Wb` (`W`'s copy); the output and the gradients of `a` and `W` in `a`'s dtype"
+    @staticmethod
+    def forward(ctx, a, W, Wb):
+        ab = a.to(Wb.dtype)
+        ctx.save_for_backward(ab, Wb)
+        return F.linear(ab, Wb).to(a.dtype)
+    @staticmethod
+    def backward(ctx, g):
+        ab, Wb = ctx.saved_tensors
+        gb = g.to(Wb.dtype)
+        ga = (gb @ Wb).to(g.dtype) if ctx.needs_input_grad[0] else None
+        return ga, (gb.t() @ ab).to(g.dtype) if ctx.needs_input_grad[1] else None, None
+
+# %% ../../nbs/03a_kernels.ipynb #7f319594
+BF16_SHAPE = (256, 512, 2048)   # M, K, N of the product `bf16_gain` times: the size of a search cell's products
+
+def bf16_gain() -> float:
+    """How many times float32's rate this CPU's bf16 products run at: the fastest of several interleaved runs of aten's
+    `a @ bᵀ` on a `BF16_SHAPE` product in each dtype, at torch's threads; measured once per machine and thread count,
+    kept in the kernel table"""
+    machine = machine_key()
+    if machine not in _TABLE: _TABLE[machine] = _read_table(kernel_table()).get(machine, {})
+    gain = _TABLE[machine].get('bf16 gain')
+    if isinstance(gain, (int, float)) and gain > 0: return gain
+    with unset_fake_temporarily(), torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        M, K, N = BF16_SHAPE
+        ab = {dt: (torch.randn(M, K, generator=g).to(dt), torch.randn(N, K, generator=g).to(dt)) for dt in (torch.float32, torch.bfloat16)}
+        best = dict.fromkeys(ab, math.inf)
+        for _ in range(5):
+            for dt, (a, b) in ab.items():
+                t0 = time.perf_counter(); F.linear(a, b); best[dt] = min(best[dt], time.perf_counter() - t0)
+    return _remember(machine, 'bf16 gain', round(best[torch.float32] / best[torch.bfloat16], 2))
+
 # %% ../../nbs/03a_kernels.ipynb #a59c12d1
 def linear(a, W):
     "`a @ W.T` with autograd, `a` of any leading shape; float32 CPU products (forward and backward) through the kernels measured faster here, a `Packed` weight's through its pass's oneDNN copies"
@@ -374,6 +424,7 @@ def linear(a, W):
         if _on_onednn(a, W.W): return _PackedMmT.apply(a.reshape(-1, a.shape[-1]), W.W, W.token).view(*a.shape[:-1], W.W.shape[0])
         W = W.W   # `a` not float32 on a CPU: the copies do not serve it
     if isinstance(W, (DeferredWeight, _Tapped)): return W(a)
+    if isinstance(W, Cast): return _CastLinear.apply(a.reshape(-1, a.shape[-1]), W.W, W.Wb).view(*a.shape[:-1], W.W.shape[0])
     if not _on_onednn(a, W): return F.linear(a, W)
     return product(a.reshape(-1, a.shape[-1]), W).view(*a.shape[:-1], W.shape[0])
 

@@ -13,10 +13,10 @@ PRECISIONS = ('fp32', 'tf32', 'bf16')   # of the matrix products: fp32, TF32 ten
 PATH_NAMES = ('graphs', 'tf32', 'bf16', 'fused', 'fused+graphs', 'compiled', 'compiled+graphs')   # the paths `rnn-darts check` holds to eager (`rnn_darts.engine.check.PATHS`), named without torch
 
 # %% auto #0
-__all__ = ['PRECISIONS', 'PATH_NAMES', 'RULES', 'COMPILE_MIN_STEPS', 'COMPILE_MIN_STEPS_CACHED', 'FIRST_COMPILE_S', 'LEDGER',
-           'TAP_MIN_NUMEL', 'PARTS', 'tf32_missing', 'fused_lacks', 'Rule', 'facts', 'verdicts', 'compile_pays',
-           'ledger_path', 'compiled_here', 'record_compile', 'first_compile_s', 'with_fit', 'ExecutionPlan',
-           'arch_step_graphed', 'plan_of', 'check_plan_rules', 'asked_of', 'learner_plan']
+__all__ = ['PRECISIONS', 'PATH_NAMES', 'BF16_MIN_GAIN', 'RULES', 'COMPILE_MIN_STEPS', 'COMPILE_MIN_STEPS_CACHED',
+           'FIRST_COMPILE_S', 'LEDGER', 'TAP_MIN_NUMEL', 'PARTS', 'tf32_missing', 'bf16_slow', 'fused_lacks', 'Rule',
+           'facts', 'verdicts', 'compile_pays', 'ledger_path', 'compiled_here', 'record_compile', 'first_compile_s',
+           'with_fit', 'ExecutionPlan', 'arch_step_graphed', 'plan_of', 'check_plan_rules', 'asked_of', 'learner_plan']
 
 # %% ../../nbs/00b_plan.ipynb #8b570841
 def tf32_missing(device) -> str|None:
@@ -32,6 +32,15 @@ def _bf16_missing(dev) -> str|None:
     import torch   # here: torch; this module stays torch-free for `rnn-darts -h`
     if dev.type == 'cuda' and not torch.cuda.is_bf16_supported(): return f"the GPU {torch.cuda.get_device_name(dev)} does not support bfloat16"
     return None
+
+BF16_MIN_GAIN = 1.5   # a CPU runs bf16 where its bf16 products measured at least this many times float32's rate
+
+def bf16_slow(dev) -> str|None:
+    "Why the CPU `dev` runs bf16 as fp32: its bf16 products measured under `BF16_MIN_GAIN` times float32's rate (`kernels.bf16_gain`); None on a GPU, or where they pay"
+    if dev.type == 'cuda': return None
+    from rnn_darts.engine.kernels import bf16_gain   # here: torch, and a measurement made once per machine
+    g = bf16_gain()
+    return None if g >= BF16_MIN_GAIN else f"this CPU's bf16 products measured {g:.2f}× float32's rate, and bf16 runs from {BF16_MIN_GAIN}×"
 
 def _triton_missing(dev) -> bool:
     return dev.type == 'cuda' and importlib.util.find_spec('triton') is None
@@ -72,6 +81,8 @@ RULES = (
          lambda f: f"{f['name']('fuse')} true runs its kernels in fp32 or tf32; {f['name']('precision')} bf16 autocasts the products, which they do not"),
     Rule('bf16 needs bfloat16', 'refused', lambda f: f['precision'] == 'bf16' and _on(f) and _bf16_missing(f['device']),
          lambda f: f"{f['name']('precision')} bf16: {_bf16_missing(f['device'])}; use fp32 or tf32"),
+    Rule('bf16 products pay here', 'falls back', lambda f: f['precision'] == 'bf16' and _on(f, 'cpu') and bf16_slow(f['device']),
+         lambda f: f"{f['name']('precision')} bf16 off: {bf16_slow(f['device'])}; the steps run in fp32", dict(precision=PRECISIONS[0])),
     Rule('compile, not random search', 'refused', lambda f: f['compile'] and f['mode'] == 'random',
          lambda f: f"{f['name']('compile')} true: random search runs another cell every batch, and a compiled step would recompile for each (see rnn_darts.random_search); it runs eager"),
     Rule('graphs, not random search', 'refused', lambda f: f['graphs'] and f['mode'] == 'random',

@@ -28,12 +28,19 @@ class Eager:
     def __repr__(self): return f"{type(self).__name__}(defer={self.defer}, fused_loss={self.fused_loss})"
 
     def decoder_loss(self, out, W, b, y):
-        "The tied decoder's cross-entropy of `out` (rows) against `y`: through `linear_cross_entropy` (`fused_loss`), or logits, then the loss"
-        return linear_cross_entropy(out, W, b, y) if self.fused_loss else F.cross_entropy(F.linear(out, W, b), y)
+        """The tied decoder's cross-entropy of `out` (rows) against `y`: through `linear_cross_entropy` (`fused_loss`; its
+        products in bf16 where this pass casts, the decoder cast once), or logits, then the loss"""
+        if not self.fused_loss: return F.cross_entropy(F.linear(out, W, b), y)
+        return linear_cross_entropy(out.to(torch.bfloat16) if self.casts(out) else out, W, b, y)
+
+    def casts(self, t) -> bool:
+        "Whether this pass multiplies in bf16 by weights cast once (`kernels.Cast`): inside a CPU bf16 autocast, where this runner may stand in for autograd's own products (`defer`)"
+        return self.defer and kernels.bf16_products(t)
 
     def resolve(self, ctx):
-        "`ctx` with each `Deferred` weight kept where this forward defers its gradient, else the weight itself"
-        return _map(ctx, Deferred, lambda d: d if self.defers(d.W) else d.W)
+        "`ctx` with each `Deferred` weight kept where this forward defers its gradient, else the weight itself, or it and its bf16 copy (`casts`)"
+        return _map(ctx, Deferred, lambda d: d if self.defers(d.W) else self._plain(d.W))
+    def _plain(self, W): return kernels.Cast.of(W) if self.casts(W) else W
     def defers(self, W) -> bool:
         "Whether a forward now defers `W`'s gradient: it wants one, and not inside an autocast (its casts must stay in autograd's graph)"
         return self.defer and torch.is_grad_enabled() and W.requires_grad and not torch.is_autocast_enabled(W.device.type)
@@ -43,7 +50,7 @@ class Eager:
         return h
     def steps(self, cell, ctx):
         "`step(t, xw_t, h, mh)` of `cell` for its `per_sequence` tensors `ctx`"
-        ctx = cell.prepare(_map(ctx, Deferred, lambda d: DeferredWeight(d.W) if self.defers(d.W) else d.W))
+        ctx = cell.prepare(_map(ctx, Deferred, lambda d: DeferredWeight(d.W) if self.defers(d.W) else self._plain(d.W)))
         return lambda t, xw_t, h, mh: cell.step(xw_t, h, mh, ctx)
 
     def compiled(self, cell, **kwargs):
@@ -109,7 +116,7 @@ class Compiled(Eager):
         marked, ctx = ctx, self.resolve(ctx)
         deferred = _collect(ctx, Deferred)
         if deferred and not big: ctx, deferred = _map(ctx, Deferred, lambda d: d.W), []
-        constant = [W for W in weights if not (torch.is_grad_enabled() and W.requires_grad)] if big else []
+        constant = [W for W in weights if not (torch.is_grad_enabled() and W.requires_grad)] if big and not _collect(ctx, kernels.Cast) else []
         if not deferred and not constant: return lambda t, xw_t, h, mh: self.plain(xw_t, h, mh, ctx)
         if not deferred:
             packing, packed = _Packing(constant), ctx

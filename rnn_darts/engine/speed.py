@@ -27,8 +27,8 @@ class BF16Autocast(MixedPrecision):
     def plan_asks(self): return dict(precision='bf16')
     def before_fit(self):
         dev = self.model.flat.data.device
-        learner_plan(self.learn)   # a learner built by hand: its plan refuses bf16 where the device has none
-        self.autocast = torch.autocast(dev.type, dtype=torch.bfloat16)
+        bf16 = learner_plan(self.learn).precision == 'bf16'   # a learner built by hand: its plan refuses bf16 where the device has none, and runs fp32 where it does not pay
+        self.autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16)
         self.learn.scaler, self.scales = torch.amp.GradScaler(dev.type, enabled=False), []   # bf16 needs no loss scaling
 
 # %% ../../nbs/05b_speed.ipynb #86087e00
