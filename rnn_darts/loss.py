@@ -18,8 +18,10 @@ def ce_chunk_rows(n_rows, ntoken, device) -> int:
     return max(1, min(n_rows, budget // ntoken))
 
 def _chunk_logits(xc, W, b):
-    "Logits of one chunk in at least float32, the matmul in `xc`'s dtype"
-    return mm_t(xc, W.to(xc.dtype), b.to(xc.dtype)).to(torch.promote_types(xc.dtype, torch.float32))
+    "Logits of one chunk in at least float32, the matmul in `xc`'s dtype; a narrower chunk's bias added in float32"
+    acc = torch.promote_types(xc.dtype, torch.float32)
+    if xc.dtype == acc: return mm_t(xc, W.to(acc), b.to(acc))
+    return mm_t(xc, W.to(xc.dtype)).to(acc) + b.to(acc)   # a bias rounded to bf16 would shift each word's logit the same way at every row
 
 LOG2E = 1 / math.log(2)
 
@@ -46,7 +48,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         ones = x.new_ones(1, min(rows, x.shape[0]), dtype=W.dtype)
         for s in range(0, x.shape[0], rows):
             xc, yc = x[s:s + rows], y[s:s + rows, None]
-            logits = _chunk_logits(xc, Wd if WT is None else fastest(xc, Wd, WT.t(), bias=bd), bd)   # W by rows or by columns
+            logits = _chunk_logits(xc, Wd if WT is None else fastest(xc, Wd, WT.t(), bias=bd), b)   # W by rows or by columns
             e, z, loss = _softmax_parts_(logits, yc)           # one max, one exp, one sum: the softmax and the loss
             total += loss
             p = e.div_(z).scatter_add_(1, yc, e.new_full(yc.shape, -1.))   # softmax − onehot
