@@ -45,17 +45,18 @@ class LinearCrossEntropy(torch.autograd.Function):
         WT = Wd.t().contiguous() if need_x else None       # W by columns: for ∂/∂x = p W and the logits, where it is faster here
         gx = torch.empty_like(x) if need_x else None
         gWbT = W.new_zeros(W.shape[1] + 1, W.shape[0]) if need_W or need_b else None   # (∂/∂[W|b])ᵀ: one product per chunk
-        ones = x.new_ones(1, min(rows, x.shape[0]), dtype=W.dtype)
+        ones = x.new_ones(1, min(rows, x.shape[0]))
         for s in range(0, x.shape[0], rows):
             xc, yc = x[s:s + rows], y[s:s + rows, None]
             logits = _chunk_logits(xc, Wd if WT is None else fastest(xc, Wd, WT.t(), bias=bd), b)   # W by rows or by columns
             e, z, loss = _softmax_parts_(logits, yc)           # one max, one exp, one sum: the softmax and the loss
             total += loss
             p = e.div_(z).scatter_add_(1, yc, e.new_full(yc.shape, -1.))   # softmax − onehot
-            if need_x: gx[s:s + rows] = mm_t(p.to(dt), fastest(p, WT, Wd.t()))
-            if gWbT is not None:                               # [xc | 1]ᵀ p: the bias's gradient is the last row
-                xc1T = torch.cat([xc.t().to(W.dtype), ones[:, :xc.shape[0]]])
-                gWbT += mm_t(xc1T, p.t().to(W.dtype))
+            pd = p.to(dt)                                      # the products' operand, cast once (no copy in float32)
+            if need_x: gx[s:s + rows] = mm_t(pd, fastest(p, WT, Wd.t()))
+            if gWbT is not None:                               # [xc | 1]ᵀ p: the bias's gradient is the last row, summed in W's dtype
+                xc1T = torch.cat([xc.t(), ones[:, :xc.shape[0]]])
+                gWbT += mm_t(xc1T, pd.t())
         gW = gWbT[:-1].t().contiguous() if need_W else None
         gb = gWbT[-1] if need_b else None
         ctx.save_for_backward(gx, gW, gb)
