@@ -29,8 +29,8 @@ __all__ = ['FULL_SHAPES', 'SMALL_SHAPES', 'SEARCH_DROPOUTS', 'STEP', 'NO_KERNEL_
            'time_fn', 'time_pair', 'OpCounter', 'op_count', 'weight_step', 'arch_updater', 'handed_graphs',
            'bound_updater', 'arch_hypergrad', 'search_step', 'precision_context', 'in_fit', 'random_corpus',
            'run_learner', 'bench_learner', 'learner_step', 'kernel_profile', 'profiler_log_off', 'launch_count',
-           'step_profile', 'profile_lines', 'precision_agreement', 'cpu_kernels', 'product_rates', 'step_flops',
-           'floor_of', 'write_json', 'run_bench', 'profile_text', 'print_table']
+           'step_profile', 'profile_lines', 'precision_agreement', 'cpu_kernels', 'step_flops', 'floor_of',
+           'write_json', 'run_bench', 'profile_text', 'print_table']
 
 # %% ../../nbs/10_bench.ipynb #8c25303b
 _S, _T = SearchConfig(), TrainConfig()   # the paper's search and training settings
@@ -376,23 +376,6 @@ def _device_name(device):
     return cpu_name()
 
 # %% ../../nbs/10_bench.ipynb #ef40d606
-def product_rates(dtype=torch.float32, n:int=2048, iters:int=4) -> dict:
-    """One core's matrix-product rate here (at torch's threads now), GFLOP/s, on an n×n · n×n product in `dtype`: aten's
-    `mm` (`aten`), oneDNN's inner product from a plain weight (`onednn`) and from its own blocked copy (`onednn_blocked`),
-    each the fastest of `iters` calls after one; the kinds this build cannot run in `dtype` are left out"""
-    a, w = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    makers = dict(aten=lambda: partial(torch.mm, a, w.t()))
-    if torch.backends.mkldnn.is_available():
-        makers.update(onednn=lambda: partial(kernels._onednn, a, w),
-                      onednn_blocked=lambda: partial(kernels._onednn, a, torch.ops.mkldnn._reorder_linear_weight(w, n)))
-    rates = {}
-    for k, make in makers.items():
-        try:
-            f = make()
-            rates[k] = 2 * n ** 3 / min(_timed(f, 'cpu') for _ in range(iters + 1)) / 1e9
-        except RuntimeError: pass   # this build's oneDNN does not take `dtype`
-    return rates
-
 def step_flops(fn) -> int:
     "The FLOPs of the matrix products of one call of `fn` (its backward included), counted by torch's `FlopCounterMode`, every product through aten meanwhile"
     saved, kernels.KERNEL = kernels.KERNEL, 'aten'
@@ -433,7 +416,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     """Time the learners' own batches (`bench_learner`: search steps, the family's, a derived cell's training step and
     evaluation), each learner running the execution plan of `compile`, `graphs`, `fuse` and `precision` (`plan_of`: its
     rules, its precision); `profile`: and `step_profile` one more call of each; `floor` (a CPU): and each row's floor
-    (`product_rates`, `step_flops`, `floor_of`); `baseline(model, mode)`: another step to time beside ours"""
+    (`kernels.product_rates`, `step_flops`, `floor_of`); `baseline(model, mode)`: another step to time beside ours"""
     if compile and not _kernels_recorded():   # compile with recorded kernels, so `launch_count` counts the rows' launches
         with kernel_profile(): return run_bench(**locals())
     if threads: torch.set_num_threads(threads)
@@ -460,7 +443,7 @@ def run_bench(small:bool=False, device:str|None=None, json_path:str|None=None, i
     count = (lambda fn: launch_count(fn)['total']) if compiled else op_count   # a dispatch mode cannot see into compiled graphs
     if floor:
         dtypes = (torch.float32, torch.bfloat16) if plan.precision == 'bf16' else (torch.float32,)
-        res['floor'] = dict(dtype=str(dtypes[-1]).removeprefix('torch.'), rates={str(d).removeprefix('torch.'): product_rates(d) for d in dtypes})
+        res['floor'] = dict(dtype=str(dtypes[-1]).removeprefix('torch.'), rates={str(d).removeprefix('torch.'): kernels.product_rates(d) for d in dtypes})
     def floored(r, what, sh, batch, train=True, **kw):
         "Row `r` with its floor: its products counted on an eager learner of the same settings (a compiled graph hides them)"
         if not floor: return r

@@ -5,7 +5,7 @@
 # %% ../../nbs/03a_kernels.ipynb #156345de
 from __future__ import annotations
 import ctypes, itertools, json, math, os, time, warnings, weakref
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import NamedTuple
 from filelock import FileLock
@@ -17,7 +17,7 @@ from rnn_darts.core import cpu_name
 __all__ = ['ONEDNN', 'KERNEL', 'MEASURE_S', 'BF16_SHAPE', 'KEEP_FREED_MEMORY', 'bf16_products', 'kernel_table', 'machine_key',
            'product_key', 'time_kernels', 'onednn_faster', 'kernel_choices', 'fastest', 'mm_t', 'onednn_mm_t',
            'product', 'packs', 'Packed', 'PackedWeights', 'WeightGroup', 'DeferredWeight', 'Deferred', 'StepWeight',
-           'tap_pieces', 'Cast', 'bf16_gain', 'linear', 'tanh']
+           'tap_pieces', 'Cast', 'product_rates', 'bf16_gain', 'linear', 'tanh']
 
 # %% ../../nbs/03a_kernels.ipynb #b66e7965
 def _onednn_fp32() -> bool:
@@ -66,6 +66,11 @@ def _read_table(path) -> dict:
         return {}
     return tab if isinstance(tab, dict) else {}
 
+def _machine_table(machine) -> dict:
+    "This process's view of `machine`'s records, read from the table's file the first time"
+    if machine not in _TABLE: _TABLE[machine] = _read_table(kernel_table()).get(machine, {})
+    return _TABLE[machine]
+
 def _remember(machine, key, rec):
     "Add `rec` to the table in memory and on disk, under the file's lock: the first record written for a product stands, so all processes (the ranks of a run too) route it alike"
     path, mine = kernel_table(), {key: rec}
@@ -112,8 +117,7 @@ def _complete(rec) -> bool:
 def _record(M, K, N, a_rows, b_rows, bias) -> dict:
     "This machine's measured record of a product: from memory, the table's file, or measured now and added to both"
     machine, key = machine_key(), product_key(M, K, N, a_rows, b_rows, bias)
-    if machine not in _TABLE: _TABLE[machine] = _read_table(kernel_table()).get(machine, {})
-    rec = _TABLE[machine].get(key)
+    rec = _machine_table(machine).get(key)
     if not _complete(rec):   # not measured yet (or a damaged entry): measure
         us = time_kernels(M, K, N, a_rows, b_rows, bias)
         rec = _remember(machine, key, dict(kernel=min(us, key=us.get), **{f"{k}_us": v for k, v in us.items()}))
@@ -397,25 +401,37 @@ class _CastLinear(torch.autograd.Function):
         return ga, (gb.t() @ ab).to(g.dtype) if ctx.needs_input_grad[1] else None, None
 
 # %% ../../nbs/03a_kernels.ipynb #7f319594
+def product_rates(dtype=torch.float32, shape=(2048, 2048, 2048), iters:int=4) -> dict:
+    """One core's matrix-product rate here (at torch's threads now), GFLOP/s, on an (M × K) · (K × N) product of `shape`
+    in `dtype`: aten's (`aten`), oneDNN's inner product from a plain weight (`onednn`) and from its own blocked copy
+    (`onednn_blocked`), each the fastest of `iters` calls after one; the kinds this build cannot run in `dtype` are left out"""
+    M, K, N = shape
+    with unset_fake_temporarily(), torch.no_grad():
+        g = torch.Generator().manual_seed(0)   # not the global generator: measuring leaves a run's random numbers alone
+        a, w = torch.randn(M, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype)
+        makers = dict(aten=lambda: partial(F.linear, a, w))
+        if torch.backends.mkldnn.is_available():
+            makers.update(onednn=lambda: partial(_onednn, a, w), onednn_blocked=lambda: partial(_onednn, a, torch.ops.mkldnn._reorder_linear_weight(w, M)))
+        rates = {}
+        for kind, make in makers.items():
+            try: f = make(); f()
+            except RuntimeError: continue   # this build's oneDNN does not take `dtype`
+            best = math.inf
+            for _ in range(iters):
+                t0 = time.perf_counter(); f(); best = min(best, time.perf_counter() - t0)
+            rates[kind] = 2 * M * K * N / best / 1e9
+    return rates
+
 BF16_SHAPE = (256, 512, 2048)   # M, K, N of the product `bf16_gain` times: the size of a search cell's products
 
 def bf16_gain() -> float:
-    """How many times float32's rate this CPU's bf16 products run at: the fastest of several interleaved runs of aten's
-    `a @ bᵀ` on a `BF16_SHAPE` product in each dtype, at torch's threads; measured once per machine and thread count,
-    kept in the kernel table"""
+    """How many times float32's rate this CPU's bf16 products run at (`product_rates` on a `BF16_SHAPE` product, the best
+    kind of each), at torch's threads; measured once per machine and thread count, kept in the kernel table"""
     machine = machine_key()
-    if machine not in _TABLE: _TABLE[machine] = _read_table(kernel_table()).get(machine, {})
-    gain = _TABLE[machine].get('bf16 gain')
+    gain = _machine_table(machine).get('bf16 gain')
     if isinstance(gain, (int, float)) and gain > 0: return gain
-    with unset_fake_temporarily(), torch.no_grad():
-        g = torch.Generator().manual_seed(0)
-        M, K, N = BF16_SHAPE
-        ab = {dt: (torch.randn(M, K, generator=g).to(dt), torch.randn(N, K, generator=g).to(dt)) for dt in (torch.float32, torch.bfloat16)}
-        best = dict.fromkeys(ab, math.inf)
-        for _ in range(5):
-            for dt, (a, b) in ab.items():
-                t0 = time.perf_counter(); F.linear(a, b); best[dt] = min(best[dt], time.perf_counter() - t0)
-    return _remember(machine, 'bf16 gain', round(best[torch.float32] / best[torch.bfloat16], 2))
+    best = {dt: max(product_rates(dt, BF16_SHAPE).values()) for dt in (torch.float32, torch.bfloat16)}
+    return _remember(machine, 'bf16 gain', round(best[torch.bfloat16] / best[torch.float32], 2))
 
 # %% ../../nbs/03a_kernels.ipynb #a59c12d1
 def linear(a, W):
