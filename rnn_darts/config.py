@@ -321,7 +321,7 @@ class SearchConfig(RunConfig):
     @property
     def space(self) -> SearchSpace:
         "Its search space as one value (`rnn_darts.space`): the ops, the nodes and the edge normalisation it searches"
-        return SearchSpace.of(self.ops, self.nodes, self.edge_norm)
+        return SearchSpace.of(self.ops, self.nodes, self.edge_norm and self.mode != 'random')   # random search has no α, so no β (a preset's key may set it)
 
 # %% ../nbs/00a_config.ipynb #677cc716
 @records_given

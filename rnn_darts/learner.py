@@ -5,7 +5,6 @@
 # %% ../nbs/07_learner.ipynb #3b6c7827
 from __future__ import annotations
 import time, json
-from dataclasses import replace
 from contextlib import contextmanager, nullcontext, ExitStack
 from pathlib import Path
 import torch
@@ -291,7 +290,7 @@ def search_learner(dls, search_dl, config:SearchConfig|None=None, path=None, res
     rnd = c.mode == 'random'
     check_random(vars(c), given=lambda k: k in c.given and k not in c.read)   # a keyword here or the config's, not a preset's key
     n = _ntoken(dls, ntoken)
-    if rnd: model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c), space=replace(c.space, edge_norm=False))   # no α: no β (a preset's key may set it)
+    if rnd: model = DartsRnnShared(n, c.emsize, c.nhid, **_dropouts(c), space=c.space)
     else: model = DartsRnnSearch(n, c.emsize, c.nhid, **_dropouts(c), relax=c.relax, space=c.space)
     learn = _learner(dls, model, c, path or '.', device, 'search', plan)
     own = search_parts(c, search_dl)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import inspect, os
 from dataclasses import fields, asdict
 from pathlib import Path
-from rnn_darts.core import UsageError, UserError, read_preset, option_type, PAPER_NODES, PAPER_OPS, find_settings
-from rnn_darts.config import (CONFIGS, GROUPS, STEERING, check_rules, check_random, check_value, resolve, ops_text,
+from rnn_darts.core import UsageError, UserError, read_preset, option_type, PAPER_NODES, PAPER_OPS, find_settings, op_names
+from rnn_darts.config import (CONFIGS, GROUPS, STEERING, check_rules, check_random, check_value, resolve,
                               declarations, declared)
 
 # %% auto #0
@@ -171,7 +171,7 @@ def memory_estimate(s:dict, ntoken:int, command:str) -> dict:
     """The peak memory, in bytes, a run of settings `s` needs beyond the process's own: weights (with gradients and the
     optimizer's copies), the activations of its largest pass, the logits, and a base; from its shapes (measured, above)"""
     e, h, bs, T, nodes, M = s['emsize'], s['nhid'], s['bs'], s['bptt'], s.get('nodes') or PAPER_NODES, 2**20
-    n_ops = len(ops_text(s.get('ops') or PAPER_OPS).split(','))
+    n_ops = len(op_names(s.get('ops') or PAPER_OPS))
     copies = 4 if command == 'search' else 3   # weights, gradients, and the unrolled step's backup / ASGD's average
     weights = 4 * copies * (ntoken * e + (e + h) * 2 * h + nodes * h * 2 * h)
     k, edges = MEMORY, nodes * (nodes + 1) // 2

@@ -515,7 +515,7 @@ def derived_runner(cell, ctx, tf32:bool=False):
     products on TF32 tensor cores"""
     W0hT, blocks = ctx
     ws = [W0hT, *blocks]
-    if not _runnable(ws) or any(OPS[o].triton is None for o in cell.ops): return None
+    if not _runnable(ws) or fused_lacks(cell.ops): return None
     W = torch.cat([_plain(w) for w in ws])
     plan = plan_of(cell, W.device)
     return _taps(lambda xw_t, h, tap, mh: FusedDerivedStep.apply(xw_t, h, tap, W, mh, plan, tf32), _group(ws))
