@@ -474,3 +474,9 @@ def test_a_flag_two_commands_share_shows_each_its_own_choices():
     "`--select` is DARTS-PT's argmax|pt on a search and the cell's selection, short|asha, on a study: each -h names its own"
     metavar = lambda cmd: next(a.metavar for a in cli.command_parser(cmd)._actions if a.dest == 'select')
     assert (metavar('search'), metavar('study')) == ('argmax|pt', 'short|asha')
+
+def test_bench_floor_is_refused_off_the_cpu(capsys, monkeypatch):
+    "`bench --floor` measures a CPU core: on a GPU it is one line naming the flag and the device, before anything is timed"
+    import torch
+    monkeypatch.setattr(cli, 'get_device', lambda d: torch.device('cuda'))   # a GPU machine, as this CPU one cannot be
+    fails(capsys, ['bench', '--floor', '--device', 'cuda'], 2, "--floor measures a CPU core's product rate; the device is cuda: pass --device cpu")
