@@ -6,6 +6,7 @@
 from __future__ import annotations
 import warnings
 from contextlib import contextmanager
+from typing import NamedTuple
 import torch, torch.nn as nn, torch.nn.functional as F
 from rnn_darts.core import check_positive, check_prob
 from rnn_darts.genotypes import Genotype, cell_ops, check_genotype, derive_genotype, edge_slices
@@ -17,8 +18,8 @@ from rnn_darts.space import SearchSpace, PAPER_SPACE
 from rnn_darts.relax import RELAXATION_CLASSES, EdgeNorm, gumbel_
 
 # %% auto #0
-__all__ = ['MaskBank', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm', 'DartsCellSearch', 'LanguageModel', 'DartsRnn',
-           'DartsRnnSearch', 'DartsRnnShared', 'n_weights']
+__all__ = ['MaskBank', 'Cut', 'PackedCell', 'DartsCell', 'bounded_norm', 'NodeNorm', 'DartsCellSearch', 'LanguageModel',
+           'DartsRnn', 'DartsRnnSearch', 'DartsRnnShared', 'n_weights']
 
 # %% ../nbs/03_model.ipynb #6679dd87
 class MaskBank:
@@ -38,6 +39,12 @@ class MaskBank:
         finally: self.frozen, self.cache = False, {}
 
 # %% ../nbs/03_model.ipynb #b5c901dc
+class Cut(NamedTuple):
+    "A forward's views of a cell's `block` (`PackedCell.cut`): W0's input rows and state rows, and `WhT`'s runs by their first column"
+    W0x: torch.Tensor
+    W0h: torch.Tensor
+    Wh: dict
+
 class PackedCell(nn.Module):
     "Shared machinery: the packed weight `block`, its views, masks and the time loop; how its time steps run is a runner's (`rnn_darts.engine.runners`)"
     kind = 'derived'   # what the fused kernels run it as (`rnn_darts.engine.fused.RUNNERS`)
@@ -68,10 +75,19 @@ class PackedCell(nn.Module):
         "The matrix of node `i` (1-based), `nhid × 2·nhid`, a view of the block"
         k = self.col[i - 1]; n2 = 2 * self.nhid
         return self.WhT[k * n2:(k + 1) * n2].t()
-    def per_sequence(self, block=None):
-        """Tensors every time step uses, sliced once per sequence from `block` (default: the weights; slicing inside the
-        loop costs a backward copy per step), each weight marked `Deferred`: the runner defers its gradient, or not"""
-        return (Deferred(self.W0_of(self.block if block is None else block)[self.ninp:].t()),)
+    def runs(self) -> list:
+        "The runs of `WhT`'s row blocks (first, last + 1, by column) a forward multiplies by, each as one matrix: a node's each"
+        return [(k, k + 1) for k in range(self.nodes)]
+    def cut(self, block) -> Cut:
+        """The matrices a forward multiplies by, views of `block` through one `split`: its backward writes the block's
+        gradient once, where a slice each would write (and add up) a block-sized one apiece"""
+        n2, runs = 2 * self.nhid, self.runs()
+        W0x, W0h, *Wh = block.split([self.ninp * n2, self.nhid * n2] + [(b - a) * n2 * self.nhid for a, b in runs])
+        return Cut(W0x.view(self.ninp, n2), W0h.view(self.nhid, n2), {a: w.view(-1, self.nhid) for (a, _), w in zip(runs, Wh)})
+    def per_sequence(self, mats:Cut):
+        """Tensors every time step uses, taken once per sequence from `mats` (`cut`: slicing inside the loop costs a
+        backward copy per step), each weight marked `Deferred`: the runner defers its gradient, or not"""
+        return (Deferred(mats.W0h.t()),)
     def prepare(self, ctx):
         "`per_sequence`'s tensors as `step` takes them: once per sequence in an eager forward, inside the graph in a compiled one (one tensor in, one gradient out per time step)"
         return ctx
@@ -93,9 +109,10 @@ class PackedCell(nn.Module):
         gradient); `inputs`: the search cell's `probs`"""
         mx, mh = self.masks(bank, key, x.shape[1], x)
         block = self.block if weight_grads else self.block.detach()
-        xw = linear(x if mx is None else x * mx, self.W0_of(block)[:self.ninp].t())
+        mats = self.cut(block)
+        xw = linear(x if mx is None else x * mx, mats.W0x.t())
         runner = self.runner
-        h, step, outs = runner.start(h), runner.steps(self, self.per_sequence(block, **inputs)), []
+        h, step, outs = runner.start(h), runner.steps(self, self.per_sequence(mats, **inputs)), []
         for t, xw_t in enumerate(xw.unbind(0)):
             h = step(t, xw_t, h, mh)
             outs.append(h)
@@ -125,15 +142,17 @@ class DartsCell(PackedCell):
         self.kids = {p: [i for i in _by_predecessor(g) if g.recurrent[i - 1][1] == p] for p in range(self.nodes + 1)}
         return self
 
-    def kid_rows(self, kids, block=None):
-        "The rows of `WhT` holding the matrices of nodes `kids`: a view where they are adjacent (always, in a derived cell's own layout), else a copy"
-        n2, cols, WhT = 2 * self.nhid, [self.col[i - 1] for i in kids], self.WhT_of(self.block if block is None else block)
-        if cols == list(range(cols[0], cols[0] + len(cols))): return WhT[cols[0] * n2:(cols[-1] + 1) * n2]
-        return torch.cat([WhT[c * n2:(c + 1) * n2] for c in cols])
-
-    def per_sequence(self, block=None):
-        "`W0[ninp:]` and, per predecessor with children, the rows of all its children's matrices"
-        return (*super().per_sequence(block), tuple(Deferred(self.kid_rows(k, block)) for k in self.kids.values() if k))
+    def _kid_cols(self): return [[self.col[i - 1] for i in kids] for kids in self.kids.values() if kids]
+    def runs(self):
+        "Per predecessor with children, their matrices' rows as one run where they are adjacent (always, in a derived cell's own layout), else each node's"
+        cols = self._kid_cols()
+        if all(c == list(range(c[0], c[0] + len(c))) for c in cols): return sorted((c[0], c[-1] + 1) for c in cols)
+        return super().runs()
+    def per_sequence(self, mats:Cut):
+        "`W0[ninp:]` and, per predecessor with children, the rows of all its children's matrices: a view, or a copy where they are not adjacent"
+        rows = [mats.Wh[c[0]] if len(mats.Wh[c[0]]) == len(c) * 2 * self.nhid else torch.cat([mats.Wh[k] for k in c])
+                for c in self._kid_cols()]
+        return (*super().per_sequence(mats), tuple(Deferred(W) for W in rows))
 
     def step(self, xw_t, h, mh, ctx):
         W0hT, blocks = ctx
@@ -202,15 +221,14 @@ class DartsCellSearch(PackedCell):
         "Normalise node `i` (0 is s0); architecture passes (`update_stats=False`) leave the running statistics alone"
         return self.bn(s, i, update_stats)
 
-    def per_sequence(self, block=None, probs=None, update_stats=True):
+    def per_sequence(self, mats:Cut, probs=None, update_stats=True):
         """Once per sequence: per node i, its matrix (its product takes i row blocks: its stacked predecessors); the mixing
         weights `probs` (edges, ops); and whether the steps update the normalisation's running statistics (not in
         architecture passes)"""
-        n2, nodes = 2 * self.nhid, self.nodes
+        nodes = self.nodes
         probs = self.probs if probs is None else probs
         if probs is None: raise ValueError("the search cell mixes its ops by `probs` (edges, ops): pass probs=... (the model passes softmax(α))")
-        WhT = self.WhT_of(self.block if block is None else block)
-        return (*super().per_sequence(block), tuple(Deferred(WhT[i * n2:(i + 1) * n2], i + 1) for i in range(nodes)), probs, update_stats)
+        return (*super().per_sequence(mats), tuple(Deferred(mats.Wh[i], i + 1) for i in range(nodes)), probs, update_stats)
 
     def prepare(self, ctx):
         "Per node i, the weights of its incoming edges (each op's (i, 1, 1), in `mixed_op`'s order) and their non-`none` sum"

@@ -21,7 +21,8 @@ def fused_and_eager(n, bs, dtype, genotype):
     "The fused step and the eager one (`DartsCell.step`) from the same input, state, mask and weights: outputs and gradients of a random loss (the weights' from the tap, as `WeightGroup` sums them)"
     torch.manual_seed(0)
     c = DartsCell(n, n, genotype).to(dtype)
-    Ws = [c.W0[n:].t()] + [c.kid_rows(k) for k in c.kids.values() if k]
+    W0hT, rows = c.per_sequence(c.cut(c.block))
+    Ws = [d.W for d in (W0hT, *rows)]   # W0[n:]ᵀ, then each predecessor's children's rows
     W = torch.cat(Ws).detach().requires_grad_()
     views = torch.split(W, [w.shape[0] for w in Ws])
     xw, h = torch.randn(bs, 2 * n, dtype=dtype, requires_grad=True), torch.randn(bs, n, dtype=dtype, requires_grad=True)
@@ -126,7 +127,7 @@ def test_an_op_without_triton_forms_is_named(cube):
     m = DartsRnnShared(30, 8, 8, space=SearchSpace(('relu', 'cube'), 2))
     m.runner = Fused(m.cell)   # its first cell: relu only
     m.use(Genotype((('cube', 0), ('relu', 1)), (1, 2)))
-    assert fused.derived_runner(m.cell, m.cell.per_sequence()) is None
+    assert fused.derived_runner(m.cell, m.cell.per_sequence(m.cell.cut(m.cell.block))) is None
 
 @triton.jit
 def softsign(x): return x / (1 + tl.abs(x))

@@ -75,6 +75,34 @@ def test_packed_block_views():
         ks = [cell.col[i - 1] for i in kids]
         assert ks == list(range(ks[0], ks[0] + len(ks))) if ks else True
 
+def _nodes(fn, seen=None):
+    "Every autograd node behind `fn`"
+    seen = set() if seen is None else seen
+    if fn is None or fn in seen: return seen
+    seen.add(fn)
+    for nxt, _ in fn.next_functions: _nodes(nxt, seen)
+    return seen
+
+def _into(block, loss):
+    "The autograd nodes that hand `block` its gradient"
+    return [n.name() for n in _nodes(loss.grad_fn) if any(getattr(f, 'variable', None) is block for f, _ in n.next_functions)]
+
+@pytest.mark.parametrize('shared', [False, True])
+def test_a_forward_takes_its_matrices_from_the_block_in_one_split(shared):
+    "The block's gradient comes from one split's backward (one block-sized write), not a slice's per matrix (a block-sized zero tensor each, then added up), and equals the plain step's by slices; in the search cell's layout (`shared`) DARTS_V2's node 5 has children 6 and 8, not adjacent: copied out of the pieces"
+    from rnn_darts.model import MaskBank
+    torch.manual_seed(1)
+    cell = DartsCell(5, 5, DARTS_V2, shared=shared).train()
+    assert len(cell.runs()) == (8 if shared else 5)   # one run per node, or per predecessor with children (0, 1, 2, 3, 5)
+    x, h0 = torch.randn(4, 3, 5), torch.randn(3, 5)
+    out, _ = cell(x, h0, MaskBank(), 'train')
+    g = torch.randn_like(out)
+    assert _into(cell.block, (out * g).sum()) == ['SplitWithSizesBackward0']
+    ref = run_plain(lambda xt, h: plain_derived_step(xt, h, cell.W0, [cell.W(i) for i in range(1, 9)], DARTS_V2, None, None), x, h0)
+    torch.testing.assert_close(*(torch.autograd.grad((o * g).sum(), cell.block)[0] for o in (out, ref)))
+    m = DartsRnnSearch(30, 8, 8)
+    assert _into(m.cell.block, m(torch.randint(0, 30, (3, 5)))[0].logsumexp(-1).mean()) == ['SplitWithSizesBackward0']
+
 def test_flat_views_survive_step_to_save_load(tmp_path):
     m = DartsRnnSearch(30, 8, 8)
     assert m.flat.is_packed()
@@ -442,7 +470,7 @@ def test_deferred_weight_gradients_equal_autograds_per_step_ones(kernel, derived
         m.runner.tapped = lambda *a: calls.append(1) or tapped(*a)
     def grads():
         m.reset()
-        ctx = m.runner.resolve(m.cell.per_sequence(**m.cell_inputs()))   # the weights this forward's runner defers
+        ctx = m.runner.resolve(m.cell.per_sequence(m.cell.cut(m.cell.block), **m.cell_inputs()))   # the weights this forward's runner defers
         loss = m.loss(x, y, advance=False)
         return ctx, [loss.detach(), *torch.autograd.grad(loss, m.flat.params)]
     with m.frozen_masks():
@@ -452,7 +480,7 @@ def test_deferred_weight_gradients_equal_autograds_per_step_ones(kernel, derived
         with twice_differentiable(m): ctx, per_step = grads()
         assert not isinstance(ctx[0], Deferred) and len(calls) == (19 if compiled else 0)
     with torch.no_grad():
-        assert not isinstance(m.runner.resolve(m.cell.per_sequence(**m.cell_inputs()))[0], Deferred)
+        assert not isinstance(m.runner.resolve(m.cell.per_sequence(m.cell.cut(m.cell.block), **m.cell_inputs()))[0], Deferred)
     for a, b in zip(deferred, per_step): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 @pytest.mark.slow
