@@ -44,7 +44,7 @@ class DivergenceGuard(Callback):
 
     def before_step(self):
         flat = self.model.flat
-        self.ok = torch.isfinite(self.loss_grad) & torch.isfinite(flat.grad).all()
+        self.ok = torch.isfinite(self.loss_grad) & torch.isfinite(flat.grad.norm())   # one read: finite iff every entry is (and their squares' sum fits a float)
         self.backup.copy_(flat.data)
         self.saved = []
         for k, v in self._opt_state().items():     # e.g. ASGD's average `ax`, which the step also moves
@@ -56,8 +56,8 @@ class DivergenceGuard(Callback):
     def after_step(self):
         w, st = self.model.flat.data, self._opt_state()
         with torch.no_grad():
-            w.copy_(torch.where(self.ok, w, self.backup))
-            for k, b in self.saved: st[k].copy_(torch.where(self.ok, st[k], b))
+            torch.where(self.ok, w, self.backup, out=w)   # in place: no step-sized temporary
+            for k, b in self.saved: torch.where(self.ok, st[k], b, out=st[k])
         self.n_skipped += (~self.ok).long()
 
     def after_train(self):
