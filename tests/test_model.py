@@ -484,6 +484,32 @@ def test_deferred_weight_gradients_equal_autograds_per_step_ones(kernel, derived
     for a, b in zip(deferred, per_step): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 @pytest.mark.slow
+@pytest.mark.parametrize('derived', [False, True])
+@pytest.mark.parametrize('compiled', [False, True])
+def test_bf16_deferred_weight_gradients_equal_the_per_step_ones(derived, compiled, monkeypatch):
+    "Inside a CPU bf16 autocast the weights' gradients are deferred too: the steps multiply by bf16 copies made once, and every 8 steps one bf16 product sums their gradients into float32; they equal the per-step sums by the weights cast once (`Cast`), up to bf16's rounding of each product's result"
+    from rnn_darts.model import Deferred
+    if compiled: torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = (DartsRnn(50, DARTS_V2, 16, 16, dropouth=0.2, dropoutx=0.2) if derived else DartsRnnSearch(50, 16, 16, dropouth=0.2, dropoutx=0.2)).train()
+    x, y = torch.randint(0, 50, (16, 19)), torch.randint(0, 50, (16, 19))   # 19 steps: two full stashes and a rest
+    if compiled: m.runner = Compiled(m.cell, tap_min_numel=0, backend=AOT)
+    def grads():
+        m.reset()
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            ctx = m.runner.resolve(m.cell.per_sequence(m.cell.cut(m.cell.block), **m.cell_inputs()))
+            loss = m.loss(x, y, advance=False)
+        return ctx, [loss.detach(), *torch.autograd.grad(loss, m.flat.params)]
+    with m.frozen_masks():
+        ctx, deferred = grads()
+        assert isinstance(ctx[0], Deferred)
+        monkeypatch.setattr(Eager, 'defers', lambda self, W: False)
+        ctx, per_step = grads()
+        assert isinstance(ctx[0], kernels.Cast)
+    assert all(g.dtype == torch.float32 for g in deferred)
+    for a, b in zip(deferred, per_step): torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-4)
+
+@pytest.mark.slow
 def test_compiled_cpu_tanh_matches_float64():
     "The cells' tanh inside a compiled CPU graph (a rational function, not Inductor's tanh): values and derivative against float64"
     from rnn_darts.model import tanh

@@ -205,6 +205,8 @@ class Packed(NamedTuple):
     "A weight a compiled pass multiplies by as a constant, and the token of the pass's `PackedWeights`"
     W: torch.Tensor
     token: torch.Tensor
+    @property
+    def dtype(self): return self.W.dtype
 
 _PASSES = weakref.WeakValueDictionary()   # token -> its pass's `PackedWeights`, while the pass's graph holds them
 _PASS_IDS = itertools.count()
@@ -259,11 +261,11 @@ class _GroupGrad(torch.autograd.Function):
         return (None, *grads)
 
 class _GroupTap(torch.autograd.Function):
-    "A zero `(bs, Σ out)` that compiled time step `t` adds to its products' outputs: its backward receives all their output gradients as one tensor and stashes it"
+    "A zero `(bs, Σ out)` in the products' dtype that compiled time step `t` adds to their outputs: its backward receives all their output gradients as one tensor (as the flush multiplies them) and stashes it"
     @staticmethod
     def forward(ctx, token, group, t, shape):
         ctx.group, ctx.t = group, t
-        return token.new_zeros(()).expand(shape)
+        return token.new_zeros((), dtype=group.Wp[0].dtype).expand(shape)
     @staticmethod
     def backward(ctx, g):
         ctx.group.add(ctx.group.inputs[ctx.t], g)
@@ -285,13 +287,15 @@ class WeightGroup:
     step gets one tap for all its products (`taps`) and hands back their inputs, a row block of bs each (`inputs[t]`);
     every `steps_per_product` time steps, one product per weight `G_kᵀ A_k` over them is added to its gradient"""
     steps_per_product = 8
-    def __init__(self, Ws, transposed=False, rows=None):
-        """`transposed`: taps of shape (Σ out × bs), whose gradients a compiled graph writes as the products take them (no
-        transposing copy). `rows[k]`: weight k's product takes `rows[k]` row blocks of bs a time step, the last ones of the
+    def __init__(self, Ws, transposed=False, rows=None, dtype=None):
+        """`dtype` (bf16 on a CPU): the time steps multiply by copies of the weights in it, made once (`Wp`), and every
+        flush's products take their operands in it, their sums in float32. `transposed`: taps of shape (Σ out × bs), whose
+        gradients a compiled graph writes as the products take them (no transposing copy). `rows[k]`: weight k's product takes `rows[k]` row blocks of bs a time step, the last ones of the
         step's product inputs so far (each product adds its newest block; a search node's are its stacked predecessors);
         where one takes more than one block, the weights (all of one out) share a tap (out × Σ rows·bs), their products'
         rows side by side (`side`)"""
         self.Ws, self.transposed, self.rows = [W.detach() for W in Ws], transposed, list(rows or [1] * len(Ws))
+        self.Wp = [W.to(dtype) for W in self.Ws] if dtype is not None else self.Ws   # what the time steps multiply by
         self.side = max(self.rows) > 1
         if self.side and (not transposed or len({W.shape[0] for W in Ws}) > 1):
             raise ValueError("products of several row blocks need transposed taps and weights of one output size")
@@ -307,14 +311,15 @@ class WeightGroup:
     def taps(self, t, bs):
         "Time step `t`'s `StepWeight`s, in the order of the weights, sharing one tap"
         tap, u = self.tap(t, bs), bs if self.side else 1
-        return [StepWeight(W, tap, a * u, b * u, self.transposed, int(self.side), r) for W, (a, b), r in zip(self.Ws, self.cols, self.rows)]
+        return [StepWeight(W, tap, a * u, b * u, self.transposed, int(self.side), r) for W, (a, b), r in zip(self.Wp, self.cols, self.rows)]
     def add(self, a, g):
         self.stash.append((a, g))
         if len(self.stash) == self.steps_per_product: self.flush()
     def flush(self):
         "Add each weight's `Σ_t g_tᵀ a_t` over the stash to its gradient; returns the gradients so far"
         if self.stash:
-            ins, gs = [a for a, _ in self.stash], [g if self.transposed else g.t() for _, g in self.stash]
+            dt = self.Wp[0].dtype   # the products' operands: float32, or bf16 (their sums float32, each result rounded once)
+            ins, gs = [a.to(dt) for a, _ in self.stash], [(g if self.transposed else g.t()).to(dt) for _, g in self.stash]
             self.stash = []
             if self.side:   # per step, inputs (one block of bs per weight) and a gradient out × (Σ rows·bs): each weight's columns over the steps
                 u = ins[0].shape[0] // len(self.Ws)
@@ -324,6 +329,7 @@ class WeightGroup:
                 A = torch.cat([x.view(len(self.Ws), -1, x.shape[-1]) for x in ins], 1)   # weights × (steps·bs) × in
                 GT = torch.cat(gs, 1, out=_scratch((gs[0].shape[0], sum(g.shape[1] for g in gs)), gs[0]))   # Σ out × (steps·bs), contiguous: see `_mm_t_backward`
                 gWs = [mm_t(GT[a:b], A[k].t()) for k, (a, b) in enumerate(self.cols)]
+            gWs = [g.to(W.dtype) for g, W in zip(gWs, self.Ws)]
             self.grads = gWs if self.grads is None else [g.add_(d) for g, d in zip(self.grads, gWs)]
         return self.grads
 
@@ -332,22 +338,23 @@ class _StashedLinear(torch.autograd.Function):
     "`a @ W.T` whose backward returns ∂/∂a and stashes `(a, g)` in its `DeferredWeight` instead of making a per-step ∂/∂W"
     @staticmethod
     def forward(ctx, a, W, token, dw):
-        ctx.save_for_backward(a, W); ctx.dw = dw
-        return mm_t(a, W)
+        ab = a.to(W.dtype)   # W: the weight, or its bf16 copy (`WeightGroup`'s `dtype`)
+        ctx.save_for_backward(ab, W); ctx.dw = dw
+        return mm_t(ab, W).to(a.dtype)
     @staticmethod
     def backward(ctx, g):
         a, W = ctx.saved_tensors
         ctx.dw.add(a, g)
-        ga = mm_t(g, W.t()) if ctx.needs_input_grad[0] else None
+        ga = mm_t(g.to(W.dtype), W.t()).to(g.dtype) if ctx.needs_input_grad[0] else None
         return ga, None, g.new_zeros(()), None
 
 class DeferredWeight(WeightGroup):
     """One weight every eager time step multiplies by (`dw(a)`), its gradient deferred as a `WeightGroup`'s: each product's
     backward stashes its input and output gradient, and every `steps_per_product` time steps one product sums them"""
-    def __init__(self, W):
-        super().__init__([W])
+    def __init__(self, W, dtype=None):
+        super().__init__([W], dtype=dtype)
         self.W = self.Ws[0]
-    def __call__(self, a): return _StashedLinear.apply(a, self.W, self.token, self)
+    def __call__(self, a): return _StashedLinear.apply(a, self.Wp[0], self.token, self)
 
 # %% ../../nbs/03a_kernels.ipynb #dedec842
 class Deferred(NamedTuple):
@@ -369,8 +376,8 @@ class _Tapped:
     "Inside a compiled step: `a Wᵀ + piece` with `W` detached (no per-step ∂W) and `piece` its columns of the step's tap, keeping `a` for the summed gradient"
     def __init__(self, sw, piece): self.sw, self.piece, self.a = sw, piece, None
     def __call__(self, a):
-        self.a = a.detach()[a.shape[0] - a.shape[0] // self.sw.rows:]   # the newest row block: the earlier ones are other products'
-        return linear(a, self.sw.W) + (self.piece.t() if self.sw.transposed else self.piece)
+        self.a = a.detach()[a.shape[0] - a.shape[0] // self.sw.rows:].to(self.sw.W.dtype)   # the newest row block (the earlier ones are other products'), as the flush multiplies it
+        return (linear(a, self.sw.W) + (self.piece.t() if self.sw.transposed else self.piece)).to(a.dtype)   # a bf16 product's sum exact (the piece is 0), then float32
 
 def tap_pieces(sws) -> tuple:
     """The tap the `StepWeight`s `sws` (one time step's, in `WeightGroup.taps`' order) share, split once into their columns.

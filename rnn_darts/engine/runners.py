@@ -41,16 +41,20 @@ class Eager:
         "`ctx` with each `Deferred` weight kept where this forward defers its gradient, else the weight itself, or it and its bf16 copy (`casts`)"
         return _map(ctx, Deferred, lambda d: d if self.defers(d.W) else self._plain(d.W))
     def _plain(self, W): return kernels.Cast.of(W) if self.casts(W) else W
+    def cast_to(self, W):
+        "The dtype a deferred `W`'s products take (its copy made once, `WeightGroup`'s `dtype`): bf16 where this pass casts, else its own (None)"
+        return torch.bfloat16 if self.casts(W) else None
     def defers(self, W) -> bool:
-        "Whether a forward now defers `W`'s gradient: it wants one, and not inside an autocast (its casts must stay in autograd's graph)"
-        return self.defer and torch.is_grad_enabled() and W.requires_grad and not torch.is_autocast_enabled(W.device.type)
+        "Whether a forward now defers `W`'s gradient: it wants one, and not inside an autocast (its casts must stay in autograd's graph) unless this runner casts (`casts`)"
+        return (self.defer and torch.is_grad_enabled() and W.requires_grad
+                and (not torch.is_autocast_enabled(W.device.type) or self.casts(W)))
 
     def start(self, h):
         "The state the first time step gets"
         return h
     def steps(self, cell, ctx):
         "`step(t, xw_t, h, mh)` of `cell` for its `per_sequence` tensors `ctx`"
-        ctx = cell.prepare(_map(ctx, Deferred, lambda d: DeferredWeight(d.W) if self.defers(d.W) else self._plain(d.W)))
+        ctx = cell.prepare(_map(ctx, Deferred, lambda d: DeferredWeight(d.W, self.cast_to(d.W)) if self.defers(d.W) else self._plain(d.W)))
         return lambda t, xw_t, h, mh: cell.step(xw_t, h, mh, ctx)
 
     def compiled(self, cell, **kwargs):
@@ -115,7 +119,7 @@ class Compiled(Eager):
         big = bool(marks) and max(d.W.numel() * d.rows for d in marks) >= self.tap_min_numel   # the largest product's
         marked, ctx = ctx, self.resolve(ctx)
         deferred = _collect(ctx, Deferred)
-        if deferred and not big: ctx, deferred = _map(ctx, Deferred, lambda d: d.W), []
+        if deferred and not big: ctx, deferred = _map(ctx, Deferred, lambda d: self._plain(d.W)), []
         constant = [W for W in weights if not (torch.is_grad_enabled() and W.requires_grad)] if big and not _collect(ctx, kernels.Cast) else []
         if not deferred and not constant: return lambda t, xw_t, h, mh: self.plain(xw_t, h, mh, ctx)
         if not deferred:
@@ -125,7 +129,7 @@ class Compiled(Eager):
                 if t == 0: h = packing.start(h); packed = _map(marked, Deferred, lambda d: packing(d.W))
                 return self.plain(xw_t, h, mh, packed)
             return plain
-        group = WeightGroup([d.W for d in deferred], transposed=True, rows=[d.rows for d in deferred])
+        group = WeightGroup([d.W for d in deferred], transposed=True, rows=[d.rows for d in deferred], dtype=self.cast_to(deferred[0].W))
         packing = _Packing(group.Ws)
         def step(t, xw_t, h, mh):
             if t == 0: h = packing.start(h)
