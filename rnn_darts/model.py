@@ -225,10 +225,9 @@ class DartsCellSearch(PackedCell):
         """Once per sequence: per node i, its matrix (its product takes i row blocks: its stacked predecessors); the mixing
         weights `probs` (edges, ops); and whether the steps update the normalisation's running statistics (not in
         architecture passes)"""
-        nodes = self.nodes
         probs = self.probs if probs is None else probs
         if probs is None: raise ValueError("the search cell mixes its ops by `probs` (edges, ops): pass probs=... (the model passes softmax(α))")
-        return (*super().per_sequence(mats), tuple(Deferred(mats.Wh[i], i + 1) for i in range(nodes)), probs, update_stats)
+        return (*super().per_sequence(mats), tuple(Deferred(mats.Wh[i], i + 1) for i in range(self.nodes)), probs, update_stats)
 
     def prepare(self, ctx):
         "Per node i, the weights of its incoming edges (each op's (i, 1, 1), in `mixed_op`'s order) and their non-`none` sum"

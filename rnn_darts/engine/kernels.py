@@ -290,10 +290,10 @@ class WeightGroup:
     def __init__(self, Ws, transposed=False, rows=None, dtype=None):
         """`dtype` (bf16 on a CPU): the time steps multiply by copies of the weights in it, made once (`Wp`), and every
         flush's products take their operands in it, their sums in float32. `transposed`: taps of shape (Σ out × bs), whose
-        gradients a compiled graph writes as the products take them (no transposing copy). `rows[k]`: weight k's product takes `rows[k]` row blocks of bs a time step, the last ones of the
-        step's product inputs so far (each product adds its newest block; a search node's are its stacked predecessors);
-        where one takes more than one block, the weights (all of one out) share a tap (out × Σ rows·bs), their products'
-        rows side by side (`side`)"""
+        gradients a compiled graph writes as the products take them (no transposing copy). `rows[k]`: weight k's product
+        takes `rows[k]` row blocks of bs a time step, the last ones of the step's product inputs so far (each product adds
+        its newest block; a search node's are its stacked predecessors); where one takes more than one block, the weights
+        (all of one out) share a tap (out × Σ rows·bs), their products' rows side by side (`side`)"""
         self.Ws, self.transposed, self.rows = [W.detach() for W in Ws], transposed, list(rows or [1] * len(Ws))
         self.Wp = [W.to(dtype) for W in self.Ws] if dtype is not None else self.Ws   # what the time steps multiply by
         self.side = max(self.rows) > 1
