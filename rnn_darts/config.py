@@ -285,7 +285,7 @@ class SearchConfig(RunConfig):
         0., "α decay per weight: each op's α decays by op_decay × its weight count (`none` has none); default: off",
         'nonneg_float', group="a method's settings", brief="α decay per op's weight count")
     arch_bf16: bool = setting(
-        False, 'with --precision bf16, run the architecture passes in bf16 too (it changes the hypergradient: '
+        False, 'with --precision bf16, run the architecture passes in bf16 too, but for second order\'s finite difference (it changes the hypergradient: '
         'nbs/10_bench.ipynb, "bf16 and the hypergradient")',
         group='speed', brief='--precision bf16: α passes in bf16 too')
     candidates: int|None = setting(

@@ -203,6 +203,17 @@ def test_arch_passes_stay_fp32_under_bf16_autocast_unless_asked(mode):
     low = hyper(arch_updater(m, mode, arch_bf16=True))
     assert low.dtype == torch.float32 and torch.isfinite(low).all() and not torch.equal(low, ref)
 
+def test_the_finite_difference_stays_fp32_when_the_arch_passes_run_bf16():
+    "Second order's ∇²_{α,w}L·v by central differences runs its two passes in float32 inside a bf16 autocast (`arch_bf16`): bit for bit the fp32 one, and the weights restored; in bf16 the difference of the two passes is rounding noise"
+    from rnn_darts.callbacks.arch import fd_hvp
+    m, trn, val = tiny(3, dropout=0.2, dropouth=0.1)
+    v, w0 = torch.randn_like(m.flat.data), m.flat.data.clone()
+    m.alpha.requires_grad_(True)
+    with m.frozen_masks():
+        ref = fd_hvp(m, trn, v, w0)
+        with bf16_autocast(): low = fd_hvp(m, trn, v, w0)
+    assert torch.equal(low, ref) and torch.equal(m.flat.data, w0)
+
 @pytest.mark.slow
 @pytest.mark.parametrize('kind', ['search', 'train'])
 def test_learners_with_bf16_train_fp32_weights(kind):

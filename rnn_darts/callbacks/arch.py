@@ -46,13 +46,15 @@ def hypergrad_first(model, trn, val):
     return torch.autograd.grad(loss, model.alpha)[0], loss.detach()
 
 def fd_hvp(model, trn, v, w0, r=0.01):
-    "∇²_{α,w} L_t(w)·v by central differences at w ± εv, ε = r/‖v‖; leaves the weights equal to `w0`"
+    """∇²_{α,w} L_t(w)·v by central differences at w ± εv, ε = r/‖v‖, its two passes in float32 even where α's passes
+    run in bf16 (`arch_bf16`): their difference lies below bf16's resolution. Leaves the weights equal to `w0`"""
     w, eps = model.flat.data, r / v.norm()
-    with torch.no_grad(): w.add_(eps * v)
-    gp = torch.autograd.grad(train_loss(model, *trn, weight_grads=False), model.alpha)[0]
-    with torch.no_grad(): w.copy_(w0).sub_(eps * v)
-    gn = torch.autograd.grad(train_loss(model, *trn, weight_grads=False), model.alpha)[0]
-    with torch.no_grad(): w.copy_(w0)
+    with arch_precision(w.device):
+        with torch.no_grad(): w.add_(eps * v)
+        gp = torch.autograd.grad(train_loss(model, *trn, weight_grads=False), model.alpha)[0]
+        with torch.no_grad(): w.copy_(w0).sub_(eps * v)
+        gn = torch.autograd.grad(train_loss(model, *trn, weight_grads=False), model.alpha)[0]
+        with torch.no_grad(): w.copy_(w0)
     return (gp - gn) / (2 * eps)
 
 def exact_hvp(model, trn, v, w0=None):

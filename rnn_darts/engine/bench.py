@@ -333,7 +333,8 @@ def profile_lines(name:str, p:dict) -> list:
 # %% ../../nbs/10_bench.ipynb #28830e70
 def precision_agreement(model, batches, precision:str='bf16', modes=('first', 'second', 'exact')) -> dict:
     """Per mode: how the hypergradient with every pass in `precision` (bf16 autocast, TF32 products) differs from the
-    all-fp32 one at `model`'s state, over `batches` ((trn, val) pairs): relative difference (`rel`, mean and max) and cosine (`mean`, `min`)"""
+    all-fp32 one at `model`'s state, over `batches` ((trn, val) pairs): relative difference (`rel`, mean and max) and
+    cosine (`mean`, `min`). Second order's finite difference runs in float32 in every precision (`fd_hvp`)"""
     def grad(trn, val, mode, p):
         model.reset(); torch.manual_seed(0)   # same stream states and masks for both precisions
         # no cast cache: the passes move the weights in place inside one autocast region, and a cached bf16 copy of
