@@ -40,7 +40,7 @@ class MaskBank:
 
 # %% ../nbs/03_model.ipynb #b5c901dc
 class Cut(NamedTuple):
-    "A forward's views of a cell's `block` (`PackedCell.cut`): W0's input rows and state rows, and `WhT`'s runs by their first column"
+    "A forward's views of a cell's `block` (`PackedCell.cut`): W0's input rows and state rows, and `WhT`'s runs by (first, last + 1) column"
     W0x: torch.Tensor
     W0h: torch.Tensor
     Wh: dict
@@ -65,12 +65,10 @@ class PackedCell(nn.Module):
         self.runner = self.runner.compiled(self, **kwargs)
         return self
 
-    def W0_of(self, block): return block[:(self.ninp + self.nhid) * 2 * self.nhid].view(self.ninp + self.nhid, 2 * self.nhid)
-    def WhT_of(self, block): return block[(self.ninp + self.nhid) * 2 * self.nhid:].view(self.nodes * 2 * self.nhid, self.nhid)
     @property
-    def W0(self): return self.W0_of(self.block)
+    def W0(self): return self.block[:(self.ninp + self.nhid) * 2 * self.nhid].view(self.ninp + self.nhid, 2 * self.nhid)
     @property
-    def WhT(self): return self.WhT_of(self.block)
+    def WhT(self): return self.block[(self.ninp + self.nhid) * 2 * self.nhid:].view(self.nodes * 2 * self.nhid, self.nhid)
     def W(self, i):
         "The matrix of node `i` (1-based), `nhid × 2·nhid`, a view of the block"
         k = self.col[i - 1]; n2 = 2 * self.nhid
@@ -83,7 +81,7 @@ class PackedCell(nn.Module):
         gradient once, where a slice each would write (and add up) a block-sized one apiece"""
         n2, runs = 2 * self.nhid, self.runs()
         W0x, W0h, *Wh = block.split([self.ninp * n2, self.nhid * n2] + [(b - a) * n2 * self.nhid for a, b in runs])
-        return Cut(W0x.view(self.ninp, n2), W0h.view(self.nhid, n2), {a: w.view(-1, self.nhid) for (a, _), w in zip(runs, Wh)})
+        return Cut(W0x.view(self.ninp, n2), W0h.view(self.nhid, n2), {run: w.view(-1, self.nhid) for run, w in zip(runs, Wh)})
     def per_sequence(self, mats:Cut):
         """Tensors every time step uses, taken once per sequence from `mats` (`cut`: slicing inside the loop costs a
         backward copy per step), each weight marked `Deferred`: the runner defers its gradient, or not"""
@@ -150,9 +148,9 @@ class DartsCell(PackedCell):
         return super().runs()
     def per_sequence(self, mats:Cut):
         "`W0[ninp:]` and, per predecessor with children, the rows of all its children's matrices: a view, or a copy where they are not adjacent"
-        rows = [mats.Wh[c[0]] if len(mats.Wh[c[0]]) == len(c) * 2 * self.nhid else torch.cat([mats.Wh[k] for k in c])
-                for c in self._kid_cols()]
-        return (*super().per_sequence(mats), tuple(Deferred(W) for W in rows))
+        def rows(c):   # the run of columns c[0]…c[-1], or each node's
+            return mats.Wh[c[0], c[-1] + 1] if (c[0], c[-1] + 1) in mats.Wh else torch.cat([mats.Wh[k, k + 1] for k in c])
+        return (*super().per_sequence(mats), tuple(Deferred(rows(c)) for c in self._kid_cols()))
 
     def step(self, xw_t, h, mh, ctx):
         W0hT, blocks = ctx
@@ -227,7 +225,7 @@ class DartsCellSearch(PackedCell):
         architecture passes)"""
         probs = self.probs if probs is None else probs
         if probs is None: raise ValueError("the search cell mixes its ops by `probs` (edges, ops): pass probs=... (the model passes softmax(α))")
-        return (*super().per_sequence(mats), tuple(Deferred(mats.Wh[i], i + 1) for i in range(self.nodes)), probs, update_stats)
+        return (*super().per_sequence(mats), tuple(Deferred(mats.Wh[i, i + 1], i + 1) for i in range(self.nodes)), probs, update_stats)
 
     def prepare(self, ctx):
         "Per node i, the weights of its incoming edges (each op's (i, 1, 1), in `mixed_op`'s order) and their non-`none` sum"
